@@ -1,0 +1,91 @@
+"""Random add / step / abort sequences against the scheduler and KV cache manager.
+
+The model is replaced by a stand-in that returns a token from a tiny vocabulary, so
+prefixes collide often and the small KV cache forces preemptions.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokenserve.config import CacheConfig, SchedulerConfig
+from tokenserve.core.request import Request, RequestStatus
+from tokenserve.core.scheduler import Scheduler
+from tokenserve.sampling_params import SamplingParams
+
+from .invariants import check_block_pool_invariants
+
+BLOCK_SIZE = 4
+VOCAB = 3
+
+prompts = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20)
+actions = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), prompts, st.integers(1, 12), st.sampled_from([None, "s"])),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
+    ),
+    min_size=1,
+    max_size=40,
+)
+
+
+def run_step(scheduler: Scheduler, step_index: int) -> None:
+    output = scheduler.schedule()
+    assert output.total_num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
+    sampled = {}
+    for request_id in output.num_scheduled_tokens:
+        request = scheduler.requests[request_id]
+        # The computed count never passes the target, and a request is sampled only
+        # once it reaches it.
+        assert request.num_computed_tokens <= request.num_tokens
+        if request.num_computed_tokens == request.num_tokens:
+            sampled[request_id] = [(step_index + len(request_id)) % VOCAB]
+    scheduler.update_from_output(output, sampled)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    actions=actions,
+    num_blocks=st.integers(9, 16),
+    budget=st.integers(1, 24),
+    max_num_seqs=st.integers(1, 6),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    caching=st.booleans(),
+)
+def test_random_workloads_keep_block_pool_invariants(actions, num_blocks, budget, max_num_seqs, policy, caching):
+    max_model_len = 32  # 8 blocks: every request fits alone in the smallest cache
+    scheduler = Scheduler(
+        SchedulerConfig(budget, max_num_seqs, max_model_len, True, policy),
+        CacheConfig(BLOCK_SIZE, num_blocks, caching, "sha256"),
+    )
+    added: list[str] = []
+    step_index = 0
+    for action in actions:
+        if action[0] == "add":
+            _, tokens, max_tokens, salt = action
+            request_id = f"r{len(added)}"
+            scheduler.add_request(
+                Request(request_id, tokens, SamplingParams(max_tokens=max_tokens), eos_token_id=None,
+                        priority=len(added) % 3, cache_salt=salt)
+            )
+            added.append(request_id)
+        elif action[0] == "step":
+            for _ in range(action[1]):
+                run_step(scheduler, step_index)
+                step_index += 1
+        elif added:
+            scheduler.finish_requests([added[action[1] % len(added)]], RequestStatus.FINISHED_ABORTED)
+        check_block_pool_invariants(scheduler.kv_cache_manager)
+
+    # Drain: everything left must finish (nothing waits forever) and free its blocks.
+    for _ in range(2000):
+        if not scheduler.has_unfinished_requests():
+            break
+        run_step(scheduler, step_index)
+        step_index += 1
+        check_block_pool_invariants(scheduler.kv_cache_manager)
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.kv_cache_manager.block_pool.num_free_blocks == num_blocks
+    assert not scheduler.kv_cache_manager.req_to_blocks

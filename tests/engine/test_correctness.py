@@ -1,0 +1,77 @@
+"""Greedy outputs equal transformers' `generate` token for token, whatever the batching,
+chunking, prefix-cache hits or preemptions (DESIGN.md's central invariant)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tokenserve import LLM, SamplingParams
+
+MAX_TOKENS = 24
+PROMPT_LENGTHS = (1, 5, 17, 33, 64, 100, 250)
+
+SETTINGS = {
+    "default": dict(),
+    "forced_chunking": dict(max_num_batched_tokens=16),
+    "no_prefix_caching": dict(enable_prefix_caching=False),
+    # 20 blocks of 16 tokens cannot hold all nine requests at once: preemption.
+    "preemption": dict(num_kv_blocks=20, max_model_len=300),
+}
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_dirs) -> list[list[int]]:
+    config = AutoModelForCausalLM.from_pretrained(tiny_model_dirs["llama"]).config
+    rng = random.Random(0)
+    # Two prompts share a 48-token prefix so that prefix caching has something to hit.
+    shared = [rng.randrange(3, config.vocab_size) for _ in range(48)]
+    result = [[rng.randrange(3, config.vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
+    result.append(shared + [5, 6, 7])
+    result.append(shared + [8, 9])
+    return result
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dirs, prompts) -> dict[str, list[list[int]]]:
+    expected = {}
+    for name, path in tiny_model_dirs.items():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        # The engine runs with ignore_eos: the reference must not stop at (or ban) EOS either.
+        model.generation_config.eos_token_id = None
+        outputs = []
+        for prompt in prompts:
+            generated = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outputs.append(generated[0, len(prompt):].tolist())
+        expected[name] = outputs
+    return expected
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("architecture", ["llama", "mistral", "qwen2"])
+def test_greedy_matches_transformers(tiny_model_dirs, prompts, references, architecture, setting):
+    llm = LLM(tiny_model_dirs[architecture], kv_cache_memory="64MiB", **SETTINGS[setting])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for output, expected in zip(outputs, references[architecture]):
+        assert output.outputs[0].token_ids == expected
+        assert output.outputs[0].finish_reason == "length"
+    stats = llm.llm_engine.get_stats()
+    if setting == "preemption":
+        assert stats.num_preemptions > 0
+    else:
+        assert stats.num_preemptions == 0
+    if setting == "no_prefix_caching":
+        assert stats.prefix_cache_hits == 0
+    elif setting == "default":
+        assert stats.prefix_cache_hits >= 48  # the shared prefix hit
+    assert stats.kv_cache_usage == 0.0

@@ -1,0 +1,17 @@
+"""tokenserve: an LLM inference and serving engine with a paged, prefix-cached KV cache."""
+
+from tokenserve.engine.engine_args import EngineArgs
+from tokenserve.entrypoints.llm import LLM
+from tokenserve.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenserve.sampling_params import RequestOutputKind, SamplingParams
+
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutputKind",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "EngineArgs",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,75 @@
+"""Resolved engine configuration: the model, the KV cache and the scheduler.
+
+`EngineArgs` (engine/engine_args.py) turns user-facing arguments into these; every
+value here is validated and final.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    format: str  # "hf" or "gguf"
+    architecture: str
+    hf_config: Any  # transformers.PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    files: Any  # model.loader.LoadedModelFiles: where the weights and tokenizer come from
+    tokenizer: str | None = None
+    seed: int = 0
+    max_logprobs: int = 20
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        head_dim = getattr(self.hf_config, "head_dim", None)
+        return head_dim or self.hf_config.hidden_size // self.hf_config.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def kv_bytes_per_token(self) -> int:
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+
+@dataclass
+class CacheConfig:
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+    prefix_caching_hash_algo: str
+
+    @property
+    def num_token_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    policy: str
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig

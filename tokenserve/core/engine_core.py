@@ -1,0 +1,66 @@
+"""The engine core: schedule → execute → update, one step at a time.
+
+It sees token ids only (never text, never HTTP). The offline LLMEngine drives it in
+process; a server drives the same class in its own process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from tokenserve.config import EngineConfig
+from tokenserve.core.request import Request, RequestStatus
+from tokenserve.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
+from tokenserve.core.scheduler_output import SchedulerOutput
+from tokenserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        started = time.perf_counter()
+        self.model_runner = ModelRunner(config)
+        self.model_runner.load_model()
+        self.model_runner.initialize_kv_cache()
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        # What the latest step scheduled; the engine-core process reads it for its stats.
+        self.last_scheduler_output: SchedulerOutput | None = None
+        logger.info(
+            "Engine core ready in %.1f s: %s, %d KV blocks of %d tokens, max_model_len %d.",
+            time.perf_counter() - started,
+            config.model_config.architecture,
+            config.cache_config.num_blocks,
+            config.cache_config.block_size,
+            config.model_config.max_model_len,
+        )
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        if not self.scheduler.has_unfinished_requests():
+            return []
+        scheduler_output = self.scheduler.schedule()
+        self.last_scheduler_output = scheduler_output
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(
+            scheduler_output,
+            runner_output.sampled_token_ids,
+            runner_output.logprobs,
+            runner_output.prompt_logprobs,
+        )
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()

@@ -1,0 +1,49 @@
+"""What the scheduler decided for one step, as the model runner needs it.
+
+The runner keeps its own per-request state, so a request's tokens and block table
+travel in full only when it is (re)admitted; afterwards only the diffs do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request admitted this step: fresh, or resumed after preemption."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    eos_token_id: int | None = None
+
+
+@dataclass
+class CachedRequestData:
+    """A request that kept running: the blocks it gained this step."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    # Tokens each scheduled request computes this step, in batch order.
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests the runner should forget: finished, aborted or preempted since the last step.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,178 @@
+"""User-facing engine arguments and their resolution into an EngineConfig.
+
+Names follow vLLM's engine arguments. Everything is validated here, before any model
+weight is read, so that a bad setting fails fast with a ValueError that names it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, fields
+
+import torch
+
+from tokenserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenserve.model.loader import resolve_model
+
+logger = logging.getLogger(__name__)
+
+# CPU default for the KV cache, as vLLM's CPU backend uses: comfortable on a 24 GiB machine.
+DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 1024**3
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+_MEMORY_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+                 "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_memory(value: int | float | str) -> int:
+    """Bytes from an int or a string such as '4GiB', '512MiB', '2e9'."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _MEMORY_UNITS:
+        raise ValueError(f"kv_cache_memory must be bytes or a size like '4GiB', got {value!r}.")
+    return int(float(match.group(1)) * _MEMORY_UNITS[unit])
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    # The most logprobs / prompt_logprobs a request may ask for (vLLM's default).
+    max_logprobs: int = 20
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def create_engine_config(self) -> EngineConfig:
+        self._validate_numbers()
+        files = resolve_model(self.model)
+        hf_config = files.hf_config
+        model_config = ModelConfig(
+            model=files.path,
+            format=files.format,
+            architecture=files.architecture,
+            hf_config=hf_config,
+            dtype=self._resolve_dtype(),
+            max_model_len=self._resolve_max_model_len(hf_config),
+            files=files,
+            tokenizer=self.tokenizer,
+            seed=self.seed,
+            max_logprobs=self.max_logprobs,
+        )
+
+        num_blocks = self._resolve_num_blocks(model_config)
+        capacity = num_blocks * self.block_size
+        if model_config.max_model_len > capacity:
+            if self.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len={self.max_model_len} does not fit in the KV cache "
+                    f"({num_blocks} blocks of {self.block_size} = {capacity} tokens); "
+                    "raise kv_cache_memory / num_kv_blocks or lower max_model_len."
+                )
+            logger.warning("Lowering max_model_len to %d: the KV cache holds no more.", capacity)
+            model_config.max_model_len = capacity
+
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < model_config.max_model_len:
+            raise ValueError(
+                f"With chunked prefill disabled, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be at least max_model_len ({model_config.max_model_len}), or a long prompt "
+                "could never be scheduled."
+            )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=model_config.max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            policy=self.scheduling_policy,
+        )
+        return EngineConfig(model_config, cache_config, scheduler_config)
+
+    def _validate_numbers(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}.")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}."
+            )
+
+    def _resolve_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            # fp32 on CPU: this hardware has no fast bf16/fp16 matmul.
+            return torch.float32
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        try:
+            return _DTYPES[self.dtype]
+        except KeyError:
+            raise ValueError(
+                f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}."
+            ) from None
+
+    def _resolve_max_model_len(self, hf_config) -> int:
+        limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+        sliding_window = getattr(hf_config, "sliding_window", None)
+        if sliding_window and getattr(hf_config, "use_sliding_window", True):
+            # Full attention equals sliding-window attention only within the window.
+            limit = min(limit, sliding_window)
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds what the model supports ({limit})."
+            )
+        return self.max_model_len
+
+    def _resolve_num_blocks(self, model_config: ModelConfig) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        memory = DEFAULT_CPU_KV_CACHE_MEMORY
+        if self.kv_cache_memory is not None:
+            memory = parse_memory(self.kv_cache_memory)
+        bytes_per_block = model_config.kv_bytes_per_token() * self.block_size
+        num_blocks = memory // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory={memory} bytes is smaller than one KV block ({bytes_per_block} bytes)."
+            )
+        # More blocks than every running sequence at full length could hold only serve
+        # as extra prefix cache; cap them so a tiny model does not zero gigabytes.
+        useful = -(-self.max_num_seqs * model_config.max_model_len // self.block_size)
+        return int(min(num_blocks, useful))

@@ -1,0 +1,144 @@
+"""Inputs → engine-core Requests: tokenize, validate, refuse what can never run.
+
+Everything a request could get wrong is caught here, at the edge, with a ValueError
+that says what and why; nothing invalid reaches the engine core.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+from tokenserve.config import EngineConfig
+from tokenserve.core.request import Request
+from tokenserve.sampling_params import SamplingParams
+
+# A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids".
+PromptType = Union[str, Sequence[int], Mapping[str, Any]]
+
+
+class Processor:
+    def __init__(self, config: EngineConfig, tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.max_model_len = config.model_config.max_model_len
+        self.vocab_size = config.model_config.vocab_size
+        self.eos_token_id = _eos_token_id(tokenizer, config.model_config.hf_config)
+        self.max_logprobs = config.model_config.max_logprobs
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> tuple[str | None, Request]:
+        """Returns the prompt text (None for token-id prompts) and the engine-core Request."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
+        if priority != 0 and self.config.scheduler_config.policy != "priority":
+            raise ValueError(
+                "priority is only honoured with scheduling_policy='priority'; "
+                f"this engine uses {self.config.scheduler_config.policy!r}."
+            )
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string.")
+        params = self._process_sampling_params(params)
+        text, token_ids = self._tokenize(prompt)
+        self._validate_prompt(token_ids)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
+            cache_salt=cache_salt,
+            # Prompt logprobs need every prompt position's logits: nothing may come from the cache.
+            skip_prefix_cache=params.prompt_logprobs is not None,
+        )
+        return text, request
+
+    def _process_sampling_params(self, params: SamplingParams) -> SamplingParams:
+        """Checks that need the vocabulary; returns a copy with bad_words as token ids."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(
+                    f"{name} must be at most max_logprobs={self.max_logprobs}, got {value}."
+                )
+        for name, token_ids in (
+            ("stop_token_ids", params.stop_token_ids or []),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+            ("logit_bias", list(params.logit_bias or {})),
+        ):
+            for token_id in token_ids:
+                if token_id >= self.vocab_size:
+                    raise ValueError(
+                        f"{name} holds token id {token_id}, out of this model's vocabulary "
+                        f"[0, {self.vocab_size})."
+                    )
+        if params.bad_words:
+            return dataclasses.replace(params, bad_words_token_ids=self._bad_words_token_ids(params))
+        return params
+
+    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word as the token sequences it may appear as: alone and after a space."""
+        sequences: list[list[int]] = []
+        for word in params.bad_words or []:
+            word = word.strip()
+            for text in (word, " " + word):
+                token_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if token_ids and token_ids not in sequences:
+                    sequences.append(token_ids)
+        return sequences
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise ValueError("A prompt dict needs a 'prompt' or a 'prompt_token_ids' key.")
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, Sequence):
+            return None, self._token_ids(prompt)
+        raise ValueError(
+            f"A prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}."
+        )
+
+    def _token_ids(self, token_ids: Sequence[int]) -> list[int]:
+        ids = list(token_ids)
+        for token_id in ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise ValueError(f"Token ids must be integers, got {token_id!r}.")
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"Token id {token_id} is out of range for this model's vocabulary "
+                    f"[0, {self.vocab_size})."
+                )
+        return ids
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("The prompt is empty: it must contain at least one token.")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"The prompt is {len(token_ids)} tokens long, but max_model_len is "
+                f"{self.max_model_len}: the prompt must be shorter than that, to leave room "
+                "for at least one generated token."
+            )
+
+
+def _eos_token_id(tokenizer, hf_config) -> int | None:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return eos

@@ -1,0 +1,140 @@
+"""The `tokenserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tokenserve.engine.engine_args import EngineArgs
+
+MODEL_HELP = "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)."
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool) -> None:
+    """Engine flags, with vLLM's names."""
+    defaults = EngineArgs()
+    if positional_model:
+        parser.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    else:
+        parser.add_argument("--model", default=None, help=MODEL_HELP)
+    parser.add_argument("--tokenizer", default=None, help="Tokenizer directory, if not the model's own.")
+    parser.add_argument("--dtype", default=defaults.dtype,
+                        help="auto (float32 on CPU), float32, bfloat16 or float16.")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="Random seed.")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="Longest prompt + output in tokens (default: the model's own limit).")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
+                        help="Token budget of one engine step.")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
+                        help="Most requests running at once.")
+    parser.add_argument("--block-size", type=int, default=defaults.block_size,
+                        help="Tokens per KV cache block.")
+    parser.add_argument("--kv-cache-memory", default=None,
+                        help="KV cache size: bytes or e.g. '4GiB' (default 4GiB on CPU).")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="Number of KV cache blocks (overrides --kv-cache-memory).")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=defaults.enable_prefix_caching, help="Reuse KV of shared prefixes.")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                        default=defaults.enable_chunked_prefill,
+                        help="Split long prompts across steps.")
+    parser.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
+                        help="Most logprobs (and prompt logprobs) a request may ask for.")
+    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
+                        default=defaults.scheduling_policy, help="Order of admission and preemption.")
+
+
+def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
+    values = {name: getattr(namespace, name) for name in EngineArgs.field_names() if hasattr(namespace, name)}
+    return EngineArgs(**values)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from tokenserve import LLM, SamplingParams
+
+    llm = LLM(**vars(engine_args_from(args)))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    messages = [{"role": "user", "content": args.message}]
+    [output] = llm.chat(messages, params, use_tqdm=False)
+    print(output.outputs[0].text)
+    return 0
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from tokenserve import LLM, SamplingParams
+
+    llm = LLM(**vars(engine_args_from(args)))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    for output in llm.generate(args.prompt, params, use_tqdm=False):
+        print(output.outputs[0].text)
+    return 0
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from tokenserve.entrypoints.openai.api_server import run_server
+
+    return asyncio.run(run_server(args, engine_args_from(args)))
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """HTTP server flags, with vLLM's names."""
+    parser.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
+    parser.add_argument("--port", type=int, default=8000, help="Port to listen on.")
+    parser.add_argument("--api-key", default=None,
+                        help="Require 'Authorization: Bearer <key>' on every route but /health "
+                             "and /metrics.")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="Model name(s) the API answers to (default: the model argument, or "
+                             "SmolLM2-135M-Instruct for the default model); the first one is "
+                             "reported in responses and metrics.")
+    parser.add_argument("--chat-template", default=None,
+                        help="Chat template (a file, or jinja2 text) to use instead of the model's.")
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="Do not log throughput, queue and KV cache stats every 5 s.")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="Log level of the HTTP server.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenserve", description="LLM inference and serving engine.")
+    subcommands = parser.add_subparsers(dest="command", required=True)
+
+    serve = subcommands.add_parser(
+        "serve",
+        help="Serve a model over an OpenAI-compatible HTTP API.",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+                    "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, "
+                    "/version, /metrics). The engine core runs in its own process.",
+    )
+    add_engine_arguments(serve, positional_model=True)
+    add_server_arguments(serve)
+    serve.set_defaults(handler=_run_serve)
+
+    chat = subcommands.add_parser("chat", help="Answer one chat message offline and print the reply.")
+    chat.add_argument("message", help="The user message.")
+    generate = subcommands.add_parser("generate", help="Complete prompts offline and print the completions.")
+    generate.add_argument("--prompt", action="append", required=True, help="A prompt (repeatable).")
+    for sub, runner in ((chat, _run_chat), (generate, _run_generate)):
+        add_engine_arguments(sub, positional_model=False)
+        sub.add_argument("--temperature", type=float, default=0.0, help="0 for greedy.")
+        sub.add_argument("--max-tokens", type=int, default=128, help="Most tokens to generate.")
+        sub.set_defaults(handler=runner)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

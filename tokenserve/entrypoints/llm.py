@@ -1,0 +1,133 @@
+"""The offline API: `LLM(model).generate(prompts, sampling_params)` and `.chat(messages)`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tokenserve.engine.engine_args import EngineArgs
+from tokenserve.engine.llm_engine import LLMEngine
+from tokenserve.engine.processor import PromptType
+from tokenserve.entrypoints.chat_utils import render_chat
+from tokenserve.outputs import RequestOutput
+from tokenserve.sampling_params import RequestOutputKind, SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    `model` is a Hugging Face directory or a .gguf file; None serves the default model
+    (SmolLM2-135M-Instruct). Other keyword arguments are engine arguments
+    (`EngineArgs`): max_model_len, max_num_batched_tokens, max_num_seqs, block_size,
+    kv_cache_memory, num_kv_blocks, enable_prefix_caching, enable_chunked_prefill,
+    scheduling_policy, dtype, seed, ...
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        unknown = set(engine_args) - EngineArgs.field_names()
+        if unknown:
+            raise ValueError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}.")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        cache_salt: str | Sequence[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the order of the prompts."""
+        prompt_list = _as_prompt_list(prompts)
+        count = len(prompt_list)
+        params_list = _broadcast(sampling_params or SamplingParams(), count, "sampling_params")
+        priorities = _broadcast(priority if priority is not None else 0, count, "priority")
+        salts = _broadcast(cache_salt, count, "cache_salt")
+
+        request_ids: list[str] = []
+        try:
+            for prompt, params, prio, salt in zip(prompt_list, params_list, priorities, salts):
+                # Offline, only the final output of each request is of use.
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+                request_id = str(next(self._request_counter))
+                self.llm_engine.add_request(request_id, prompt, params, priority=prio, cache_salt=salt)
+                request_ids.append(request_id)
+        except Exception:
+            # One bad prompt refuses the whole call; nothing of it stays in the engine.
+            self.llm_engine.abort_request(request_ids)
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = render_chat(
+                tokenizer,
+                list(conversation),
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            token_ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while pending:
+                for output in self.llm_engine.step():
+                    if output.request_id in pending:
+                        pending.discard(output.request_id)
+                        finished[output.request_id] = output
+                        progress.update(1)
+        except BaseException:
+            self.llm_engine.abort_request(list(pending))
+            raise
+        finally:
+            progress.close()
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [prompts]  # One prompt given as token ids.
+    if not prompts:
+        raise ValueError("No prompts given.")
+    return prompts
+
+
+def _broadcast(value, count: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name} has {len(value)} entries for {count} prompts.")
+        return list(value)
+    return [value] * count

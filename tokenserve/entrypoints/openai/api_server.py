@@ -1,0 +1,223 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of an AsyncLLM.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /version, POST /tokenize, POST /detokenize, GET /metrics. With an API key, every
+route but /health and /metrics needs `Authorization: Bearer <key>`. The engine core
+runs in its own process; if it dies, /health answers 503, requests fail at once with
+500, and the server exits non-zero shortly after so that a supervisor can restart it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import torch
+import uvicorn
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import tokenserve
+from tokenserve.engine.async_llm import AsyncLLM
+from tokenserve.engine.engine_args import EngineArgs
+from tokenserve.entrypoints.chat_utils import load_chat_template
+from tokenserve.entrypoints.openai.errors import OpenAIError, error_json, install_error_handlers
+from tokenserve.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from tokenserve.entrypoints.openai.serving_base import ClientDisconnected
+from tokenserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from tokenserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenserve.metrics.prometheus import PrometheusStatLogger
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+UNGUARDED_PATHS = frozenset({"/health", "/metrics"})
+# In-flight requests get this long to finish on SIGINT/SIGTERM before they are aborted.
+GRACEFUL_SHUTDOWN_S = 10
+# After the engine dies, the server keeps answering 503/500 this long, then exits non-zero.
+ENGINE_DEATH_EXIT_DELAY_S = 5.0
+
+
+class APIKeyMiddleware:
+    """Refuses (401) requests without the right bearer key; compares in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in UNGUARDED_PATHS:
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), self.api_key
+            ):
+                error = OpenAIError(401, "Invalid or missing API key.", code="invalid_api_key")
+                await error_json(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(
+    engine: AsyncLLM,
+    served_model_names: list[str],
+    chat_template: str | None = None,
+    api_key: str | None = None,
+    metrics: PrometheusStatLogger | None = None,
+) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+
+    app = FastAPI(title="tokenserve", version=tokenserve.__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    completion = OpenAIServingCompletion(engine, served_model_names, chat_template)
+    chat = OpenAIServingChat(engine, served_model_names, chat_template)
+    max_model_len = engine.config.model_config.max_model_len
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_dead:
+            return error_json(OpenAIError(503, engine.dead_reason or "The engine is not running."))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": tokenserve.__version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        body = metrics.render() if metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        root = engine.config.model_config.model
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=root, max_model_len=max_model_len)
+                for name in served_model_names
+            ]
+        )
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: HTTPRequest) -> Response:
+        return await _respond(completion.create_completion(request, raw_request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(
+        request: ChatCompletionRequest, raw_request: HTTPRequest
+    ) -> Response:
+        return await _respond(chat.create_chat_completion(request, raw_request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        chat.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise OpenAIError(400, "Give exactly one of prompt and messages.")
+        if request.messages is not None:
+            text = chat.render_messages(
+                request.messages,
+                request.chat_template,
+                request.add_generation_prompt,
+                request.continue_final_message,
+                request.chat_template_kwargs,
+            )
+            add_special_tokens = bool(request.add_special_tokens)
+        else:
+            text = request.prompt or ""
+            add_special_tokens = request.add_special_tokens is not False
+        tokens = chat.encode(text, add_special_tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        chat.check_model(request.model)
+        vocab_size = engine.config.model_config.vocab_size
+        if any(not 0 <= token < vocab_size for token in request.tokens):
+            raise OpenAIError(400, f"Token ids must be in [0, {vocab_size}).", param="tokens")
+        return DetokenizeResponse(prompt=str(chat.tokenizer.decode(request.tokens)))
+
+    return app
+
+
+async def _respond(result: Any) -> Response:
+    """A JSON body, or an SSE stream for an async generator of events."""
+    try:
+        body = await result
+    except ClientDisconnected:
+        return Response(status_code=499)
+    if isinstance(body, AsyncGenerator):
+        return StreamingResponse(body, media_type="text/event-stream")
+    return JSONResponse(body.model_dump())
+
+
+def served_model_names_from(args: argparse.Namespace) -> list[str]:
+    if args.served_model_name:
+        return list(args.served_model_name)
+    return [args.model if args.model is not None else DEFAULT_SERVED_MODEL_NAME]
+
+
+async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
+    """Start the engine, serve until SIGINT/SIGTERM (exit 0) or the engine dies (exit 1)."""
+    # The API process only tokenizes and detokenizes; the engine core gets the cores.
+    torch.set_num_threads(1)
+    chat_template = load_chat_template(args.chat_template)
+    served_model_names = served_model_names_from(args)
+    config = engine_args.create_engine_config()
+    metrics = PrometheusStatLogger(served_model_names[0])
+    engine = AsyncLLM(config, log_stats=not args.disable_log_stats, stat_loggers=[metrics])
+    try:
+        app = build_app(engine, served_model_names, chat_template, args.api_key, metrics)
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host=args.host,
+                port=args.port,
+                log_level=args.uvicorn_log_level,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+            )
+        )
+        exit_code = 0
+
+        def engine_died() -> None:
+            nonlocal exit_code
+            exit_code = 1
+            logger.error("Exiting in %.0f s: the engine core is gone.", ENGINE_DEATH_EXIT_DELAY_S)
+            asyncio.get_running_loop().call_later(
+                ENGINE_DEATH_EXIT_DELAY_S, setattr, server, "should_exit", True
+            )
+
+        engine.on_engine_dead(engine_died)
+        # uvicorn re-raises the signal it stopped on once it is done; these handlers absorb
+        # it, so that the engine below is still shut down and the exit code stays ours.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: None)
+        await server.serve()
+        if not server.started:
+            exit_code = exit_code or 1
+        return exit_code
+    finally:
+        engine.shutdown()
+        logger.info("Server stopped.")

@@ -1,0 +1,196 @@
+"""What the completion, chat and tokenize handlers share: model names, prompt checks,
+usage, server-sent events, and running a request until its client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Any, TypeVar
+
+from fastapi import Request as HTTPRequest
+
+from tokenserve.engine.async_llm import AsyncLLM, RequestOutputCollector
+from tokenserve.entrypoints.openai.errors import OpenAIError, error_from_exception
+from tokenserve.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from tokenserve.outputs import RequestOutput
+from tokenserve.sampling_params import SamplingParams
+
+T = TypeVar("T")
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+class OpenAIServing:
+    def __init__(
+        self, engine: AsyncLLM, served_model_names: Sequence[str], chat_template: str | None = None
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.served_model_names = list(served_model_names)
+        self.max_model_len = engine.config.model_config.max_model_len
+        self.chat_template = chat_template
+
+    def check_model(self, model: str | None) -> str:
+        """The served name to answer with; 404 for a model this server does not serve."""
+        if model is None:
+            return self.served_model_names[0]
+        if model not in self.served_model_names:
+            raise OpenAIError(
+                404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+            )
+        return model
+
+    def check_prompt_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """400 unless the prompt, plus max_tokens when given, fits in max_model_len."""
+        if num_prompt_tokens >= self.max_model_len or (
+            max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len
+        ):
+            requested = num_prompt_tokens + (max_tokens or 0)
+            raise OpenAIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {requested} tokens ({num_prompt_tokens} in the prompt, "
+                f"{max_tokens or 0} for the completion). Shorten the prompt or lower max_tokens.",
+                param="max_tokens" if num_prompt_tokens < self.max_model_len else "messages",
+                code="context_length_exceeded",
+            )
+
+    async def add_requests(
+        self,
+        request_id: str,
+        prompts: Sequence[tuple[str | None, list[int]]],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[AsyncGenerator[RequestOutput, None]]:
+        """Add one engine request per (text, token ids) prompt; all or none are added.
+
+        Validation errors surface here, before any response (or stream) has started.
+        """
+        added: list[tuple[str, RequestOutputCollector]] = []
+        try:
+            for index, (text, token_ids) in enumerate(prompts):
+                engine_request_id = f"{request_id}-{index}"
+                collector = await self.engine.add_request(
+                    engine_request_id,
+                    {"prompt": text, "prompt_token_ids": token_ids},
+                    params,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                )
+                added.append((engine_request_id, collector))
+        except BaseException:
+            for engine_request_id, _ in added:
+                self.engine.abort(engine_request_id)
+            raise
+        return [self.engine.iterate_outputs(rid, collector) for rid, collector in added]
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode_token(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
+
+
+def sse(payload: Any) -> str:
+    """One server-sent event carrying a pydantic model or a plain JSON value."""
+    if hasattr(payload, "model_dump_json"):
+        return f"data: {payload.model_dump_json(exclude_none=False)}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def sse_error(error: BaseException) -> str:
+    """The event that ends a stream that failed after its 200 status was sent."""
+    return sse(error_from_exception(error).to_response().model_dump())
+
+
+async def merge_generators(
+    generators: Sequence[AsyncIterator[T]],
+) -> AsyncGenerator[tuple[int, T], None]:
+    """Items of several async generators as they come, tagged with the generator's index.
+
+    Closing (or cancelling) the merge cancels every producer, so each aborts its request.
+    """
+    if len(generators) == 1:
+        async for item in generators[0]:
+            yield 0, item
+        return
+    # (index, item, None), (index, None, error) or None when a producer is done.
+    queue: asyncio.Queue[tuple[int, T | None, BaseException | None] | None] = asyncio.Queue()
+
+    async def produce(index: int, generator: AsyncIterator[T]) -> None:
+        try:
+            async for item in generator:
+                await queue.put((index, item, None))
+        except Exception as error:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((index, None, error))
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(produce(i, g)) for i, g in enumerate(generators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            entry = await queue.get()
+            if entry is None:
+                remaining -= 1
+                continue
+            index, value, error = entry
+            if error is not None:
+                raise error
+            yield index, value  # type: ignore[misc]  # a T, since there was no error
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect_final_outputs(
+    generators: Sequence[AsyncIterator[RequestOutput]], raw_request: HTTPRequest
+) -> list[RequestOutput]:
+    """The final output of each generator (FINAL_ONLY requests), in order.
+
+    Raises ClientDisconnected, after aborting every request, if the client goes away first.
+    """
+
+    async def collect() -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(generators)
+        async for index, output in merge_generators(generators):
+            finals[index] = output
+        return [final for final in finals if final is not None]
+
+    collector = asyncio.ensure_future(collect())
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+    try:
+        await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        for task in (collector, watcher):
+            task.cancel()
+        raise
+    watcher.cancel()
+    if not collector.done():
+        collector.cancel()
+        await asyncio.gather(collector, return_exceptions=True)
+        raise ClientDisconnected()
+    return collector.result()
+
+
+async def _wait_for_disconnect(raw_request: HTTPRequest) -> None:
+    # The body has been read already, so the next ASGI message is the disconnect.
+    while True:
+        message = await raw_request.receive()
+        if message["type"] == "http.disconnect":
+            return

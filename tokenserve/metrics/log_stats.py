@@ -1,0 +1,64 @@
+"""One log line every few seconds while the engine is busy: throughput, queues, KV, cache hits."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from tokenserve.core.scheduler import SchedulerStats
+from tokenserve.metrics.stats import IterationStats
+
+logger = logging.getLogger("tokenserve.stats")
+
+LOG_INTERVAL_S = 5.0
+
+
+class LoggingStatLogger:
+    def __init__(self) -> None:
+        self.last_log_time = time.monotonic()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.scheduler_stats: SchedulerStats | None = None
+        self._last_logged_prefix = (0, 0)  # (queries, hits) at the previous line
+        self._was_busy = False
+
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats
+    ) -> None:
+        if scheduler_stats is not None:
+            self.scheduler_stats = scheduler_stats
+        self.num_prompt_tokens += iteration_stats.num_prompt_tokens
+        self.num_generation_tokens += iteration_stats.num_generation_tokens
+
+    def log(self) -> None:
+        """Log one line if anything ran since the last one (and one more once it went idle)."""
+        now = time.monotonic()
+        elapsed = max(now - self.last_log_time, 1e-9)
+        stats = self.scheduler_stats
+        busy = bool(
+            self.num_prompt_tokens
+            or self.num_generation_tokens
+            or (stats is not None and (stats.num_running_reqs or stats.num_waiting_reqs))
+        )
+        if busy or self._was_busy:
+            queries, hits = (
+                (stats.prefix_cache_queries, stats.prefix_cache_hits) if stats else (0, 0)
+            )
+            new_queries = queries - self._last_logged_prefix[0]
+            new_hits = hits - self._last_logged_prefix[1]
+            self._last_logged_prefix = (queries, hits)
+            logger.info(
+                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
+                "Prefix cache hit rate: %.1f%%",
+                self.num_prompt_tokens / elapsed,
+                self.num_generation_tokens / elapsed,
+                stats.num_running_reqs if stats else 0,
+                stats.num_waiting_reqs if stats else 0,
+                100.0 * stats.kv_cache_usage if stats else 0.0,
+                100.0 * new_hits / new_queries if new_queries > 0 else 0.0,
+            )
+        self._was_busy = busy
+        self.last_log_time = now
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0

@@ -1,0 +1,319 @@
+"""Reading llama-architecture GGUF files: config from metadata, dequantized weights, tokenizer.
+
+The config is built directly from the GGUF metadata (fast) rather than through transformers'
+GGUF config path, which parses the whole vocabulary first. Weights are dequantized to float32
+and renamed to Hugging Face names, undoing the q/k row permutation llama.cpp applies at
+conversion time. The tokenizer conversion is slow, so its result is cached on disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from gguf import GGUFReader, ReaderTensor
+from gguf.quants import dequantize
+
+logger = logging.getLogger(__name__)
+
+# llama-architecture GGUF files (Llama, Mistral, SmolLM, ...) all load as this HF class.
+GGUF_ARCHITECTURE = "LlamaForCausalLM"
+CACHE_DIR_ENV = "TOKENSERVE_CACHE_DIR"
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+# llama.cpp only writes a rope_freqs tensor for Llama 3.x long-context RoPE; Meta released
+# every such model with these parameters, so we check the tensor against them.
+LLAMA3_ROPE_DEFAULTS = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+_TOP_LEVEL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def load_gguf_config(path: str) -> transformers.LlamaConfig:
+    """A LlamaConfig equivalent to the one transformers derives from the GGUF metadata."""
+    reader = _open_reader(path)
+    architecture = _metadata(reader, "general.architecture")
+    if architecture != "llama":
+        raise ValueError(
+            f"GGUF file {path} has architecture {architecture!r}; tokenserve loads only "
+            "'llama'-architecture GGUF files (Llama, Mistral, SmolLM, ...)."
+        )
+    tensor_names = {tensor.name for tensor in reader.tensors}
+
+    hidden_size = int(_required(reader, path, "llama.embedding_length"))
+    num_heads = int(_required(reader, path, "llama.attention.head_count"))
+    head_dim = int(_metadata(reader, "llama.attention.key_length", hidden_size // num_heads))
+    rotary_dim = int(_metadata(reader, "llama.rope.dimension_count", head_dim))
+    if rotary_dim != head_dim:
+        raise ValueError(
+            f"GGUF file {path} applies RoPE to {rotary_dim} of {head_dim} head dimensions; "
+            "partial rotary embeddings are not supported."
+        )
+    vocab_size = _metadata(reader, "llama.vocab_size")
+    if vocab_size is None:
+        vocab_size = len(_required_field(reader, path, "tokenizer.ggml.tokens").data)
+
+    config = transformers.LlamaConfig(
+        architectures=[GGUF_ARCHITECTURE],
+        vocab_size=int(vocab_size),
+        hidden_size=hidden_size,
+        intermediate_size=int(_required(reader, path, "llama.feed_forward_length")),
+        num_hidden_layers=int(_required(reader, path, "llama.block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(_metadata(reader, "llama.attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(_metadata(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(_required(reader, path, "llama.context_length")),
+        rope_parameters=_rope_parameters(reader, path, head_dim),
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=_optional_int(_metadata(reader, "tokenizer.ggml.bos_token_id")),
+        eos_token_id=_optional_int(_metadata(reader, "tokenizer.ggml.eos_token_id")),
+        pad_token_id=_optional_int(_metadata(reader, "tokenizer.ggml.padding_token_id")),
+    )
+    config.name_or_path = path
+    return config
+
+
+def iterate_gguf_weights(
+    path: str, config: transformers.PretrainedConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every weight as a float32 tensor in PyTorch [out, in] layout with its HF name."""
+    reader = _open_reader(path)
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS_TENSOR:
+            continue  # folded into config.rope_parameters by load_gguf_config
+        hf_name = _hf_name(tensor.name)
+        if hf_name is None:
+            raise ValueError(
+                f"GGUF file {path} has tensor {tensor.name!r}, which a llama model does not "
+                "have (mixture-of-experts and multimodal GGUFs are not supported)."
+            )
+        weight = _dequantize(tensor, path)
+        # llama.cpp reorders q/k rows for its interleaved RoPE; we use the HF half-split RoPE.
+        if ".self_attn.q_proj." in hf_name:
+            weight = _undo_rope_permutation(weight, config.num_attention_heads)
+        elif ".self_attn.k_proj." in hf_name:
+            weight = _undo_rope_permutation(weight, config.num_key_value_heads)
+        yield hf_name, weight
+
+
+def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer and chat template stored in the GGUF metadata, via an on-disk cache."""
+    cache_dir = tokenizer_cache_dir(path)
+    if os.path.isdir(cache_dir):
+        return transformers.AutoTokenizer.from_pretrained(cache_dir, local_files_only=True)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
+        )
+    except Exception as error:  # the GGUF parser reports corruption as assorted errors
+        raise ValueError(f"Cannot read a tokenizer from GGUF file {path}: {error}") from error
+    _write_tokenizer_cache(tokenizer, cache_dir)
+    return tokenizer
+
+
+def tokenizer_cache_dir(path: str) -> str:
+    """Where the converted tokenizer of a GGUF file is cached.
+
+    The key covers the file's identity (path, size, mtime) and the transformers version that
+    did the conversion, so a replaced file or an upgraded converter gets a fresh entry.
+    """
+    root = os.environ.get(CACHE_DIR_ENV) or os.path.join("~", ".cache", "tokenserve")
+    stat = os.stat(path)
+    identity = f"{os.path.realpath(path)}|{stat.st_size}|{stat.st_mtime_ns}"
+    identity += f"|{transformers.__version__}"
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return os.path.join(os.path.expanduser(root), "tokenizers", f"{stem}-{digest}")
+
+
+def _write_tokenizer_cache(tokenizer: transformers.PreTrainedTokenizerBase, cache_dir: str) -> None:
+    # Save into a private temp dir and rename it into place: readers never see a partial
+    # entry, and when two processes race the loser's rename fails and it discards its copy.
+    parent = os.path.dirname(cache_dir)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        partial_dir = tempfile.mkdtemp(prefix=".partial-", dir=parent)
+    except OSError as error:
+        logger.warning("Not caching the GGUF tokenizer in %s: %s", parent, error)
+        return
+    try:
+        tokenizer.save_pretrained(partial_dir)
+        os.rename(partial_dir, cache_dir)
+    except OSError as error:
+        if not os.path.isdir(cache_dir):
+            logger.warning("Not caching the GGUF tokenizer in %s: %s", cache_dir, error)
+        shutil.rmtree(partial_dir, ignore_errors=True)
+
+
+def _open_reader(path: str) -> GGUFReader:
+    try:
+        reader = GGUFReader(path)
+    except Exception as error:  # truncation surfaces as assorted numpy/struct errors
+        raise ValueError(f"GGUF file {path} is corrupt or truncated: {error}") from error
+    file_size = os.path.getsize(path)
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > file_size:
+            raise ValueError(
+                f"GGUF file {path} is truncated: tensor {tensor.name!r} ends past the end "
+                f"of the file ({file_size} bytes)."
+            )
+    return reader
+
+
+def _metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def _required_field(reader: GGUFReader, path: str, key: str) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        raise ValueError(f"GGUF file {path} lacks the metadata key {key!r}.")
+    return field
+
+
+def _required(reader: GGUFReader, path: str, key: str) -> Any:
+    return _required_field(reader, path, key).contents()
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _rope_parameters(reader: GGUFReader, path: str, head_dim: int) -> dict[str, Any]:
+    """transformers' `rope_parameters` from the rope.* metadata and any rope_freqs tensor."""
+    theta = float(_metadata(reader, "llama.rope.freq_base", 10000.0))
+    scaling_type = _metadata(reader, "llama.rope.scaling.type", "none")
+    freqs_tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS_TENSOR), None)
+    if freqs_tensor is not None:
+        if scaling_type != "none":
+            raise ValueError(
+                f"GGUF file {path} has both rope scaling {scaling_type!r} and a "
+                f"{ROPE_FREQS_TENSOR} tensor; this combination is not supported."
+            )
+        divisors = _dequantize(freqs_tensor, path).numpy().astype(np.float64)
+        return _llama3_rope_parameters(divisors, theta, head_dim, path)
+    if scaling_type == "none":
+        return {"rope_type": "default", "rope_theta": theta}
+    factor = float(_required(reader, path, "llama.rope.scaling.factor"))
+    if scaling_type == "linear":
+        return {"rope_type": "linear", "rope_theta": theta, "factor": factor}
+    if scaling_type == "yarn":
+        parameters: dict[str, Any] = {
+            "rope_type": "yarn",
+            "rope_theta": theta,
+            "factor": factor,
+            "original_max_position_embeddings": int(
+                _required(reader, path, "llama.rope.scaling.original_context_length")
+            ),
+        }
+        optional_keys = {
+            "attention_factor": "llama.rope.scaling.attn_factor",
+            "beta_fast": "llama.rope.scaling.yarn_beta_fast",
+            "beta_slow": "llama.rope.scaling.yarn_beta_slow",
+        }
+        for hf_key, gguf_key in optional_keys.items():
+            value = _metadata(reader, gguf_key)
+            if value is not None:
+                parameters[hf_key] = float(value)
+        return parameters
+    raise ValueError(f"GGUF file {path} uses unsupported rope scaling {scaling_type!r}.")
+
+
+def _llama3_rope_parameters(
+    divisors: np.ndarray, theta: float, head_dim: int, path: str
+) -> dict[str, Any]:
+    parameters: dict[str, Any] = {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": float(divisors.max()),
+        **LLAMA3_ROPE_DEFAULTS,
+    }
+    expected = llama3_frequency_divisors(parameters, head_dim)
+    if expected.shape != divisors.shape or not np.allclose(expected, divisors, rtol=1e-3):
+        raise ValueError(
+            f"GGUF file {path} has a {ROPE_FREQS_TENSOR} tensor that does not match Llama 3 "
+            "RoPE scaling; custom RoPE frequency factors are not supported."
+        )
+    return parameters
+
+
+def llama3_frequency_divisors(parameters: dict[str, Any], head_dim: int) -> np.ndarray:
+    """What llama.cpp stores in rope_freqs: the number each RoPE frequency is divided by."""
+    inverse_frequencies = 1.0 / parameters["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelengths = 2 * np.pi / inverse_frequencies
+    original_context = parameters["original_max_position_embeddings"]
+    factor = parameters["factor"]
+    low, high = parameters["low_freq_factor"], parameters["high_freq_factor"]
+    # Between the two cut-offs Llama 3 blends scaled and unscaled frequencies linearly.
+    smooth = (original_context / wavelengths - low) / (high - low)
+    divisors = 1.0 / ((1.0 - smooth) / factor + smooth)
+    divisors = np.where(wavelengths < original_context / high, 1.0, divisors)
+    return np.where(wavelengths > original_context / low, factor, divisors)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _TOP_LEVEL_NAMES:
+        return _TOP_LEVEL_NAMES[gguf_name]
+    match = _BLOCK_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _BLOCK_NAMES:
+        return None
+    layer, part, suffix = match.groups()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{suffix}"
+
+
+def _dequantize(tensor: ReaderTensor, path: str) -> torch.Tensor:
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as error:
+        raise ValueError(
+            f"GGUF file {path}: tensor {tensor.name!r} uses quantization "
+            f"{tensor.tensor_type.name}, which the gguf package cannot dequantize."
+        ) from error
+    # GGUF lists dimensions innermost first; PyTorch wants [out, in].
+    shape = [int(dim) for dim in reversed(tensor.shape)]
+    # Unquantized tensors come back as read-only views of the memory-mapped file; copy those.
+    values = np.require(values, dtype=np.float32, requirements=["C", "W"])
+    return torch.from_numpy(values.reshape(shape))
+
+
+def _undo_rope_permutation(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's q/k permutation.
+
+    The converter stores, per head, the rows of the first and second half of the head
+    interleaved (row pairs i, i + head_dim/2 become adjacent rows 2i, 2i+1), so that RoPE can
+    rotate adjacent pairs. HF-style RoPE rotates the two halves, so put the halves back.
+    """
+    head_dim = weight.shape[0] // num_heads
+    per_head = weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:])
+    return per_head.transpose(1, 2).reshape(weight.shape).contiguous()

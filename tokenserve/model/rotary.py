@@ -1,0 +1,57 @@
+"""Rotary position embeddings: a cos/sin table indexed by position.
+
+Inverse frequencies come from transformers' own RoPE initialisers for scaled variants
+(linear, llama3, yarn, ...), so every rope_type means what it means there.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+def _rope_parameters(hf_config) -> dict:
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    params = dict(params or {})
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = _rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    if rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported; supported: default, "
+            f"{', '.join(sorted(set(ROPE_INIT_FUNCTIONS) - {'dynamic'}))}."
+        )
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(attention_scaling)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(self, hf_config, head_dim: int, max_position: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        inv_freq, attention_scaling = compute_inv_freq(hf_config, head_dim)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", (angles.cos() * attention_scaling).to(dtype), persistent=False)
+        self.register_buffer("sin", (angles.sin() * attention_scaling).to(dtype), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate query [T, H, D] and key [T, Hkv, D] by their positions [T]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
