@@ -7,7 +7,7 @@ import uuid
 import openai
 import pytest
 
-from tests.entrypoints.openai.conftest import TINY_MODEL_NAME, RemoteServer
+from tests.entrypoints.openai.remote_server import TINY_MODEL_NAME, RemoteServer, stop_string_inside
 
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
@@ -133,8 +133,17 @@ def test_echo_prepends_the_prompt_and_its_logprobs(tiny_client):
 def test_streamed_echo_starts_every_choice_with_the_prompt(tiny_client):
     prompt = "Hello, world!"
     texts = {0: "", 1: ""}
-    for chunk in complete(tiny_client, prompt, max_tokens=3, n=2, echo=True, stream=True,
-                          temperature=1.0, seed=5, extra_body={"ignore_eos": True}):
+    for chunk in complete(
+        tiny_client,
+        prompt,
+        max_tokens=3,
+        n=2,
+        echo=True,
+        stream=True,
+        temperature=1.0,
+        seed=5,
+        extra_body={"ignore_eos": True},
+    ):
         for choice in chunk.choices:
             texts[choice.index] += choice.text
     assert all(text.startswith(prompt) and len(text) > len(prompt) for text in texts.values())
@@ -143,18 +152,7 @@ def test_streamed_echo_starts_every_choice_with_the_prompt(tiny_client):
 def test_stop_string_ends_the_completion(tiny_client):
     prompt = "The quick brown fox"
     full = complete(tiny_client, prompt, max_tokens=24, **GREEDY).choices[0].text
-    # A stop string from the middle of the greedy text, made of plain letters.
-    start = next(
-        (
-            i
-            for i in range(1, len(full) - 2)
-            if full[i : i + 2].isascii() and full[i : i + 2].isalpha()
-        ),
-        None,
-    )
-    if start is None:
-        pytest.skip(f"no plain-letter pair in the tiny model's text {full!r}")
-    stop = full[start : start + 2]
+    stop = stop_string_inside(full)
     cut = full.index(stop)
     response = complete(tiny_client, prompt, max_tokens=24, stop=[stop], **GREEDY)
     choice = response.choices[0]

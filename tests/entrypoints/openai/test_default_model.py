@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.entrypoints.openai.conftest import RemoteServer
+from tests.entrypoints.openai.remote_server import RemoteServer
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 

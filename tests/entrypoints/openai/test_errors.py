@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.entrypoints.openai.conftest import API_KEY, TINY_MODEL_NAME
+from tests.entrypoints.openai.remote_server import API_KEY, TINY_MODEL_NAME
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 

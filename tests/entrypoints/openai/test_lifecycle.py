@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.entrypoints.openai.conftest import RemoteServer
+from tests.entrypoints.openai.remote_server import RemoteServer
 
 OVERRIDE_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 
 from tokenserve.sampling_params import RequestOutputKind, SamplingParams
 
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
