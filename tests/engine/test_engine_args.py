@@ -1,0 +1,58 @@
+"""Engine arguments: validation at the edge and the settings they resolve to."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenserve import LLM, SamplingParams
+from tokenserve.engine.engine_args import EngineArgs, parse_memory
+
+
+def test_memory_sizes_parse():
+    assert parse_memory("4GiB") == 4 * 1024**3
+    assert parse_memory("512MiB") == 512 * 1024**2
+    assert parse_memory(1000) == 1000
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        parse_memory("lots")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(dtype="float64"), "dtype"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+        (dict(scheduling_policy="lifo"), "scheduling_policy"),
+        (dict(max_model_len=4096), "exceeds what the model supports"),
+        # 4 blocks of 16 tokens cannot hold a 1000-token sequence: refused at start.
+        (dict(num_kv_blocks=4, max_model_len=1000), "does not fit in the KV cache"),
+        (dict(enable_chunked_prefill=False, max_num_batched_tokens=64), "chunked prefill"),
+    ],
+)
+def test_bad_settings_are_refused(tiny_model_dirs, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(model=tiny_model_dirs["llama"], **kwargs).create_engine_config()
+
+
+def test_unknown_engine_argument_is_refused(tiny_model_dirs):
+    with pytest.raises(ValueError, match="Unknown engine argument"):
+        LLM(tiny_model_dirs["llama"], max_num_seq=4)
+
+
+def test_kv_cache_sized_from_memory_budget(tiny_model_dirs):
+    config = EngineArgs(model=tiny_model_dirs["llama"], kv_cache_memory="1MiB").create_engine_config()
+    # 2 layers x (K + V) x 2 kv heads x 16 head dim x 4 bytes = 512 bytes per token.
+    assert config.model_config.kv_bytes_per_token() == 512
+    assert config.cache_config.num_blocks == 1024**2 // (512 * 16)
+    # The model allows 2048 positions but the cache holds only 2048 tokens: it fits exactly.
+    assert config.model_config.max_model_len == 2048
+
+
+def test_bfloat16_is_selectable(tiny_model_dirs):
+    llm = LLM(tiny_model_dirs["qwen2"], dtype="bfloat16", kv_cache_memory="8MiB")
+    runner = llm.llm_engine.engine_core.model_runner
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert next(runner.model.parameters()).dtype == torch.bfloat16
+    [output] = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                            use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 5
