@@ -5,7 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from tokenserve import RequestOutputKind, SamplingParams
+from tokenserve import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from tokenserve.core.request import Request
+from tokenserve.engine.messages import EngineCoreRequest, make_encoder, make_request_decoder
 
 
 def test_defaults_follow_vllm():
@@ -83,3 +85,51 @@ def test_msgspec_round_trip():
     )
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
     assert decoded == params
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(), r"exactly one of json, json_object, regex, choice or grammar; got none"),
+        (dict(json_object=False), r"got none"),
+        (dict(regex="a", choice=["a"]), r"exactly one .* got regex, choice"),
+        (dict(json="{not json"), r"structured_outputs.json is not valid JSON"),
+        (dict(json="[1, 2]"), r"structured_outputs.json must be a JSON schema \(an object\)"),
+        (dict(json=3), r"structured_outputs.json must be a JSON schema"),
+        (dict(regex=""), r"structured_outputs.regex must be a non-empty string"),
+        (dict(grammar=5), r"structured_outputs.grammar must be a non-empty string"),
+        (dict(choice=[]), r"structured_outputs.choice must be a non-empty list"),
+        (dict(choice=["a", ""]), r"structured_outputs.choice must be a non-empty list"),
+        (dict(regex="a", enforce_after_token_ids=[]), r"enforce_after_token_ids must be None"),
+    ],
+)
+def test_structured_outputs_need_exactly_one_valid_kind(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_structured_outputs_from_a_dict():
+    params = SamplingParams(structured_outputs={"choice": ["a", "b"]})
+    assert params.structured_outputs == StructuredOutputsParams(choice=["a", "b"])
+    assert params.structured_outputs.kind == "choice"
+    with pytest.raises(ValueError, match="structured_outputs: .*unexpected keyword"):
+        SamplingParams(structured_outputs={"jsn": {}})
+
+
+@pytest.mark.parametrize(
+    "structured",
+    [
+        StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+        StructuredOutputsParams(json='{"type": "string"}', disable_any_whitespace=True),
+        StructuredOutputsParams(json_object=True),
+        StructuredOutputsParams(regex=r"\d+", enforce_after_token_ids=[7, 8]),
+        StructuredOutputsParams(choice=["x", "y"]),
+        StructuredOutputsParams(grammar='root ::= "a"'),
+    ],
+)
+def test_structured_outputs_cross_to_the_engine_core(structured):
+    params = SamplingParams(structured_outputs=structured)
+    request = Request("r", [1, 2], params, eos_token_id=0)
+    wire = make_encoder().encode(EngineCoreRequest.from_request(request))
+    decoded = make_request_decoder().decode(wire).to_request()
+    assert decoded.sampling_params == params

@@ -3,11 +3,12 @@
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.entrypoints.llm import LLM
 from tokenserve.outputs import CompletionOutput, Logprob, RequestOutput
-from tokenserve.sampling_params import RequestOutputKind, SamplingParams
+from tokenserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutputKind",
     "RequestOutput",
     "CompletionOutput",

@@ -10,7 +10,9 @@ ships it to the engine-core process as it is.
 from __future__ import annotations
 
 import enum
+import json as json_module
 from dataclasses import dataclass, field
+from typing import Any
 
 # Below this temperature a request is treated as greedy (argmax), as in vLLM.
 _GREEDY_EPSILON = 1e-5
@@ -27,6 +29,97 @@ class RequestOutputKind(enum.IntEnum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a grammar (vLLM's names; exactly one kind is set).
+
+    - `json`: a JSON schema (a dict, or a string holding one); the output is a JSON value
+      valid under it.
+    - `json_object=True`: any JSON object.
+    - `regex`: the whole output matches the regular expression.
+    - `choice`: the output is exactly one of these strings.
+    - `grammar`: a context-free grammar, in EBNF (GBNF, with a `root` rule) or Lark syntax
+      (with a `start` rule).
+
+    `disable_any_whitespace` makes JSON compact: no whitespace beyond the separators
+    `", "` and `": "` (otherwise any amount is allowed between tokens, which a small model
+    may fill with newlines).
+
+    `enforce_after_token_ids` is for reasoning models: the grammar constrains only what
+    follows the first occurrence of this token sequence in the output (the reasoning
+    parser's end marker, e.g. the ids of `</think>`); None constrains from the first token.
+
+    Is the spec well formed? The Processor compiles it (without the vocabulary) and raises
+    a ValueError that names the problem; the engine core compiles it for the vocabulary.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    enforce_after_token_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [
+            name for name in _STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False)
+        ]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice or "
+                f"grammar; got {', '.join(kinds) if kinds else 'none'}."
+            )
+        if isinstance(self.json, str):
+            try:
+                schema = json_module.loads(self.json)
+            except json_module.JSONDecodeError as error:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {error}.") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(
+                    "structured_outputs.json must be a JSON schema (an object), "
+                    f"got {type(schema).__name__}."
+                )
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise ValueError(
+                "structured_outputs.json must be a JSON schema (a dict or a JSON string), "
+                f"got {type(self.json).__name__}."
+            )
+        if self.json_object not in (None, True, False):
+            raise ValueError(
+                f"structured_outputs.json_object must be a bool, got {self.json_object!r}."
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError(
+                    "structured_outputs.choice must be a non-empty list of non-empty strings, "
+                    f"got {self.choice!r}."
+                )
+        if self.enforce_after_token_ids is not None:
+            self.enforce_after_token_ids = list(self.enforce_after_token_ids)
+            if not self.enforce_after_token_ids:
+                raise ValueError(
+                    "structured_outputs.enforce_after_token_ids must be None or a non-empty "
+                    "list of token ids."
+                )
+            _check_token_ids(
+                "structured_outputs.enforce_after_token_ids", self.enforce_after_token_ids
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which of json, json_object, regex, choice, grammar is set."""
+        return next(n for n in _STRUCTURED_OUTPUT_KINDS if getattr(self, n) not in (None, False))
+
+
+_STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
 class SamplingParams:
     """How to sample the tokens of one request and when to stop.
 
@@ -40,6 +133,9 @@ class SamplingParams:
     logprob plus the top-k alternatives; `prompt_logprobs=k` does the same for the prompt.
     Logprobs are the model's raw ones, before temperature, penalties and masks.
     `max_tokens=None` generates until a stop or `max_model_len`.
+    `structured_outputs` constrains the output to a JSON schema, a regex, a choice or a
+    grammar (see StructuredOutputsParams); a request whose grammar is complete ends with
+    finish_reason "stop".
     """
 
     n: int = 1
@@ -65,6 +161,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Set by the Processor from `bad_words` (each word as one or more token sequences);
     # the engine core only ever reads this one.
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
@@ -83,6 +180,11 @@ class SamplingParams:
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
         self.output_kind = RequestOutputKind(self.output_kind)
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as error:
+                raise ValueError(f"structured_outputs: {error}.") from None
         self._validate()
 
     def _validate(self) -> None:
@@ -145,6 +247,13 @@ class SamplingParams:
         ):
             raise ValueError(
                 f"bad_words must be a list of non-empty strings, got {self.bad_words!r}."
+            )
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams (or a dict of its "
+                f"fields), got {type(self.structured_outputs).__name__}."
             )
 
     @property

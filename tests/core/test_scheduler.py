@@ -100,3 +100,17 @@ def test_abort_frees_blocks_of_running_and_waiting_requests():
     assert not scheduler.has_unfinished_requests()
     assert scheduler.kv_cache_manager.block_pool.num_free_blocks == 8
     assert scheduler.schedule().finished_req_ids == {"a", "b"}
+
+
+def test_request_waiting_for_its_grammar_keeps_its_place_and_others_go_first():
+    for policy in ("fcfs", "priority"):
+        scheduler = make_scheduler(policy=policy)
+        compiling = add(scheduler, "compiling", 4)
+        compiling.status = RequestStatus.WAITING_FOR_GRAMMAR  # as the engine core sets it
+        add(scheduler, "ready", 4, first_token=50)
+        output = step(scheduler)
+        assert list(output.num_scheduled_tokens) == ["ready"]
+        assert list(scheduler.waiting) == [compiling]
+        compiling.status = RequestStatus.WAITING  # its grammar is compiled
+        output = step(scheduler)
+        assert set(output.num_scheduled_tokens) == {"ready", "compiling"}

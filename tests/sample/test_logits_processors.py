@@ -1,4 +1,5 @@
-"""Penalties, logit bias, allowed tokens and bans equal direct per-row references."""
+"""Grammar bitmasks, penalties, logit bias, allowed tokens and bans equal direct per-row
+references."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from tokenserve.sample.logits_processors import (
     AllowedTokens,
     BannedTokens,
+    GrammarMask,
     LogitBias,
     LogitsProcessorInputs,
     Penalties,
@@ -104,4 +106,24 @@ def test_processors_touch_only_their_rows():
     expected[2, 4] += 1.5
     expected[2, 8] -= 3.0
     expected[3, 2] -= 0.5 + 2 * 0.25
+    torch.testing.assert_close(result, expected)
+
+
+def test_grammar_mask_applies_its_bits_to_its_rows_only():
+    vocab = 70  # not a multiple of 32: the last word is partly padding
+    rng = np.random.default_rng(2)
+    logits = torch.from_numpy(rng.normal(size=(5, vocab)).astype(np.float32))
+    allowed = rng.random((2, vocab)) < 0.3
+    bitmask = np.zeros((2, (vocab + 31) // 32), dtype=np.uint32)
+    for row, token in zip(*np.nonzero(allowed)):
+        bitmask[row, token // 32] |= np.uint32(1 << (token % 32))
+    rows = [3, 1]
+    inputs = LogitsProcessorInputs(
+        grammar=GrammarMask(rows, torch.from_numpy(bitmask.view(np.int32)))
+    )
+    result = apply_logits_processors(logits.clone(), inputs)
+
+    expected = logits.clone()
+    for index, row in enumerate(rows):
+        expected[row, torch.from_numpy(~allowed[index])] = float("-inf")
     torch.testing.assert_close(result, expected)

@@ -13,19 +13,25 @@ from tokenserve.config import EngineConfig
 from tokenserve.core.request import Request, RequestStatus
 from tokenserve.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from tokenserve.core.scheduler_output import SchedulerOutput
+from tokenserve.structured_output.manager import StructuredOutputManager
 from tokenserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
+# How long an idle step waits for a compiling grammar before returning to its caller.
+GRAMMAR_WAIT_S = 0.005
+
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+        """`tokenizer` (optional) spares structured outputs loading it again."""
         self.config = config
         started = time.perf_counter()
         self.model_runner = ModelRunner(config)
         self.model_runner.load_model()
         self.model_runner.initialize_kv_cache()
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        self.structured_output_manager = StructuredOutputManager(config, tokenizer)
         # What the latest step scheduled; the engine-core process reads it for its stats.
         self.last_scheduler_output: SchedulerOutput | None = None
         logger.info(
@@ -38,6 +44,8 @@ class EngineCore:
         )
 
     def add_request(self, request: Request) -> None:
+        if request.sampling_params.structured_outputs is not None:
+            self.structured_output_manager.add_request(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -49,15 +57,37 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
+        outputs = self._poll_grammars()
         scheduler_output = self.scheduler.schedule()
         self.last_scheduler_output = scheduler_output
-        runner_output = self.model_runner.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(
+        grammar_bitmask = self.structured_output_manager.grammar_bitmask(scheduler_output)
+        runner_output = self.model_runner.execute_model(scheduler_output, grammar_bitmask)
+        outputs += self.scheduler.update_from_output(
             scheduler_output,
             runner_output.sampled_token_ids,
             runner_output.logprobs,
             runner_output.prompt_logprobs,
         )
+        if scheduler_output.is_empty and self.structured_output_manager.has_compiling_requests:
+            self.structured_output_manager.wait_for_grammars(GRAMMAR_WAIT_S)
+        return outputs
+
+    def _poll_grammars(self) -> list[EngineCoreOutput]:
+        """Admit requests whose grammar compiled; end those whose grammar failed ("abort")."""
+        failed = self.structured_output_manager.poll_grammars()
+        for request in failed:
+            assert request.structured_output_request is not None
+            logger.error(
+                "Request %s: its structured-output grammar failed to compile: %s",
+                request.request_id,
+                request.structured_output_request.error,
+            )
+        self.scheduler.finish_requests(
+            [r.request_id for r in failed], RequestStatus.FINISHED_ABORTED
+        )
+        return [
+            EngineCoreOutput(r.request_id, [], finish_reason=r.status.finish_reason) for r in failed
+        ]
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

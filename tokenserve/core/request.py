@@ -9,12 +9,18 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenserve.structured_output.request import StructuredOutputRequest
 
 
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
+    # Waiting, and not admitted before its structured-output grammar is compiled.
+    WAITING_FOR_GRAMMAR = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this point is finished.
@@ -61,6 +67,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
+    # The grammar state of a request with structured outputs (set by the engine core).
+    structured_output_request: StructuredOutputRequest | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -124,12 +124,17 @@ class Scheduler:
             index += 1
 
         if not preempted:
+            # Requests whose grammar is still compiling; they keep their place in the queue.
+            skipped: list[Request] = []
             while (
                 len(self.waiting) > 0
                 and token_budget > 0
                 and len(self.running) < self.config.max_num_seqs
             ):
                 request = self.waiting.peek()
+                if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                    skipped.append(self.waiting.pop())
+                    continue
                 hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
                 num_new_tokens = request.num_tokens - num_hit_tokens
                 if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
@@ -152,6 +157,8 @@ class Scheduler:
                 scheduled_new.append(request)
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 token_budget -= num_new_tokens
+            for request in reversed(skipped):
+                self.waiting.prepend(request)
 
         output = SchedulerOutput(
             scheduled_new_reqs=[self._new_request_data(r) for r in scheduled_new],
@@ -185,6 +192,10 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # Aborted or preempted while the step ran.
             request.append_output_token_ids(new_token_ids)
+            if request.structured_output_request is not None:
+                request.structured_output_request.accept_tokens(
+                    request_id, request.output_token_ids, len(new_token_ids)
+                )
             self._check_stop(request)
             outputs.append(
                 EngineCoreOutput(
@@ -226,6 +237,12 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = last_token
                 return
+        if request.structured_output_request is not None and (
+            request.structured_output_request.is_terminated()
+        ):
+            # The grammar is complete and accepted its stop token (even with ignore_eos).
+            request.status = RequestStatus.FINISHED_STOPPED
+            return
         if (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens) or (
             request.num_tokens >= self.config.max_model_len
         ):

@@ -5,7 +5,8 @@ the engine core, and yields the request's RequestOutputs as they come. One outpu
 task receives every engine-core message, detokenizes it (OutputProcessor) and puts each
 request's output into that request's collector. A collector holds at most one pending
 output: when its consumer reads slowly, DELTA outputs merge instead of piling up.
-Cancelling or closing a `generate()` aborts its request in the engine core.
+Cancelling or closing a `generate()` aborts its request in the engine core, and so does
+closing a `RequestOutputStream` that was never read (a client gone before its first event).
 """
 
 from __future__ import annotations
@@ -91,6 +92,43 @@ def _merge_completion(pending: CompletionOutput, new: CompletionOutput) -> None:
             setattr(pending, field.name, value)
 
 
+class RequestOutputStream:
+    """One request's outputs, as an async iterator that cannot leak its request.
+
+    Unlike an async generator, which runs no cleanup if it is closed before its first
+    step, closing this aborts the request whenever it has not finished, read or not. A
+    read that fails or is cancelled aborts it too.
+    """
+
+    def __init__(
+        self, engine: AsyncLLM, request_id: str, collector: RequestOutputCollector
+    ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.collector = collector
+        self.finished = False
+        self.closed = False
+
+    def __aiter__(self) -> RequestOutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self.closed:
+            raise StopAsyncIteration
+        try:
+            output = await self.collector.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        self.finished = output.finished
+        return output
+
+    async def aclose(self) -> None:
+        if not (self.finished or self.closed):
+            self.closed = True
+            self.engine.abort(self.request_id)
+
+
 class AsyncLLM:
     def __init__(
         self,
@@ -169,19 +207,11 @@ class AsyncLLM:
             async for output in outputs:
                 yield output
 
-    async def iterate_outputs(
+    def iterate_outputs(
         self, request_id: str, collector: RequestOutputCollector
-    ) -> AsyncGenerator[RequestOutput, None]:
+    ) -> RequestOutputStream:
         """The outputs of a request added with `add_request`; closing this aborts it."""
-        finished = False
-        try:
-            while not finished:
-                output = await collector.get()
-                finished = output.finished
-                yield output
-        finally:
-            if not finished:
-                self.abort(request_id)
+        return RequestOutputStream(self, request_id, collector)
 
     async def add_request(
         self,
@@ -220,6 +250,11 @@ class AsyncLLM:
             self.abort(request_id)
             raise
         return collector
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Engine-core requests added and not yet finished (a request with n > 1 counts n)."""
+        return len(self.output_processor.request_states)
 
     def abort(self, request_id: str) -> None:
         """Drop a request here and in the engine core (its blocks are freed there)."""

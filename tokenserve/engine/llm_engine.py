@@ -24,7 +24,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model_config.files, config.model_config.tokenizer)
         self.processor = Processor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(config)
+        self.engine_core = EngineCore(config, self.tokenizer)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:

@@ -71,10 +71,15 @@ class Processor:
                 raise ValueError(
                     f"{name} must be at most max_logprobs={self.max_logprobs}, got {value}."
                 )
+        structured = params.structured_outputs
         for name, token_ids in (
             ("stop_token_ids", params.stop_token_ids or []),
             ("allowed_token_ids", params.allowed_token_ids or []),
             ("logit_bias", list(params.logit_bias or {})),
+            (
+                "structured_outputs.enforce_after_token_ids",
+                (structured.enforce_after_token_ids or []) if structured else [],
+            ),
         ):
             for token_id in token_ids:
                 if token_id >= self.vocab_size:
@@ -82,6 +87,12 @@ class Processor:
                         f"{name} holds token id {token_id}, out of this model's vocabulary "
                         f"[0, {self.vocab_size})."
                     )
+        if structured is not None:
+            # Compiled without the vocabulary here (~1 ms); the engine core compiles it for
+            # the vocabulary. Imported late: only structured requests need xgrammar.
+            from tokenserve.structured_output.grammar import check_structured_outputs
+
+            check_structured_outputs(structured)
         if params.bad_words:
             return dataclasses.replace(params, bad_words_token_ids=self._bad_words_token_ids(params))
         return params

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from tokenserve.engine.engine_args import EngineArgs
+from tokenserve.engine.engine_args import EngineArgs, parse_memory
 
 MODEL_HELP = "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)."
 
@@ -79,19 +79,61 @@ def _run_serve(args: argparse.Namespace) -> int:
     return asyncio.run(run_server(args, engine_args_from(args)))
 
 
+def _size(value: str) -> int:
+    try:
+        size = parse_memory(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected bytes or a size like '4MiB', got {value!r}") from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {value!r}")
+    return size
+
+
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """HTTP server flags, with vLLM's names."""
+    """HTTP server flags, with vLLM's names where vLLM has the flag."""
+    from tokenserve.entrypoints.openai.limits import ServingLimits
+
+    limits = ServingLimits()
     parser.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on.")
-    parser.add_argument("--api-key", default=None,
+    parser.add_argument("--api-key", action="append", default=None,
                         help="Require 'Authorization: Bearer <key>' on every route but /health "
-                             "and /metrics.")
+                             "and /metrics. Repeat for several keys (tenants). Visible to local "
+                             "users in the process list: prefer --api-key-file.")
+    parser.add_argument("--api-key-file", default=None,
+                        help="A file of API keys, one per line (blank lines and # comments "
+                             "skipped); adds to --api-key.")
+    parser.add_argument("--shared-prefix-cache-across-keys", action="store_true",
+                        help="Let requests under different API keys share prefix-cache blocks "
+                             "(by default each key gets its own cache salt).")
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="Model name(s) the API answers to (default: the model argument, or "
                              "SmolLM2-135M-Instruct for the default model); the first one is "
                              "reported in responses and metrics.")
     parser.add_argument("--chat-template", default=None,
                         help="Chat template (a file, or jinja2 text) to use instead of the model's.")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="Accept a chat_template in requests (jinja2 run by the server); "
+                             "refused with 400 by default.")
+    parser.add_argument("--max-waiting-requests", type=int, default=limits.max_waiting_requests,
+                        help="Sequences (prompts x n) that may wait beyond --max-num-seqs "
+                             "running ones; past that, requests get 503 with Retry-After.")
+    parser.add_argument("--max-request-body-size", type=_size, default=limits.max_request_body_size,
+                        help="Largest request body (bytes or e.g. '4MiB'); larger ones get 413.")
+    parser.add_argument("--h11-max-incomplete-event-size", type=_size, default=limits.max_header_size,
+                        help="Largest header block, in bytes: one still arriving past it gets 400 "
+                             "(h11) and its connection is closed; a complete one gets 431.")
+    parser.add_argument("--h11-max-header-count", type=int, default=limits.max_header_count,
+                        help="Most request headers; more get 431.")
+    parser.add_argument("--max-n", type=int, default=limits.max_n,
+                        help="Largest n (samples per prompt) a request may ask for.")
+    parser.add_argument("--max-stop-strings", type=int, default=limits.max_stop_strings,
+                        help="Most stop strings in one request.")
+    parser.add_argument("--max-stop-string-length", type=int, default=limits.max_stop_string_length,
+                        help="Longest stop string, in characters.")
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="On SIGINT/SIGTERM, seconds in-flight requests get to finish before "
+                             "they are cut off.")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="Do not log throughput, queue and KV cache stats every 5 s.")
     parser.add_argument("--uvicorn-log-level", default="info",
@@ -123,6 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--temperature", type=float, default=0.0, help="0 for greedy.")
         sub.add_argument("--max-tokens", type=int, default=128, help="Most tokens to generate.")
         sub.set_defaults(handler=runner)
+
+    from tokenserve.benchmarks.commands import add_bench_parser  # it uses this module's helpers
+
+    add_bench_parser(subcommands)
     return parser
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -85,7 +85,7 @@ class LLM:
         for conversation in conversations:
             text = render_chat(
                 tokenizer,
-                list(conversation),
+                cast(ChatMessages, conversation),
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,

@@ -2,8 +2,8 @@
 
 Each processor takes only the rows that need it (`rows` index the step's logits), so a
 batch mixing requests with and without a feature pays for the feature on its own rows.
-Order, as in vLLM: allowed-token mask, banned tokens (bad words, stop tokens held back
-by min_tokens), logit bias, then the penalties.
+Order: the structured-output grammar's mask, the allowed-token mask, banned tokens (bad
+words, stop tokens held back by min_tokens), logit bias, then the penalties.
 """
 
 from __future__ import annotations
@@ -11,6 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class GrammarMask:
+    """Rows constrained by a grammar: packed bitmasks, bit t % 32 of word t // 32 set
+    where token t may be sampled."""
+
+    rows: list[int]
+    bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32
 
 
 @dataclass
@@ -47,6 +56,7 @@ class Penalties:
 
 @dataclass
 class LogitsProcessorInputs:
+    grammar: GrammarMask | None = None
     allowed: AllowedTokens | None = None
     banned: BannedTokens | None = None
     logit_bias: LogitBias | None = None
@@ -55,6 +65,8 @@ class LogitsProcessorInputs:
 
 def apply_logits_processors(logits: torch.Tensor, inputs: LogitsProcessorInputs) -> torch.Tensor:
     """Apply every processor in `inputs` to `logits` ([num_rows, vocab] float32, in place)."""
+    if inputs.grammar is not None:
+        apply_grammar_mask(logits, inputs.grammar)
     if inputs.allowed is not None:
         rows = inputs.allowed.rows
         logits[rows] = logits[rows].masked_fill(~inputs.allowed.mask, float("-inf"))
@@ -69,6 +81,16 @@ def apply_logits_processors(logits: torch.Tensor, inputs: LogitsProcessorInputs)
             logits[p.rows], p.prompt_mask, p.output_token_ids, p.presence, p.frequency, p.repetition
         )
     return logits
+
+
+def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
+    """-inf where the grammar forbids a token, on the mask's rows only (xgrammar's kernel)."""
+    from tokenserve.structured_output.grammar import apply_token_bitmask
+
+    # The kernel indexes the logits and the bitmask with the same row numbers.
+    bitmask = torch.full((logits.shape[0], mask.bitmask.shape[1]), -1, dtype=torch.int32)
+    bitmask[mask.rows] = mask.bitmask
+    apply_token_bitmask(logits, bitmask, mask.rows)
 
 
 def get_token_counts(

@@ -10,6 +10,7 @@ for every prompt position of their chunk (only those rows).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,10 +20,14 @@ from tokenserve.config import EngineConfig
 from tokenserve.core.scheduler_output import SchedulerOutput
 from tokenserve.model.loader import iterate_weights
 from tokenserve.model.registry import build_model
+from tokenserve.sample.logits_processors import GrammarMask
 from tokenserve.sample.logprobs import LogprobsLists, LogprobsTensors, compute_logprobs
 from tokenserve.sample.sampler import Sampler
 from tokenserve.worker.request_state import CachedRequestState
 from tokenserve.worker.sampling_inputs import build_sampling_metadata
+
+if TYPE_CHECKING:
+    from tokenserve.structured_output.manager import GrammarBitmask
 
 # Prompt-logprob rows are turned into logits this many at a time, bounding the memory a
 # long prompt needs ([rows, vocab] floats).
@@ -79,7 +84,11 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step. `grammar_bitmask` constrains the sampled rows of structured-output
+        requests (the engine core's StructuredOutputManager fills it)."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput({})
@@ -135,15 +144,26 @@ class ModelRunner:
             self._gather_prompt_logprobs(self.requests[request_id], hidden_states, *rows)
         if not sampled_ids:
             return ModelRunnerOutput({})
-        return self._sample(sampled_ids, hidden_states[logits_indices])
+        return self._sample(sampled_ids, hidden_states[logits_indices], grammar_bitmask)
 
-    def _sample(self, sampled_ids: list[str], hidden_states: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(
+        self,
+        sampled_ids: list[str],
+        hidden_states: torch.Tensor,
+        grammar_bitmask: GrammarBitmask | None,
+    ) -> ModelRunnerOutput:
         assert self.model is not None
         logits = self.model.compute_logits(hidden_states)
         states = [self.requests[request_id] for request_id in sampled_ids]
         metadata = build_sampling_metadata(
             states, self.generators, self.config.model_config.vocab_size, self.device
         )
+        if grammar_bitmask is not None:
+            row_of = {request_id: row for row, request_id in enumerate(sampled_ids)}
+            metadata.processors.grammar = GrammarMask(
+                [row_of[request_id] for request_id in grammar_bitmask.request_ids],
+                grammar_bitmask.bitmask,
+            )
         sampler_output = self.sampler(logits, metadata)
         new_tokens = sampler_output.token_ids.tolist()
 

@@ -12,7 +12,8 @@ from tests.entrypoints.openai.remote_server import API_KEY, TINY_MODEL_NAME, Rem
 
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dirs: dict[str, str]) -> Iterator[RemoteServer]:
-    """A tiny llama behind an API key, with a short max_model_len and small blocks."""
+    """A tiny llama behind an API key, with a short max_model_len and small blocks; it
+    accepts chat templates in requests (test_chat renders with one)."""
     server = RemoteServer(
         tiny_model_dirs["llama"],
         "--served-model-name",
@@ -23,6 +24,7 @@ def tiny_server(tiny_model_dirs: dict[str, str]) -> Iterator[RemoteServer]:
         "1024",
         "--block-size",
         "8",
+        "--trust-request-chat-template",
         api_key=API_KEY,
     )
     yield server

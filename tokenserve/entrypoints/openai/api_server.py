@@ -1,10 +1,13 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of an AsyncLLM.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /version, POST /tokenize, POST /detokenize, GET /metrics. With an API key, every
-route but /health and /metrics needs `Authorization: Bearer <key>`. The engine core
-runs in its own process; if it dies, /health answers 503, requests fail at once with
-500, and the server exits non-zero shortly after so that a supervisor can restart it.
+GET /version, POST /tokenize, POST /detokenize, GET /metrics. With API keys, every
+route but /health and /metrics needs `Authorization: Bearer <key>`, and each key's
+requests use their own prefix-cache partition (auth.py). Requests are bounded in headers,
+body, samples and stop strings, and refused with 503 when the engine holds all it may
+(limits.py). The engine core runs in its own process; if it dies, /health answers 503,
+requests fail at once with 500, and the server exits non-zero shortly after so that a
+supervisor can restart it. SIGTERM drains in-flight requests for --shutdown-timeout s.
 """
 
 from __future__ import annotations
@@ -12,10 +15,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import logging
 import signal
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import torch
@@ -24,14 +26,19 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 import tokenserve
 from tokenserve.engine.async_llm import AsyncLLM
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.entrypoints.chat_utils import load_chat_template
+from tokenserve.entrypoints.openai.auth import (
+    APIKeyMiddleware,
+    effective_cache_salt,
+    load_api_keys,
+)
 from tokenserve.entrypoints.openai.errors import OpenAIError, error_json, install_error_handlers
+from tokenserve.entrypoints.openai.limits import RequestSizeMiddleware, ServingLimits
 from tokenserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,7 +49,7 @@ from tokenserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from tokenserve.entrypoints.openai.serving_base import ClientDisconnected
+from tokenserve.entrypoints.openai.serving_base import ClientDisconnected, EventStream
 from tokenserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenserve.metrics.prometheus import PrometheusStatLogger
@@ -50,50 +57,40 @@ from tokenserve.metrics.prometheus import PrometheusStatLogger
 logger = logging.getLogger(__name__)
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
-UNGUARDED_PATHS = frozenset({"/health", "/metrics"})
-# In-flight requests get this long to finish on SIGINT/SIGTERM before they are aborted.
-GRACEFUL_SHUTDOWN_S = 10
 # After the engine dies, the server keeps answering 503/500 this long, then exits non-zero.
 ENGINE_DEATH_EXIT_DELAY_S = 5.0
-
-
-class APIKeyMiddleware:
-    """Refuses (401) requests without the right bearer key; compares in constant time."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.api_key = api_key.encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in UNGUARDED_PATHS:
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), self.api_key
-            ):
-                error = OpenAIError(401, "Invalid or missing API key.", code="invalid_api_key")
-                await error_json(error)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def build_app(
     engine: AsyncLLM,
     served_model_names: list[str],
     chat_template: str | None = None,
-    api_key: str | None = None,
+    api_keys: Sequence[str] = (),
     metrics: PrometheusStatLogger | None = None,
+    limits: ServingLimits | None = None,
+    shared_prefix_cache_across_keys: bool = False,
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         yield
 
+    limits = limits or ServingLimits()
     app = FastAPI(title="tokenserve", version=tokenserve.__version__, lifespan=lifespan)
     install_error_handlers(app)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    completion = OpenAIServingCompletion(engine, served_model_names, chat_template)
-    chat = OpenAIServingChat(engine, served_model_names, chat_template)
+    # The last added runs first: sizes are checked before keys, keys before any body is read.
+    if api_keys:
+        app.add_middleware(
+            APIKeyMiddleware, api_keys=api_keys, salt_per_key=not shared_prefix_cache_across_keys
+        )
+    app.add_middleware(
+        RequestSizeMiddleware,
+        max_header_count=limits.max_header_count,
+        max_header_size=limits.max_header_size,
+        max_body_size=limits.max_request_body_size,
+    )
+    completion = OpenAIServingCompletion(engine, served_model_names, chat_template, limits)
+    chat = OpenAIServingChat(engine, served_model_names, chat_template, limits)
     max_model_len = engine.config.model_config.max_model_len
 
     @app.get("/health")
@@ -123,12 +120,14 @@ def build_app(
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: HTTPRequest) -> Response:
+        request.cache_salt = effective_cache_salt(raw_request, request.cache_salt)
         return await _respond(completion.create_completion(request, raw_request))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(
         request: ChatCompletionRequest, raw_request: HTTPRequest
     ) -> Response:
+        request.cache_salt = effective_cache_salt(raw_request, request.cache_salt)
         return await _respond(chat.create_chat_completion(request, raw_request))
 
     @app.post("/tokenize")
@@ -163,14 +162,32 @@ def build_app(
 
 
 async def _respond(result: Any) -> Response:
-    """A JSON body, or an SSE stream for an async generator of events."""
+    """A JSON body, or an SSE stream for an EventStream."""
     try:
         body = await result
     except ClientDisconnected:
         return Response(status_code=499)
-    if isinstance(body, AsyncGenerator):
-        return StreamingResponse(body, media_type="text/event-stream")
+    if isinstance(body, EventStream):
+        return EventStreamResponse(body)
     return JSONResponse(body.model_dump())
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that abort their requests however the response ends.
+
+    Starlette cancels a stream whose client disconnects, but a body cancelled before its
+    first step never runs its own cleanup; closing the EventStream here always does.
+    """
+
+    def __init__(self, stream: EventStream) -> None:
+        super().__init__(stream.events, media_type="text/event-stream")
+        self.stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.stream.aclose()
 
 
 def served_model_names_from(args: argparse.Namespace) -> list[str]:
@@ -179,24 +196,52 @@ def served_model_names_from(args: argparse.Namespace) -> list[str]:
     return [args.model if args.model is not None else DEFAULT_SERVED_MODEL_NAME]
 
 
+def limits_from(args: argparse.Namespace) -> ServingLimits:
+    return ServingLimits(
+        max_request_body_size=args.max_request_body_size,
+        max_header_size=args.h11_max_incomplete_event_size,
+        max_header_count=args.h11_max_header_count,
+        max_n=args.max_n,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_length=args.max_stop_string_length,
+        max_waiting_requests=args.max_waiting_requests,
+        trust_request_chat_template=args.trust_request_chat_template,
+    )
+
+
 async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     """Start the engine, serve until SIGINT/SIGTERM (exit 0) or the engine dies (exit 1)."""
     # The API process only tokenizes and detokenizes; the engine core gets the cores.
     torch.set_num_threads(1)
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}.")
+    api_keys = load_api_keys(args.api_key, args.api_key_file)
+    limits = limits_from(args)
     chat_template = load_chat_template(args.chat_template)
     served_model_names = served_model_names_from(args)
     config = engine_args.create_engine_config()
     metrics = PrometheusStatLogger(served_model_names[0])
     engine = AsyncLLM(config, log_stats=not args.disable_log_stats, stat_loggers=[metrics])
     try:
-        app = build_app(engine, served_model_names, chat_template, args.api_key, metrics)
+        app = build_app(
+            engine,
+            served_model_names,
+            chat_template,
+            api_keys,
+            metrics,
+            limits,
+            args.shared_prefix_cache_across_keys,
+        )
         server = uvicorn.Server(
             uvicorn.Config(
                 app,
                 host=args.host,
                 port=args.port,
                 log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                # h11 (not httptools, even when installed) enforces the header-size limit.
+                http="h11",
+                h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+                timeout_graceful_shutdown=args.shutdown_timeout,
             )
         )
         exit_code = 0

@@ -3,7 +3,8 @@
 Every failure of a request becomes one of these bodies with its HTTP status: 400 for
 invalid parameters (ValueError from the Processor or SamplingParams, and pydantic's
 validation errors), 401 for a missing or wrong API key, 404 for an unknown model,
-500 when the engine is gone.
+413 for a body over --max-request-body-size, 431 for too many headers, 503 (with
+Retry-After) when the server is full or shutting down, 500 when the engine is gone.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    413: "invalid_request_error",
+    431: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable_error",
 }
@@ -34,13 +37,19 @@ class OpenAIError(Exception):
     """A request failed in a way the client should hear about, with this status."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. Retry-After on a 503
 
     def to_response(self) -> ErrorResponse:
         error_type = _ERROR_TYPES.get(self.status, HTTPStatus(self.status).phrase)
@@ -62,7 +71,9 @@ def error_from_exception(error: BaseException) -> OpenAIError:
 
 
 def error_json(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.to_response().model_dump(), status_code=error.status)
+    return JSONResponse(
+        error.to_response().model_dump(), status_code=error.status, headers=error.headers
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -3,13 +3,17 @@
 Field names and defaults follow OpenAI's API; vLLM's extra sampling fields (top_k,
 min_p, repetition_penalty, min_tokens, ignore_eos, cache_salt, priority, ...) are
 accepted too. Requests turn themselves into SamplingParams; SamplingParams validates.
+Two checks happen here because nothing later could make them: integers fit in 64 bits (the
+engine core's wire format), and text is valid Unicode (JSON's `\\ud800` escapes can carry
+lone surrogates, which no tokenizer or response can encode).
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from typing import Any, Literal, cast
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -24,9 +28,37 @@ def now_seconds() -> int:
     return int(time.time())
 
 
+# Integers a request may carry: the engine core's wire format (msgpack) holds 64 bits.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+NonNegativeInt64 = Annotated[int, Field(ge=0, le=2**63 - 1)]
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 class OpenAIModel(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do.
     model_config = ConfigDict(extra="ignore")
+
+
+class RequestBody(OpenAIModel):
+    """A request's whole body; all of its text, however nested, must be valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+        pending = [data]
+        while pending:
+            item = pending.pop()
+            if isinstance(item, str):
+                if _LONE_SURROGATE.search(item):
+                    raise ValueError(
+                        "Text must be valid Unicode; lone surrogates such as \\ud800 are refused."
+                    )
+            elif isinstance(item, dict):
+                pending.extend(item.keys())
+                pending.extend(item.values())
+            elif isinstance(item, list):
+                pending.extend(item)
+        return data
 
 
 # ---- errors, usage, models ----------------------------------------------------------
@@ -77,24 +109,24 @@ class ModelList(OpenAIModel):
 # ---- sampling fields shared by /v1/completions and /v1/chat/completions --------------
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(RequestBody):
     model: str | None = None
-    n: int = 1
+    n: Int64 = 1
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extra sampling fields.
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -102,9 +134,9 @@ class SamplingRequest(OpenAIModel):
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    prompt_logprobs: int | None = Field(default=None, ge=0)
+    prompt_logprobs: NonNegativeInt64 | None = None
     cache_salt: str | None = None
-    priority: int = 0
+    priority: Int64 = 0
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -162,11 +194,11 @@ class SamplingRequest(OpenAIModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0)
+    max_tokens: Int64 | None = 16
+    logprobs: NonNegativeInt64 | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
 
 class CompletionLogProbs(OpenAIModel):
@@ -206,10 +238,10 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: NonNegativeInt64 | None = None
     tools: list[dict[str, Any]] | None = None
     # vLLM's chat-template fields.
     echo: bool = False
@@ -286,7 +318,7 @@ class ChatCompletionStreamResponse(OpenAIModel):
 # ---- /tokenize and /detokenize ------------------------------------------------------
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestBody):
     """Either `prompt` (a completion prompt) or `messages` (a chat, rendered first)."""
 
     model: str | None = None

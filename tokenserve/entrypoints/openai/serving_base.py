@@ -1,5 +1,6 @@
 """What the completion, chat and tokenize handlers share: model names, prompt checks,
-usage, server-sent events, and running a request until its client goes away."""
+request limits and admission (503 when full), usage, server-sent events, and running a
+request until its client goes away."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any, TypeVar
 
 from fastapi import Request as HTTPRequest
 
-from tokenserve.engine.async_llm import AsyncLLM, RequestOutputCollector
+from tokenserve.engine.async_llm import AsyncLLM, RequestOutputCollector, RequestOutputStream
 from tokenserve.entrypoints.openai.errors import OpenAIError, error_from_exception
+from tokenserve.entrypoints.openai.limits import ServingLimits, server_full_error
 from tokenserve.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from tokenserve.outputs import RequestOutput
 from tokenserve.sampling_params import SamplingParams
@@ -24,15 +26,43 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its response was ready."""
 
 
+class EventStream:
+    """An SSE body and the engine requests under it.
+
+    Closing it aborts every unfinished request, even when the body never started (a
+    client that left before its first event): the server closes it when the response ends.
+    """
+
+    def __init__(
+        self, events: AsyncGenerator[str, None], outputs: Sequence[RequestOutputStream]
+    ) -> None:
+        self.events = events
+        self.outputs = list(outputs)
+
+    async def aclose(self) -> None:
+        await self.events.aclose()
+        for output in self.outputs:
+            await output.aclose()
+
+
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncLLM, served_model_names: Sequence[str], chat_template: str | None = None
+        self,
+        engine: AsyncLLM,
+        served_model_names: Sequence[str],
+        chat_template: str | None = None,
+        limits: ServingLimits | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = list(served_model_names)
         self.max_model_len = engine.config.model_config.max_model_len
         self.chat_template = chat_template
+        self.limits = limits or ServingLimits()
+        # Sequences the engine may hold at once: running plus waiting.
+        self.capacity = (
+            engine.config.scheduler_config.max_num_seqs + self.limits.max_waiting_requests
+        )
 
     def check_model(self, model: str | None) -> str:
         """The served name to answer with; 404 for a model this server does not serve."""
@@ -66,11 +96,24 @@ class OpenAIServing:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> list[AsyncGenerator[RequestOutput, None]]:
+    ) -> list[RequestOutputStream]:
         """Add one engine request per (text, token ids) prompt; all or none are added.
 
-        Validation errors surface here, before any response (or stream) has started.
+        Validation errors surface here, before any response (or stream) has started: 400
+        beyond the request limits, 503 (Retry-After) when the engine holds all it may.
         """
+        self.limits.check_sampling(params)
+        num_sequences = len(prompts) * params.n
+        if num_sequences > self.capacity:
+            raise OpenAIError(
+                400,
+                f"This request asks for {num_sequences} sequences ({len(prompts)} prompts, "
+                f"n={params.n}); this server holds at most {self.capacity} at once.",
+                param="n",
+            )
+        num_unfinished = self.engine.num_unfinished_requests
+        if num_unfinished + num_sequences > self.capacity:
+            raise server_full_error(num_unfinished, self.capacity)
         added: list[tuple[str, RequestOutputCollector]] = []
         try:
             for index, (text, token_ids) in enumerate(prompts):
@@ -159,16 +202,16 @@ async def merge_generators(
 
 
 async def collect_final_outputs(
-    generators: Sequence[AsyncIterator[RequestOutput]], raw_request: HTTPRequest
+    outputs: Sequence[RequestOutputStream], raw_request: HTTPRequest
 ) -> list[RequestOutput]:
-    """The final output of each generator (FINAL_ONLY requests), in order.
+    """The final output of each request (FINAL_ONLY requests), in order.
 
     Raises ClientDisconnected, after aborting every request, if the client goes away first.
     """
 
     async def collect() -> list[RequestOutput]:
-        finals: list[RequestOutput | None] = [None] * len(generators)
-        async for index, output in merge_generators(generators):
+        finals: list[RequestOutput | None] = [None] * len(outputs)
+        async for index, output in merge_generators(outputs):
             finals[index] = output
         return [final for final in finals if final is not None]
 
@@ -176,14 +219,15 @@ async def collect_final_outputs(
     watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
     try:
         await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        for task in (collector, watcher):
-            task.cancel()
-        raise
-    watcher.cancel()
-    if not collector.done():
-        collector.cancel()
-        await asyncio.gather(collector, return_exceptions=True)
+    finally:
+        watcher.cancel()
+        if not collector.done():
+            collector.cancel()
+            await asyncio.gather(collector, return_exceptions=True)
+        # Aborts whatever is unfinished, even a stream the cancelled collector never read.
+        for output in outputs:
+            await output.aclose()
+    if collector.cancelled():
         raise ClientDisconnected()
     return collector.result()
 

@@ -7,11 +7,12 @@ then content deltas (the last one carrying the finish reason), then, with
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from fastapi import Request as HTTPRequest
 
 from tokenserve.entrypoints.chat_utils import render_chat
+from tokenserve.entrypoints.openai.errors import OpenAIError
 from tokenserve.entrypoints.openai.logprobs_format import chat_logprobs
 from tokenserve.entrypoints.openai.protocol import (
     ChatCompletionChoice,
@@ -27,6 +28,7 @@ from tokenserve.entrypoints.openai.protocol import (
 )
 from tokenserve.entrypoints.openai.serving_base import (
     SSE_DONE,
+    EventStream,
     OpenAIServing,
     collect_final_outputs,
     make_usage,
@@ -48,6 +50,13 @@ class OpenAIServingChat(OpenAIServing):
         tools: list[dict] | None = None,
     ) -> str:
         """The prompt text; a request's own template beats --chat-template beats the model's."""
+        if chat_template is not None and not self.limits.trust_request_chat_template:
+            raise OpenAIError(
+                400,
+                "chat_template in a request is refused: the server was not started with "
+                "--trust-request-chat-template.",
+                param="chat_template",
+            )
         return render_chat(
             self.tokenizer,
             [message.model_dump(exclude_none=True) for message in messages],
@@ -61,7 +70,7 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: HTTPRequest
-    ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
+    ) -> ChatCompletionResponse | EventStream:
         model_name = self.check_model(request.model)
         text = self.render_messages(
             request.messages,
@@ -85,7 +94,9 @@ class OpenAIServingChat(OpenAIServing):
             request_id, [(text, token_ids)], params, request.priority, request.cache_salt
         )
         if request.stream:
-            return self._stream(request, params, request_id, model_name, outputs)
+            return EventStream(
+                self._stream(request, params, request_id, model_name, outputs), [outputs]
+            )
         [final] = await collect_final_outputs([outputs], raw_request)
         return self._response(request, request_id, model_name, final)
 
@@ -139,7 +150,7 @@ class OpenAIServingChat(OpenAIServing):
         params: SamplingParams,
         request_id: str,
         model_name: str,
-        outputs: AsyncGenerator[RequestOutput, None],
+        outputs: AsyncIterator[RequestOutput],
     ) -> AsyncGenerator[str, None]:
         prompt_tokens = cached_tokens = 0
         completion_tokens = [0] * params.n

@@ -7,7 +7,7 @@ one chunk per engine output (merged when the client reads slowly) and, with
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request as HTTPRequest
@@ -22,6 +22,7 @@ from tokenserve.entrypoints.openai.protocol import (
 )
 from tokenserve.entrypoints.openai.serving_base import (
     SSE_DONE,
+    EventStream,
     OpenAIServing,
     collect_final_outputs,
     make_usage,
@@ -39,7 +40,7 @@ _Echo = tuple[str, list[int], Sequence[LogprobsDict | None]]
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(
         self, request: CompletionRequest, raw_request: HTTPRequest
-    ) -> CompletionResponse | AsyncGenerator[str, None]:
+    ) -> CompletionResponse | EventStream:
         model_name = self.check_model(request.model)
         if request.suffix is not None:
             raise OpenAIError(400, "suffix is not supported.", param="suffix")
@@ -57,7 +58,9 @@ class OpenAIServingCompletion(OpenAIServing):
             request_id, prompts, params, request.priority, request.cache_salt
         )
         if request.stream:
-            return self._stream(request, params, request_id, model_name, generators)
+            return EventStream(
+                self._stream(request, params, request_id, model_name, generators), generators
+            )
         finals = await collect_final_outputs(generators, raw_request)
         return self._response(request, params, request_id, model_name, finals)
 
@@ -162,7 +165,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params: SamplingParams,
         request_id: str,
         model_name: str,
-        generators: list[AsyncGenerator[RequestOutput, None]],
+        generators: Sequence[AsyncIterator[RequestOutput]],
     ) -> AsyncGenerator[str, None]:
         num_prompts = len(generators)
         prompt_tokens = [0] * num_prompts

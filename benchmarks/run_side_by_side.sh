@@ -1,0 +1,242 @@
+#!/usr/bin/env bash
+# tokenserve and vLLM's CPU build side by side on M0: the workloads W1-W5 of WORKLOADS.md,
+# in one sitting, with the same client (`tokenserve bench serve`) for both servers. Each
+# workload runs on one engine right after the other, so that both see the same machine.
+#
+# usage: benchmarks/run_side_by_side.sh [OUT_DIR]      (default: /tmp/side_by_side/DATE)
+#
+# env knobs:
+#   ENGINES=tokenserve,vllm         engines to run
+#   PHASES=export,install,w1,w2,w3,w4,w5
+#   MODEL_DIR=$OUT/m0_hf            M0 as a HF directory (benchmarks/export_hf.py writes it
+#                                   once; both engines load this very directory)
+#   PEERS=<repo>/../shared/peers/vllm_cpu.sh   its `install` phase builds the vLLM venv
+#   VENV=/tmp/peers/vllm  WHEEL_DIR=/tmp/peers/wheels   (passed on to it)
+#   PORT=8300  MAX_MODEL_LEN=4096 (W4's long prompts are 2048 tokens)
+#   LOCK=/tmp/cpu.lock              held from the first benchmark to the last (flock)
+#   LOCK_WAIT=7200  START_TIMEOUT=900  RUN_TIMEOUT=1800  SERVER_LIFETIME=7200   (seconds)
+#   QUICK=1                         an eighth of the requests: checks the plumbing only
+#   VLLM_W5_ARGS="--block-size 16 --num-gpu-blocks-override 128 --max-model-len 2048"
+#                                   vLLM's 2,048-token KV cache for W5 (not yet tried here)
+#
+# Servers listen on 127.0.0.1 only and are stopped by their PID (then process group).
+# Results: OUT/<workload>_<engine>.json, logs in OUT/logs, summary in OUT/summary.md.
+set -uo pipefail
+
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${1:-/tmp/side_by_side/$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT/logs"
+OUT=$(cd "$OUT" && pwd)
+ENGINES=${ENGINES:-tokenserve,vllm}
+PHASES=${PHASES:-export,install,w1,w2,w3,w4,w5}
+MODEL_DIR=${MODEL_DIR:-$OUT/m0_hf}
+PEERS=${PEERS:-$REPO/../shared/peers/vllm_cpu.sh}
+export VENV=${VENV:-/tmp/peers/vllm}
+export WHEEL_DIR=${WHEEL_DIR:-/tmp/peers/wheels}
+PORT=${PORT:-8300}
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}
+LOCK=${LOCK:-/tmp/cpu.lock}
+LOCK_WAIT=${LOCK_WAIT:-7200}
+START_TIMEOUT=${START_TIMEOUT:-900}
+RUN_TIMEOUT=${RUN_TIMEOUT:-1800}
+SERVER_LIFETIME=${SERVER_LIFETIME:-7200}
+QUICK=${QUICK:-0}
+VLLM_W5_ARGS=${VLLM_W5_ARGS:---block-size 16 --num-gpu-blocks-override 128 --max-model-len 2048}
+PYTHON=${PYTHON:-python3}
+TOKENSERVE=("$PYTHON" -m tokenserve.entrypoints.cli)
+VLLM=("$VENV/bin/vllm-cpu-cli")
+cd "$REPO" || exit 1
+
+has() { [[ ",$PHASES," == *",$1,"* ]]; }
+runs() { [[ ",$ENGINES," == *",$1,"* ]]; }
+log() { echo "[side_by_side $(date +%H:%M:%S)] $*" | tee -a "$OUT/logs/run.log"; }
+prompts() { if [ "$QUICK" = 1 ]; then echo $(( $1 / 8 > 2 ? $1 / 8 : 2 )); else echo "$1"; fi; }
+
+# The settings peers/README.md measured best for vLLM on this CPU: all cores to OMP,
+# tcmalloc and vLLM's libiomp5 preloaded, fp32 (below), telemetry and hub access off.
+VLLM_ENV=(env VLLM_CPU_OMP_THREADS_BIND="0-$(( $(nproc) - 1 ))" VLLM_CPU_KVCACHE_SPACE=4
+          LD_PRELOAD="/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VENV/lib/libiomp5.so"
+          VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1)
+
+# ------------------------------------------------------------------- preparation
+if has export && [ ! -f "$MODEL_DIR/model.safetensors" ]; then
+  log "export M0 -> $MODEL_DIR"
+  timeout 900 "$PYTHON" benchmarks/export_hf.py "$MODEL_DIR" > "$OUT/logs/export.log" 2>&1 \
+    || { log "export failed, see $OUT/logs/export.log"; exit 1; }
+fi
+[ -f "$MODEL_DIR/config.json" ] || { log "no model at $MODEL_DIR (run the export phase)"; exit 1; }
+
+if has install && runs vllm; then
+  [ -f "$PEERS" ] || { log "missing $PEERS (set PEERS=.../vllm_cpu.sh)"; exit 1; }
+  log "install vLLM CPU into $VENV (via $PEERS)"
+  OUT="$OUT/logs/peers" timeout 3600 bash "$PEERS" "$MODEL_DIR" "$PORT" install \
+      > "$OUT/logs/install_vllm.log" 2>&1 || { log "install failed, see logs/install_vllm.log"; exit 1; }
+fi
+if runs vllm && [ ! -x "${VLLM[0]}" ]; then
+  log "no vLLM CLI at ${VLLM[0]} (run the install phase)"; exit 1
+fi
+PLOT=1
+"$PYTHON" -c "import matplotlib" 2>/dev/null || { PLOT=0; log "no matplotlib: no plots"; }
+
+# One lock from the first benchmark to the last: nothing else CPU-heavy runs meanwhile.
+exec 9>"$LOCK"
+log "waiting for $LOCK"
+flock -w "$LOCK_WAIT" 9 || { log "could not take $LOCK in $LOCK_WAIT s"; exit 1; }
+"$PYTHON" - "$OUT/meta.json" "$ENGINES" "$QUICK" "$MODEL_DIR" <<'EOF'
+import json, os, subprocess, sys, time
+meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "engines": sys.argv[2],
+        "quick": sys.argv[3] == "1", "model_dir": sys.argv[4], "nproc": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "tokenserve_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                            text=True).stdout.strip(),
+        "tokenserve_uncommitted_changes": bool(subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+            text=True).stdout.strip())}
+json.dump(meta, open(sys.argv[1], "w"), indent=2)
+EOF
+
+# -------------------------------------------------------------------- servers
+SERVER_PID=""
+start_server() {  # $1 engine, $2 session name, rest: engine flags
+  local engine=$1 session=$2; shift 2
+  local logf="$OUT/logs/server_${session}_${engine}.log"
+  if curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; then
+    log "port $PORT already answers /health: another server is running there"; return 1
+  fi
+  if [ "$engine" = tokenserve ]; then
+    setsid timeout "$SERVER_LIFETIME" "${TOKENSERVE[@]}" serve "$MODEL_DIR" --host 127.0.0.1 \
+        --port "$PORT" --served-model-name M0 --max-model-len "$MAX_MODEL_LEN" \
+        --disable-log-stats --uvicorn-log-level warning "$@" > "$logf" 2>&1 9>&- &
+  else
+    setsid timeout "$SERVER_LIFETIME" "${VLLM_ENV[@]}" "${VLLM[@]}" serve "$MODEL_DIR" \
+        --host 127.0.0.1 --port "$PORT" --served-model-name M0 --dtype float32 --max-model-len "$MAX_MODEL_LEN" \
+        --enable-prompt-tokens-details --disable-uvicorn-access-log "$@" > "$logf" 2>&1 9>&- &
+  fi
+  SERVER_PID=$!
+  local t0=$SECONDS
+  until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do
+    if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+      log "$engine server ($session) died, see $logf"; SERVER_PID=""; return 1
+    fi
+    if (( SECONDS - t0 > START_TIMEOUT )); then
+      log "$engine server ($session) not healthy in $START_TIMEOUT s"; stop_server; return 1
+    fi
+    sleep 2
+  done
+  log "$engine server ($session) pid $SERVER_PID ready in $((SECONDS - t0)) s"
+}
+stop_server() {
+  [ -n "$SERVER_PID" ] || return 0
+  kill -TERM "$SERVER_PID" 2>/dev/null  # timeout passes it on to the server
+  for _ in $(seq 60); do kill -0 -- "-$SERVER_PID" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- "-$SERVER_PID" 2>/dev/null
+  SERVER_PID=""
+}
+trap stop_server EXIT
+# bash runs a trap once the foreground command ends (each is bounded by RUN_TIMEOUT).
+trap 'log "stopped by a signal"; exit 143' TERM INT
+
+bench_serve() {  # $1 result name (workload_engine), rest: client flags
+  local name=$1; shift
+  local plot=()
+  [ "$PLOT" = 1 ] && plot=(--plot "$OUT/$name.png")
+  log "bench serve $name"
+  timeout "$RUN_TIMEOUT" "${TOKENSERVE[@]}" bench serve --base-url "http://127.0.0.1:$PORT" \
+      --tokenizer "$MODEL_DIR" --ignore-eos --output-json "$OUT/$name.json" "${plot[@]}" "$@" \
+      > "$OUT/logs/$name.log" 2>&1
+  local rc=$?
+  (( rc == 0 )) || log "$name: rc=$rc, see logs/$name.log"
+  sed -n '/Serving benchmark/,/^====*$/p' "$OUT/logs/$name.log" | grep -E \
+      "Successful|Request throughput|Output token|TTFT|ITL|^----" | sed "s/^/    /"
+}
+
+# One server session per engine configuration, on every engine in turn.
+session() {  # $1 name, $2 tokenserve flags, $3 vLLM flags, $4 benchmark function, rest: its args
+  local name=$1 ts_flags=$2 vllm_flags=$3 body=$4 engine flags
+  shift 4
+  for engine in tokenserve vllm; do
+    runs "$engine" || continue
+    flags=$ts_flags
+    [ "$engine" = vllm ] && flags=$vllm_flags
+    # shellcheck disable=SC2086  # the flags are word lists
+    start_server "$engine" "$name" $flags || continue
+    "$body" "$engine" "$@"
+    stop_server
+  done
+}
+
+W2_N=$(prompts 64); W3_N=$(prompts 64); W4_SHORT=$(prompts 32); W5_N=$(prompts 32)
+W4_LONG=4; [ "$QUICK" = 1 ] && W4_LONG=2
+w2() {
+  bench_serve "w2_rate_inf_$1" --num-prompts "$W2_N" --input-len 256 --output-len 64 \
+      --request-rate inf --dataset-seed 21
+  bench_serve "w2_rate_2_$1" --num-prompts "$W2_N" --input-len 256 --output-len 64 \
+      --request-rate 2 --seed 0 --dataset-seed 22
+}
+w3() {  # $2: on | off
+  bench_serve "w3_prefix_cache_$2_$1" --dataset shared-prefix --prefix-len 1024 \
+      --input-len 64 --output-len 32 --num-prompts "$W3_N" --request-rate inf --dataset-seed 3
+}
+w4() {  # $2: max_num_batched_tokens
+  bench_serve "w4_mbt_$2_$1" --dataset mixed --num-prompts $((W4_LONG + W4_SHORT)) \
+      --mixed-long-requests "$W4_LONG" --mixed-long-input-len 2048 --mixed-long-output-len 16 \
+      --input-len 64 --output-len 64 --request-rate 4 --seed 0 --dataset-seed 4
+}
+w5() {  # $2: constrained | unconstrained
+  bench_serve "w5_$2_$1" --num-prompts "$W5_N" --input-len 256 --output-len 256 \
+      --request-rate inf --dataset-seed 5
+}
+
+# ------------------------------------------------------------------------ W1
+if has w1; then
+  N1=$(prompts 64)
+  if runs tokenserve; then
+    log "W1 tokenserve: bench throughput, $N1 x (256 in, 128 out)"
+    timeout "$RUN_TIMEOUT" "${TOKENSERVE[@]}" bench throughput --model "$MODEL_DIR" \
+        --max-model-len "$MAX_MODEL_LEN" --num-prompts "$N1" --input-len 256 --output-len 128 \
+        --output-json "$OUT/w1_tokenserve.json" > "$OUT/logs/w1_tokenserve.log" 2>&1 \
+      || log "W1 tokenserve failed, see logs/w1_tokenserve.log"
+    grep -E "^Throughput" "$OUT/logs/w1_tokenserve.log" | sed "s/^/    /"
+  fi
+  if runs vllm; then
+    log "W1 vLLM: vllm bench throughput, $N1 x (256 in, 128 out)"
+    timeout "$RUN_TIMEOUT" "${VLLM_ENV[@]}" "${VLLM[@]}" bench throughput --model "$MODEL_DIR" --dtype float32 \
+        --max-model-len "$MAX_MODEL_LEN" --dataset-name random --random-input-len 256 \
+        --random-output-len 128 --num-prompts "$N1" --output-json "$OUT/w1_vllm.json" \
+        > "$OUT/logs/w1_vllm.log" 2>&1 || log "W1 vLLM failed, see logs/w1_vllm.log"
+    grep -E "^Throughput" "$OUT/logs/w1_vllm.log" | sed "s/^/    /"
+  fi
+fi
+
+# ------------------------------------------------------------------- W2, W3, W5
+main_session() {
+  has w2 && w2 "$1"
+  has w3 && w3 "$1" on
+  has w5 && w5 "$1" unconstrained
+}
+if has w2 || has w3 || has w5; then
+  session main "--enable-prefix-caching" "--enable-prefix-caching" main_session
+fi
+has w3 && session prefix_cache_off "--no-enable-prefix-caching" "--no-enable-prefix-caching" w3 off
+
+# ------------------------------------------------------------------------ W4
+if has w4; then
+  for mbt in 256 512 2048; do
+    session "w4_mbt_$mbt" "--max-num-batched-tokens $mbt" "--max-num-batched-tokens $mbt" w4 "$mbt"
+  done
+fi
+
+# ------------------------------------------------------------------------ W5
+# tokenserve: 128 blocks of 16 tokens = 2,048 tokens of KV cache.
+has w5 && session kv_2048 "--num-kv-blocks 128 --block-size 16 --max-model-len 2048" \
+    "$VLLM_W5_ARGS" w5 constrained
+
+"$PYTHON" - "$OUT/meta.json" <<'EOF'
+import json, os, sys, time
+meta = json.load(open(sys.argv[1]))
+meta.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S"), loadavg_end=os.getloadavg())
+json.dump(meta, open(sys.argv[1], "w"), indent=2)
+EOF
+flock -u 9
+"$PYTHON" benchmarks/side_by_side_report.py "$OUT" | tee "$OUT/summary.md"
+log "done; results in $OUT"

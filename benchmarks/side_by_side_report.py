@@ -1,0 +1,162 @@
+"""Summarize a run_side_by_side.sh folder: one markdown table per workload, engines side by side.
+
+usage: python benchmarks/side_by_side_report.py OUT_DIR
+
+Reads OUT_DIR/<workload>_<engine>.json (written by `tokenserve bench serve`, `tokenserve bench
+throughput` and `vllm bench throughput`), prints the tables and writes OUT_DIR/summary.json.
+The last column is tokenserve / vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+ENGINES = ("tokenserve", "vllm")
+W1_OUTPUT_LEN = 128  # vLLM's throughput JSON has no output-token count; W1 fixes it
+
+# A figure: its label, and its path of keys into a `bench serve` summary.
+Figure = tuple[str, tuple[str, ...]]
+
+_W2: list[Figure] = [
+    ("req/s", ("request_throughput",)),
+    ("output tok/s", ("output_throughput",)),
+    ("TTFT mean ms", ("ttft_ms", "mean")),
+    ("TTFT p50 ms", ("ttft_ms", "p50")),
+    ("TTFT p99 ms", ("ttft_ms", "p99")),
+    ("TPOT mean ms", ("tpot_ms", "mean")),
+    ("ITL mean ms", ("itl_ms", "mean")),
+    ("ITL p99 ms", ("itl_ms", "p99")),
+]
+_W3: list[Figure] = [
+    ("TTFT mean ms", ("ttft_ms", "mean")),
+    ("TTFT p50 ms", ("ttft_ms", "p50")),
+    ("TTFT p99 ms", ("ttft_ms", "p99")),
+    ("req/s", ("request_throughput",)),
+    ("prefix-cache hit rate", ("prefix_cache_hit_rate",)),
+]
+_W4: list[Figure] = [
+    ("short TTFT p50 ms", ("groups", "short", "ttft_ms", "p50")),
+    ("short TTFT p99 ms", ("groups", "short", "ttft_ms", "p99")),
+    ("short ITL p99 ms", ("groups", "short", "itl_ms", "p99")),
+    ("long TTFT mean ms", ("groups", "long", "ttft_ms", "mean")),
+]
+_W5: list[Figure] = [
+    ("completed", ("completed",)),
+    ("failed", ("failed",)),
+    ("preemptions", ("num_preemptions",)),
+    ("output tok/s", ("output_throughput",)),
+]
+# (result name without the engine, its figures), in the order printed.
+SERVE_TABLES: list[tuple[str, list[Figure]]] = [
+    ("w2_rate_inf", _W2),
+    ("w2_rate_2", _W2),
+    ("w3_prefix_cache_on", _W3),
+    ("w3_prefix_cache_off", _W3),
+    *((f"w4_mbt_{mbt}", _W4) for mbt in (256, 512, 2048)),
+    ("w5_unconstrained", _W5),
+    ("w5_constrained", _W5),
+]
+
+
+def load(out_dir: str, name: str) -> dict[str, Any] | None:
+    path = os.path.join(out_dir, f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as file:
+        return json.load(file)
+
+
+def dig(data: dict[str, Any] | None, path: tuple[str, ...]) -> float | None:
+    for key in path:
+        if not isinstance(data, dict) or data.get(key) is None:
+            return None
+        data = data[key]
+    return float(data) if isinstance(data, (int, float)) else None
+
+
+def w1_figures(out_dir: str) -> dict[str, dict[str, float | None]]:
+    figures: dict[str, dict[str, float | None]] = {}
+    ours = load(out_dir, "w1_tokenserve")
+    if ours is not None:
+        figures["tokenserve"] = {
+            "output tok/s": ours["output_tokens_per_second"],
+            "total tok/s": ours["total_tokens_per_second"],
+            "wall s": ours["elapsed_time"],
+        }
+    vllm = load(out_dir, "w1_vllm")
+    if vllm is not None:
+        figures["vllm"] = {
+            "output tok/s": vllm["num_requests"] * W1_OUTPUT_LEN / vllm["elapsed_time"],
+            "total tok/s": vllm["tokens_per_second"],
+            "wall s": vllm["elapsed_time"],
+        }
+    return figures
+
+
+def w5_outputs_equal(out_dir: str, engine: str) -> str | None:
+    """How many constrained-cache outputs equal the unconstrained run's, as 'k/n'."""
+    constrained = load(out_dir, f"w5_constrained_{engine}")
+    free = load(out_dir, f"w5_unconstrained_{engine}")
+    if constrained is None or free is None:
+        return None
+    pairs = list(zip(constrained["requests"], free["requests"]))
+    equal = sum(a["success"] and b["success"] and a["text"] == b["text"] for a, b in pairs)
+    return f"{equal}/{len(pairs)}"
+
+
+def table(title: str, rows: dict[str, dict[str, Any]]) -> list[str]:
+    lines = [f"### {title}", "", "| figure | tokenserve | vLLM | tokenserve / vLLM |", "|---|---|---|---|"]
+    labels = list(dict.fromkeys(label for values in rows.values() for label in values))
+    for label in labels:
+        ours, theirs = (rows.get(engine, {}).get(label) for engine in ENGINES)
+        ratio = ours / theirs if isinstance(ours, float) and isinstance(theirs, float) and theirs else None
+        lines.append(f"| {label} | {_cell(ours)} | {_cell(theirs)} | {_cell(ratio, '.2f')} |")
+    return [*lines, ""]
+
+
+def main(out_dir: str) -> int:
+    summary: dict[str, dict[str, dict[str, Any]]] = {}
+    w1 = w1_figures(out_dir)
+    if w1:
+        summary["w1"] = w1
+    for name, fields in SERVE_TABLES:
+        rows = {}
+        for engine in ENGINES:
+            data = load(out_dir, f"{name}_{engine}")
+            if data is not None:
+                rows[engine] = {label: dig(data["summary"], path) for label, path in fields}
+        if rows:
+            summary[name] = rows
+    for engine in ENGINES:
+        equal = w5_outputs_equal(out_dir, engine)
+        if equal is not None:
+            summary.setdefault("w5_constrained", {}).setdefault(engine, {})[
+                "outputs equal to unconstrained"
+            ] = equal
+
+    meta = load(out_dir, "meta") or {}
+    lines = [f"## Side by side: {out_dir}", "", f"meta: {json.dumps(meta)}", ""]
+    for name, rows in summary.items():
+        lines += table(name, rows)
+    print("\n".join(lines))
+    with open(os.path.join(out_dir, "summary.json"), "w") as file:
+        json.dump(summary, file, indent=2)
+    return 0
+
+
+def _cell(value: Any, spec: str | None = None) -> str:
+    """A table cell: 1 decimal from 10 up, 3 significant digits below, unless `spec` says."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return format(value, spec or (".1f" if abs(value) >= 10 else ".3g"))
+    return str(value)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    sys.exit(main(sys.argv[1]))
