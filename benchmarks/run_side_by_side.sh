@@ -6,7 +6,7 @@
 # usage: benchmarks/run_side_by_side.sh [OUT_DIR]      (default: /tmp/side_by_side/DATE)
 #
 # env knobs:
-#   ENGINES=tokenserve,vllm         engines to run
+#   ENGINES=tokenserve,vllm,transformers   engines to run (transformers: W1 only)
 #   PHASES=export,install,w1,w2,w3,w4,w5
 #   MODEL_DIR=$OUT/m0_hf            M0 as a HF directory (benchmarks/export_hf.py writes it
 #                                   once; both engines load this very directory)
@@ -27,7 +27,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${1:-/tmp/side_by_side/$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT/logs"
 OUT=$(cd "$OUT" && pwd)
-ENGINES=${ENGINES:-tokenserve,vllm}
+ENGINES=${ENGINES:-tokenserve,vllm,transformers}
 PHASES=${PHASES:-export,install,w1,w2,w3,w4,w5}
 MODEL_DIR=${MODEL_DIR:-$OUT/m0_hf}
 PEERS=${PEERS:-$REPO/../shared/peers/vllm_cpu.sh}
@@ -205,6 +205,14 @@ if has w1; then
         --random-output-len 128 --num-prompts "$N1" --output-json "$OUT/w1_vllm.json" \
         > "$OUT/logs/w1_vllm.log" 2>&1 || log "W1 vLLM failed, see logs/w1_vllm.log"
     grep -E "^Throughput" "$OUT/logs/w1_vllm.log" | sed "s/^/    /"
+  fi
+  if runs transformers; then
+    log "W1 transformers: generate, static batches of 64, $N1 x (256 in, 128 out)"
+    timeout "$RUN_TIMEOUT" "$PYTHON" benchmarks/transformers_generate.py "$MODEL_DIR" \
+        --num-prompts "$N1" --input-len 256 --output-len 128 --batch-size 64 \
+        --output-json "$OUT/w1_transformers.json" > "$OUT/logs/w1_transformers.log" 2>&1 \
+      || log "W1 transformers failed, see logs/w1_transformers.log"
+    grep -E "^Throughput" "$OUT/logs/w1_transformers.log" | sed "s/^/    /"
   fi
 fi
 

@@ -4,7 +4,8 @@ usage: python benchmarks/side_by_side_report.py OUT_DIR
 
 Reads OUT_DIR/<workload>_<engine>.json (written by `tokenserve bench serve`, `tokenserve bench
 throughput` and `vllm bench throughput`), prints the tables and writes OUT_DIR/summary.json.
-The last column is tokenserve / vLLM.
+The last column is tokenserve / vLLM. transformers (`benchmarks/transformers_generate.py`)
+has W1 only.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-ENGINES = ("tokenserve", "vllm")
+ENGINES = ("tokenserve", "vllm", "transformers")
 W1_OUTPUT_LEN = 128  # vLLM's throughput JSON has no output-token count; W1 fixes it
 
 # A figure: its label, and its path of keys into a `bench serve` summary.
@@ -93,6 +94,13 @@ def w1_figures(out_dir: str) -> dict[str, dict[str, float | None]]:
             "total tok/s": vllm["tokens_per_second"],
             "wall s": vllm["elapsed_time"],
         }
+    baseline = load(out_dir, "w1_transformers")
+    if baseline is not None:
+        figures["transformers"] = {
+            "output tok/s": baseline["output_tokens_per_second"],
+            "total tok/s": baseline["total_tokens_per_second"],
+            "wall s": baseline["elapsed_time"],
+        }
     return figures
 
 
@@ -108,12 +116,18 @@ def w5_outputs_equal(out_dir: str, engine: str) -> str | None:
 
 
 def table(title: str, rows: dict[str, dict[str, Any]]) -> list[str]:
-    lines = [f"### {title}", "", "| figure | tokenserve | vLLM | tokenserve / vLLM |", "|---|---|---|---|"]
+    engines = [engine for engine in ENGINES if engine in rows or engine != "transformers"]
+    names = {"tokenserve": "tokenserve", "vllm": "vLLM", "transformers": "transformers"}
+    header = " | ".join(names[engine] for engine in engines)
+    lines = [f"### {title}", "", f"| figure | {header} | tokenserve / vLLM |",
+             "|---|" + "---|" * (len(engines) + 1)]
     labels = list(dict.fromkeys(label for values in rows.values() for label in values))
     for label in labels:
-        ours, theirs = (rows.get(engine, {}).get(label) for engine in ENGINES)
+        values = [rows.get(engine, {}).get(label) for engine in engines]
+        ours, theirs = values[0], values[1]
         ratio = ours / theirs if isinstance(ours, float) and isinstance(theirs, float) and theirs else None
-        lines.append(f"| {label} | {_cell(ours)} | {_cell(theirs)} | {_cell(ratio, '.2f')} |")
+        cells = " | ".join(_cell(value) for value in values)
+        lines.append(f"| {label} | {cells} | {_cell(ratio, '.2f')} |")
     return [*lines, ""]
 
 

@@ -66,6 +66,9 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool
     policy: str
+    # Milliseconds: each step's prompt tokens are sized so the step's predicted time stays
+    # within it (decodes always run); None: max_num_batched_tokens alone limits a step.
+    target_step_ms: float | None = None
 
 
 @dataclass

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tokenserve import LLM, SamplingParams
+from tokenserve import LLM, SamplingParams, kernels
+from tokenserve.model import linear
 
 MAX_TOKENS = 24
 PROMPT_LENGTHS = (1, 5, 17, 33, 64, 100, 250)
@@ -75,3 +76,41 @@ def test_greedy_matches_transformers(tiny_model_dirs, prompts, references, archi
     elif setting == "default":
         assert stats.prefix_cache_hits >= 48  # the shared prefix hit
     assert stats.kv_cache_usage == 0.0
+
+
+@pytest.fixture
+def pure_torch(monkeypatch: pytest.MonkeyPatch):
+    """No C kernels and no oneDNN packing: the fallback path of a machine without them."""
+    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
+    monkeypatch.setenv(linear.DISABLE_ENV, "1")
+    for cached in (kernels._load, kernels.layer_ops, kernels.paged_decode):
+        cached.cache_clear()
+    yield
+    monkeypatch.undo()
+    for cached in (kernels._load, kernels.layer_ops, kernels.paged_decode):
+        cached.cache_clear()
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_pure_torch_path_matches_transformers(
+    tiny_model_dirs, prompts, references, architecture, pure_torch
+):
+    llm = LLM(tiny_model_dirs[architecture], kv_cache_memory="64MiB", max_num_batched_tokens=64)
+    runner = llm.llm_engine.engine_core.model_runner
+    assert runner.attention.paged_decode is None
+    assert runner.model.layers[0].packed == {} and runner.model.norm.ops is None
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for output, expected in zip(outputs, references[architecture]):
+        assert output.outputs[0].token_ids == expected
+
+
+def test_default_path_uses_the_cpu_kernels(tiny_model_dirs):
+    """The test above is about the fallback; the suite's other tests run this path."""
+    llm = LLM(tiny_model_dirs["llama"], kv_cache_memory="64MiB")
+    runner = llm.llm_engine.engine_core.model_runner
+    assert runner.attention.paged_decode is not None
+    assert set(runner.model.layers[0].packed) == {
+        "qkv_weight", "o_weight", "gate_up_weight", "down_weight"
+    }
+    assert runner.model.norm.ops is not None and runner.model.packed_logits is not None

@@ -27,11 +27,33 @@ def test_memory_sizes_parse():
         # 4 blocks of 16 tokens cannot hold a 1000-token sequence: refused at start.
         (dict(num_kv_blocks=4, max_model_len=1000), "does not fit in the KV cache"),
         (dict(enable_chunked_prefill=False, max_num_batched_tokens=64), "chunked prefill"),
+        (dict(target_step_ms=0), "target_step_ms"),
+        (dict(target_step_ms=-5.0), "target_step_ms"),
+        (dict(target_step_ms=float("nan")), "target_step_ms"),
+        (dict(target_step_ms="50"), "target_step_ms"),
     ],
 )
 def test_bad_settings_are_refused(tiny_model_dirs, kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(model=tiny_model_dirs["llama"], **kwargs).create_engine_config()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--target-step-ms", "50"],
+        ["bench", "throughput", "--target-step-ms", "50"],
+        ["generate", "--prompt", "x", "--target-step-ms", "50"],
+    ],
+)
+def test_target_step_ms_flag_reaches_the_scheduler_config(tiny_model_dirs, argv):
+    from tokenserve.entrypoints.cli import build_parser, engine_args_from
+
+    engine_args = engine_args_from(build_parser().parse_args(argv))
+    engine_args.model = tiny_model_dirs["llama"]
+    assert engine_args.create_engine_config().scheduler_config.target_step_ms == 50.0
+    engine_args.target_step_ms = None  # the default: no target
+    assert engine_args.create_engine_config().scheduler_config.target_step_ms is None
 
 
 def test_unknown_engine_argument_is_refused(tiny_model_dirs):

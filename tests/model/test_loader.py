@@ -16,6 +16,7 @@ import torch
 import transformers
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from tokenserve.cache_dir import CACHE_DIR_ENV
 from tokenserve.model import gguf_loader
 from tokenserve.model.loader import (
     SUPPORTED_ARCHITECTURES,
@@ -108,7 +109,7 @@ def test_gguf_weights_match_transformers(
 def test_gguf_tokenizer_is_cached_and_matches(
     default_files: LoadedModelFiles, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    monkeypatch.setenv(gguf_loader.CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     cache_dir = gguf_loader.tokenizer_cache_dir(default_files.path)
     assert cache_dir.startswith(str(tmp_path))
     assert not os.path.exists(cache_dir)

@@ -64,9 +64,10 @@ class AttentionBackend(ABC):
         """Write key/value into their slots, then attend causally over each request's context."""
 
 
-def get_attention_backend(device: torch.device) -> AttentionBackend:
+def get_attention_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     if device.type == "cpu":
         from tokenserve.attention.torch_sdpa import TorchSDPABackend
 
-        return TorchSDPABackend()
+        # The C decode kernel is fp32; other dtypes take the pure-torch path.
+        return TorchSDPABackend(use_kernels=dtype == torch.float32)
     raise ValueError(f"No attention backend for device type {device.type!r} yet (only 'cpu').")

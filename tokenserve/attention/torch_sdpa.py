@@ -1,8 +1,16 @@
-"""Paged attention with PyTorch's scaled_dot_product_attention (the CPU backend).
+"""Paged attention on CPU: PyTorch's scaled_dot_product_attention for prefill, a C kernel
+for decode.
 
-Decode rows (one query token) of all requests are attended in one padded SDPA call;
-each prefill chunk gets its own call with a causal mask offset by the tokens already
-in the cache. The gather indices into the flat cache are built once per step.
+Each prefill chunk gets its own SDPA call (4-D, so PyTorch takes its flash kernel, GQA
+included). A chunk with nothing cached before it attends over its own new keys and values
+directly; a chunk that continues a context gathers that context once per layer and uses a
+causal mask offset by the tokens already cached.
+
+Decode rows (one query token) of all requests go to the paged-decode C kernel
+(kernels.paged_decode), which reads each context in place from its blocks. Where
+the kernel cannot be built, decode rows are attended in one padded SDPA call over
+gathered contexts instead (the same results, more memory traffic). Index tensors are
+built once per step, in `prepare`.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tokenserve import kernels
 from tokenserve.attention.backend import AttentionBackend, AttentionMetadata
 
 
@@ -24,10 +33,13 @@ def _context_slots(block_table: list[int], seq_len: int, block_size: int) -> np.
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
 
+    def __init__(self, use_kernels: bool = True) -> None:
+        self.paged_decode = kernels.paged_decode() if use_kernels else None
+
     def prepare(self, metadata: AttentionMetadata, device: torch.device) -> None:
         decode_rows: list[int] = []
         decode_reqs: list[int] = []
-        prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
+        prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
         for i in range(metadata.num_reqs):
             start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
             if end - start == 1:
@@ -35,33 +47,44 @@ class TorchSDPABackend(AttentionBackend):
                 decode_reqs.append(i)
                 continue
             seq_len = metadata.seq_lens[i]
+            query_len = end - start
+            if seq_len == query_len:
+                # Nothing cached before this chunk: its own keys are the whole context.
+                prefills.append((start, end, None, None))
+                continue
             slots = torch.from_numpy(
                 _context_slots(metadata.block_tables[i], seq_len, metadata.block_size)
             ).to(device)
-            query_len = end - start
-            mask = None
-            if seq_len > query_len:
-                # Query j sits at position seq_len - query_len + j and sees keys up to it.
-                query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
-                mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+            # Query j sits at position seq_len - query_len + j and sees keys up to it.
+            query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
+            mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
             prefills.append((start, end, slots, mask))
 
         data: dict = {"prefills": prefills, "decode_rows": None}
         if decode_rows:
             seq_lens = [metadata.seq_lens[i] for i in decode_reqs]
-            max_len = max(seq_lens)
-            # Pad every context to max_len with slot 0; the mask hides the padding.
-            slot_matrix = np.zeros((len(decode_reqs), max_len), dtype=np.int64)
-            for row, i in enumerate(decode_reqs):
-                slot_matrix[row, : seq_lens[row]] = _context_slots(
-                    metadata.block_tables[i], seq_lens[row], metadata.block_size
-                )
-            lengths = torch.tensor(seq_lens, device=device)
             data["decode_rows"] = torch.tensor(decode_rows, device=device)
-            data["decode_slots"] = torch.from_numpy(slot_matrix).to(device)
-            data["decode_mask"] = (
-                torch.arange(max_len, device=device)[None, :] < lengths[:, None]
-            )[:, None, None, :]
+            if self.paged_decode is not None:
+                num_blocks = max(-(-n // metadata.block_size) for n in seq_lens)
+                tables = np.zeros((len(decode_reqs), num_blocks), dtype=np.int64)
+                for row, i in enumerate(decode_reqs):
+                    used = -(-seq_lens[row] // metadata.block_size)
+                    tables[row, :used] = metadata.block_tables[i][:used]
+                data["decode_block_tables"] = torch.from_numpy(tables).to(device)
+                data["decode_seq_lens"] = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+            else:
+                max_len = max(seq_lens)
+                # Pad every context to max_len with slot 0; the mask hides the padding.
+                slot_matrix = np.zeros((len(decode_reqs), max_len), dtype=np.int64)
+                for row, i in enumerate(decode_reqs):
+                    slot_matrix[row, : seq_lens[row]] = _context_slots(
+                        metadata.block_tables[i], seq_lens[row], metadata.block_size
+                    )
+                lengths = torch.tensor(seq_lens, device=device)
+                data["decode_slots"] = torch.from_numpy(slot_matrix).to(device)
+                data["decode_mask"] = (
+                    torch.arange(max_len, device=device)[None, :] < lengths[:, None]
+                )[:, None, None, :]
         metadata.backend_data = data
 
     def forward(
@@ -83,22 +106,44 @@ class TorchSDPABackend(AttentionBackend):
         data = metadata.backend_data
         output = torch.empty_like(query)
         for start, end, slots, mask in data["prefills"]:
-            q = query[start:end].transpose(0, 1)  # [heads, query_len, head_dim]
-            k = flat_keys[slots].transpose(0, 1)
-            v = flat_values[slots].transpose(0, 1)
+            if slots is None:
+                k, v = key[start:end], value[start:end]
+            else:
+                k, v = flat_keys[slots], flat_values[slots]
+            # [1, heads, tokens, head_dim]: the 4-D form is what PyTorch's CPU flash kernel takes.
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+                query[start:end].transpose(0, 1).unsqueeze(0),
+                k.transpose(0, 1).unsqueeze(0),
+                v.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=True,
             )
-            output[start:end] = out.transpose(0, 1)
+            output[start:end] = out[0].transpose(0, 1)
 
         rows = data["decode_rows"]
-        if rows is not None:
-            slots = data["decode_slots"]
-            q = query[rows].unsqueeze(2)  # [batch, heads, 1, head_dim]
-            k = flat_keys[slots].transpose(1, 2)  # [batch, kv_heads, max_len, head_dim]
-            v = flat_values[slots].transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=data["decode_mask"], scale=scale, enable_gqa=True
+        if rows is None:
+            return output
+        if self.paged_decode is not None:
+            decode_out = torch.empty((rows.shape[0], *query.shape[1:]), dtype=query.dtype)
+            self.paged_decode(
+                decode_out,
+                query[rows],
+                key_cache,
+                value_cache,
+                data["decode_block_tables"],
+                data["decode_seq_lens"],
+                scale,
             )
-            output[rows] = out.squeeze(2)
+            output[rows] = decode_out
+            return output
+        slots = data["decode_slots"]
+        q = query[rows].unsqueeze(2)  # [batch, heads, 1, head_dim]
+        k = flat_keys[slots].transpose(1, 2)  # [batch, kv_heads, max_len, head_dim]
+        v = flat_values[slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=data["decode_mask"], scale=scale, enable_gqa=True
+        )
+        output[rows] = out.squeeze(2)
         return output

@@ -13,6 +13,7 @@ from tokenserve.config import EngineConfig
 from tokenserve.core.request import Request, RequestStatus
 from tokenserve.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
 from tokenserve.core.scheduler_output import SchedulerOutput
+from tokenserve.core.step_cost import StepCostModel, StepShape
 from tokenserve.structured_output.manager import StructuredOutputManager
 from tokenserve.worker.model_runner import ModelRunner
 
@@ -30,7 +31,15 @@ class EngineCore:
         self.model_runner = ModelRunner(config)
         self.model_runner.load_model()
         self.model_runner.initialize_kv_cache()
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        # With a target step time, every step's wall time (schedule → execute → update) teaches
+        # the cost model the scheduler sizes prefill with. `clock` is replaceable in tests.
+        self.step_cost_model: StepCostModel | None = None
+        if config.scheduler_config.target_step_ms is not None:
+            self.step_cost_model = StepCostModel()
+        self.clock = time.perf_counter
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, self.step_cost_model
+        )
         self.structured_output_manager = StructuredOutputManager(config, tokenizer)
         # What the latest step scheduled; the engine-core process reads it for its stats.
         self.last_scheduler_output: SchedulerOutput | None = None
@@ -58,6 +67,7 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return []
         outputs = self._poll_grammars()
+        started = self.clock()
         scheduler_output = self.scheduler.schedule()
         self.last_scheduler_output = scheduler_output
         grammar_bitmask = self.structured_output_manager.grammar_bitmask(scheduler_output)
@@ -68,6 +78,8 @@ class EngineCore:
             runner_output.logprobs,
             runner_output.prompt_logprobs,
         )
+        if self.step_cost_model is not None and not scheduler_output.is_empty:
+            self.step_cost_model.record(StepShape.of(scheduler_output), self.clock() - started)
         if scheduler_output.is_empty and self.structured_output_manager.has_compiling_requests:
             self.structured_output_manager.wait_for_grammars(GRAMMAR_WAIT_S)
         return outputs

@@ -6,6 +6,8 @@ requests go first (so decodes keep priority), then waiting ones while the token 
 split across steps (chunked prefill). When a running request needs a block and none is
 free, the newest (or lowest-priority) running request is preempted: it gives back its
 blocks and waits to be recomputed. Nobody is admitted in a step that preempted.
+With a target step time (`target_step_ms`), a `TargetStepBudget` caps the prompt tokens
+of each step on top of its decodes (core/step_cost.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from tokenserve.core.kv_cache_manager import KVCacheManager
 from tokenserve.core.request import Request, RequestStatus
 from tokenserve.core.request_queue import create_request_queue
 from tokenserve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenserve.core.step_cost import PrefillBudget, StepCostModel, StepShape, TargetStepBudget
 from tokenserve.sample.logprobs import LogprobsLists
+
+# With a target step time, the prompt tokens a step gets however slow its decodes are.
+MIN_PREFILL_TOKENS = 16
 
 
 @dataclass
@@ -44,10 +50,22 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # The latest step's token budget: max_num_batched_tokens, or with a target step time
+    # its decode rows plus what a fresh prompt could get under the target.
+    token_budget: int | None = None
+    # The step-cost model's prediction for the latest step (target step time only).
+    predicted_step_ms: float | None = None
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        step_cost_model: StepCostModel | None = None,
+    ) -> None:
+        """`step_cost_model`: what sizes each step's prefill under `target_step_ms` (the
+        engine core records into it); one is made if the config has a target and none is given."""
         self.config = scheduler_config
         self.kv_cache_manager = KVCacheManager(
             num_blocks=cache_config.num_blocks,
@@ -61,6 +79,15 @@ class Scheduler:
         # Requests finished since the last schedule(), for the runner to forget.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.step_cost_model = step_cost_model
+        if scheduler_config.target_step_ms is not None and step_cost_model is None:
+            self.step_cost_model = StepCostModel()
+        self.min_prefill_tokens = min(
+            max(MIN_PREFILL_TOKENS, cache_config.block_size),
+            scheduler_config.max_num_batched_tokens,
+        )
+        self.last_token_budget = scheduler_config.max_num_batched_tokens
+        self.last_predicted_step_ms: float | None = None
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -90,6 +117,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         token_budget = self.config.max_num_batched_tokens
+        prefill_budget = self._prefill_budget()
         num_scheduled_tokens: dict[str, int] = {}
         scheduled_running: list[Request] = []
         scheduled_new: list[Request] = []
@@ -100,6 +128,11 @@ class Scheduler:
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            if num_new_tokens > 1:  # a prompt chunk; a decode row always gets its token
+                num_new_tokens = prefill_budget.grant(request.num_computed_tokens, num_new_tokens)
+                if num_new_tokens == 0:
+                    index += 1
+                    continue
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
                 if new_blocks is not None:
@@ -140,6 +173,9 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
                     break
                 num_new_tokens = min(num_new_tokens, token_budget)
+                num_new_tokens = prefill_budget.grant(num_hit_tokens, num_new_tokens)
+                if num_new_tokens == 0:
+                    break
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request, num_new_tokens, hits, num_hit_tokens
                 )
@@ -174,6 +210,9 @@ class Scheduler:
         for request in (*scheduled_running, *scheduled_new):
             request.num_computed_tokens += num_scheduled_tokens[request.request_id]
         self.finished_req_ids = set()
+        self.last_token_budget = prefill_budget.token_budget or self.config.max_num_batched_tokens
+        if isinstance(prefill_budget, TargetStepBudget) and not output.is_empty:
+            self.last_predicted_step_ms = prefill_budget.cost_model.predict_ms(StepShape.of(output))
         return output
 
     def update_from_output(
@@ -222,9 +261,29 @@ class Scheduler:
             prefix_cache_queries=stats.queries,
             prefix_cache_hits=stats.hits,
             num_preemptions=self.num_preemptions,
+            token_budget=self.last_token_budget,
+            predicted_step_ms=self.last_predicted_step_ms,
         )
 
     # ---- helpers -------------------------------------------------------------------
+
+    def _prefill_budget(self) -> PrefillBudget:
+        """This step's limit on prompt tokens: none, unless a target step time sets one."""
+        target_ms = self.config.target_step_ms
+        if target_ms is None or self.step_cost_model is None or not self.step_cost_model.is_ready:
+            return PrefillBudget()
+        decode_shape = StepShape()
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens == 1:
+                decode_shape.add(request.num_computed_tokens, 1)
+        return TargetStepBudget(
+            self.step_cost_model,
+            target_ms,
+            decode_shape,
+            self.min_prefill_tokens,
+            self.config.max_num_batched_tokens,
+            chunked=self.config.enable_chunked_prefill,
+        )
 
     def _check_stop(self, request: Request) -> None:
         params = request.sampling_params

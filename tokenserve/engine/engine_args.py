@@ -7,6 +7,7 @@ weight is read, so that a bad setting fails fast with a ValueError that names it
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass, fields
 
@@ -61,6 +62,9 @@ class EngineArgs:
     prefix_caching_hash_algo: str = "sha256"
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    # Size each step's prefill from the measured step cost so steps stay within this
+    # many milliseconds (decodes always advance); None: no target.
+    target_step_ms: float | None = None
     # The most logprobs / prompt_logprobs a request may ask for (vLLM's default).
     max_logprobs: int = 20
 
@@ -115,6 +119,7 @@ class EngineArgs:
             max_model_len=model_config.max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,
+            target_step_ms=self.target_step_ms,
         )
         return EngineConfig(model_config, cache_config, scheduler_config)
 
@@ -128,6 +133,15 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}.")
+        target = self.target_step_ms
+        if target is not None and (
+            isinstance(target, bool)
+            or not isinstance(target, (int, float))
+            or not 0 < target < math.inf
+        ):
+            raise ValueError(
+                f"target_step_ms must be a positive number of milliseconds, got {target!r}."
+            )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}."

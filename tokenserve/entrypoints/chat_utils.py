@@ -1,12 +1,14 @@
 """Chat templates: load an override, render a conversation into prompt text.
 
 Rendering goes through the tokenizer's `apply_chat_template`, i.e. transformers' jinja2
-environment, so a model's template renders here exactly as it does in transformers.
+environment, so a model's template renders here exactly as it does in transformers. Tools
+and earlier tool calls (their arguments as objects) reach the template too.
 Anything wrong with the conversation or the template is a ValueError (HTTP 400).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -79,4 +81,19 @@ def _plain_message(message: Mapping[str, Any]) -> dict[str, Any]:
         plain["content"] = "\n".join(texts)
     elif content is None:
         plain["content"] = ""
+    if isinstance(message.get("tool_calls"), list):
+        plain["tool_calls"] = [_template_tool_call(call) for call in message["tool_calls"]]
     return plain
+
+
+def _template_tool_call(call: Any) -> Any:
+    """An assistant's earlier call with its arguments as a dict: OpenAI sends them as JSON
+    text, chat templates (`tool_call.arguments | tojson`) expect the object (as vLLM does)."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}

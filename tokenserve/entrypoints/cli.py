@@ -43,6 +43,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                         help="Most logprobs (and prompt logprobs) a request may ask for.")
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
                         default=defaults.scheduling_policy, help="Order of admission and preemption.")
+    parser.add_argument("--target-step-ms", type=float, default=defaults.target_step_ms,
+                        help="Target engine-step time in ms: each step's prompt tokens are sized "
+                             "from the measured step cost to keep it within the target (every "
+                             "decode still gets its token; prefill gets at least 16 tokens a step). "
+                             "Default: no target, --max-num-batched-tokens alone limits a step.")
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
@@ -89,9 +94,19 @@ def _size(value: str) -> int:
     return size
 
 
+def _bool(value: str) -> bool:
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """HTTP server flags, with vLLM's names where vLLM has the flag."""
     from tokenserve.entrypoints.openai.limits import ServingLimits
+    from tokenserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from tokenserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
     limits = ServingLimits()
     parser.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
@@ -115,6 +130,18 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="Accept a chat_template in requests (jinja2 run by the server); "
                              "refused with 400 by default.")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='Serve tool_choice "auto" (the default when a request has tools): '
+                             "read tool calls out of the output with --tool-call-parser.")
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                        help="How the model writes tool calls (for --enable-auto-tool-choice).")
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="Split the model's reasoning into reasoning_content (chat).")
+    parser.add_argument("--structured-outputs-config.enable_in_reasoning",
+                        dest="structured_outputs_enable_in_reasoning", type=_bool, nargs="?", metavar="BOOL",
+                        const=True, default=False,
+                        help="With --reasoning-parser, let structured outputs constrain the "
+                             "reasoning too (by default only what follows it).")
     parser.add_argument("--max-waiting-requests", type=int, default=limits.max_waiting_requests,
                         help="Sequences (prompts x n) that may wait beyond --max-num-seqs "
                              "running ones; past that, requests get 503 with Retry-After.")

@@ -100,6 +100,15 @@ class PrometheusStatLogger:
             "prefix_cache_hits", "Prompt tokens found in the prefix cache."
         )
         self.num_preemptions = counter("num_preemptions", "Preemptions of running requests.")
+        self.token_budget = gauge(
+            "token_budget",
+            "Token budget of the latest engine step: max_num_batched_tokens, or under "
+            "--target-step-ms its decode rows plus the prompt tokens the target leaves room for.",
+        )
+        self.predicted_step_time = gauge(
+            "predicted_step_time_seconds",
+            "The step-cost model's prediction for the latest engine step (--target-step-ms).",
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.request_success = Counter(
@@ -139,6 +148,10 @@ class PrometheusStatLogger:
             self.num_requests_running.set(scheduler_stats.num_running_reqs)
             self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
             self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
+            if scheduler_stats.token_budget is not None:
+                self.token_budget.set(scheduler_stats.token_budget)
+            if scheduler_stats.predicted_step_ms is not None:
+                self.predicted_step_time.set(scheduler_stats.predicted_step_ms / 1e3)
             counters = (
                 scheduler_stats.prefix_cache_queries,
                 scheduler_stats.prefix_cache_hits,

@@ -8,6 +8,7 @@ conversion time. The tokenizer conversion is slow, so its result is cached on di
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -23,11 +24,12 @@ import transformers
 from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
+from tokenserve.cache_dir import cache_root
+
 logger = logging.getLogger(__name__)
 
 # llama-architecture GGUF files (Llama, Mistral, SmolLM, ...) all load as this HF class.
 GGUF_ARCHITECTURE = "LlamaForCausalLM"
-CACHE_DIR_ENV = "TOKENSERVE_CACHE_DIR"
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 # llama.cpp only writes a rope_freqs tensor for Llama 3.x long-context RoPE; Meta released
@@ -147,13 +149,12 @@ def tokenizer_cache_dir(path: str) -> str:
     The key covers the file's identity (path, size, mtime) and the transformers version that
     did the conversion, so a replaced file or an upgraded converter gets a fresh entry.
     """
-    root = os.environ.get(CACHE_DIR_ENV) or os.path.join("~", ".cache", "tokenserve")
     stat = os.stat(path)
     identity = f"{os.path.realpath(path)}|{stat.st_size}|{stat.st_mtime_ns}"
     identity += f"|{transformers.__version__}"
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(path))[0]
-    return os.path.join(os.path.expanduser(root), "tokenizers", f"{stem}-{digest}")
+    return os.path.join(cache_root(), "tokenizers", f"{stem}-{digest}")
 
 
 def _write_tokenizer_cache(tokenizer: transformers.PreTrainedTokenizerBase, cache_dir: str) -> None:
@@ -176,6 +177,14 @@ def _write_tokenizer_cache(tokenizer: transformers.PreTrainedTokenizerBase, cach
 
 
 def _open_reader(path: str) -> GGUFReader:
+    """The parsed file, shared by the config, weight and tokenizer loaders of a process:
+    parsing the default model's 49k-token vocabulary takes seconds."""
+    stat = os.stat(path)
+    return _read_file(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _read_file(path: str, size: int, mtime_ns: int) -> GGUFReader:
     try:
         reader = GGUFReader(path)
     except Exception as error:  # truncation surfaces as assorted numpy/struct errors

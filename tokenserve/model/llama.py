@@ -3,7 +3,8 @@
 One flat batch per step: `input_ids` and `positions` are [num_tokens], with no
 per-request padding; attention finds each request's context through the metadata.
 Q/K/V and gate/up projections are fused at load time (one matmul each instead of
-three and two).
+three and two). On CPU, `pack_weights()` then moves every projection (and the logits
+matrix) to oneDNN's prepacked layout (model/linear.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenserve.attention.backend import AttentionBackend, AttentionMetadata
+from tokenserve.kernels import layer_ops
+from tokenserve.model.linear import linear, pack_weight
 from tokenserve.model.rotary import RotaryEmbedding
 
 
@@ -24,12 +27,26 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.ops = layer_ops() if dtype == torch.float32 else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalise x; with `residual`, first add x into it in place (the residual stream)
+        and normalise the sum."""
+        if self.ops is not None and x.device.type == "cpu":
+            return self.ops.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = residual.add_(x)
         # Normalise in fp32 whatever the dtype, as the reference implementation does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+def _silu_and_mul(gate_up: torch.Tensor, ops) -> torch.Tensor:
+    if ops is not None and gate_up.device.type == "cpu":
+        return ops.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def _empty_parameter(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -58,19 +75,42 @@ class LlamaDecoderLayer(nn.Module):
         self.o_weight = _empty_parameter(hidden, self.q_size, dtype=dtype)
         self.gate_up_weight = _empty_parameter(2 * intermediate, hidden, dtype=dtype)
         self.down_weight = _empty_parameter(hidden, intermediate, dtype=dtype)
+        self.mlp_ops = layer_ops() if dtype == torch.float32 else None
+        # Parameter name → its oneDNN-packed form, once pack_weights() has run.
+        self.packed: dict[str, torch.Tensor] = {}
+
+    def pack_weights(self) -> None:
+        for name in _PROJECTIONS:
+            if name in self.packed:
+                continue  # packed already: the dense weight is gone
+            packed = pack_weight(getattr(self, name))
+            if packed is not None:
+                self.packed[name] = packed
+                # The packed copy is the weight from now on; free the dense one.
+                getattr(self, name).data = torch.empty(0, dtype=self.packed[name].dtype)
+
+    def _project(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None):
+        return linear(x, getattr(self, name), bias, self.packed.get(name))
 
     def forward(
         self,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         rotary: RotaryEmbedding,
         attention: AttentionBackend,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        x = self.input_layernorm(hidden_states)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer on the residual stream: returns (this layer's MLP output, the stream
+        before it is added). `residual` is None for the first layer, whose input is the
+        stream itself; the next norm adds the two (fused with the norm on CPU)."""
+        if residual is None:
+            residual = hidden_states
+            x = self.input_layernorm(hidden_states)
+        else:
+            x = self.input_layernorm(hidden_states, residual)
+        qkv = self._project(x, "qkv_weight", self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         num_tokens = x.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -78,13 +118,14 @@ class LlamaDecoderLayer(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k)
         attn = attention.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
-        hidden_states = residual + F.linear(attn.reshape(num_tokens, self.q_size), self.o_weight)
+        attn_out = self._project(attn.reshape(num_tokens, self.q_size), "o_weight")
 
-        residual = hidden_states
-        x = self.post_attention_layernorm(hidden_states)
-        gate, up = F.linear(x, self.gate_up_weight).split(self.intermediate_size, dim=-1)
-        return residual + F.linear(F.silu(gate) * up, self.down_weight)
+        x = self.post_attention_layernorm(attn_out, residual)
+        gate_up = self._project(x, "gate_up_weight")
+        return self._project(_silu_and_mul(gate_up, self.mlp_ops), "down_weight"), residual
 
+
+_PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 # HF checkpoint names of one layer's tensors → (our parameter, slot in the fused tensor).
 _FUSED_PARTS = {
@@ -132,6 +173,19 @@ class LlamaForCausalLM(nn.Module):
         )
         head_dim = self.layers[0].head_dim
         self.rotary = RotaryEmbedding(hf_config, head_dim, max_position, dtype)
+        self.packed_logits: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """Prepack the projections and the logits matrix for oneDNN (CPU only; a no-op
+        elsewhere). Call once, after load_weights()."""
+        for layer in self.layers:
+            layer.pack_weights()
+        if self.packed_logits is not None:
+            return
+        # The embedding table stays dense even when tied: the lookup needs it.
+        self.packed_logits = pack_weight(self.embed_tokens if self.lm_head is None else self.lm_head)
+        if self.packed_logits is not None and self.lm_head is not None:
+            self.lm_head.data = torch.empty(0, dtype=self.packed_logits.dtype)
 
     def forward(
         self,
@@ -141,15 +195,17 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden_states = F.embedding(input_ids, self.embed_tokens)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden_states = layer(
-                positions, hidden_states, kv_cache, self.rotary, self.attention, metadata
+            hidden_states, residual = layer(
+                positions, hidden_states, residual, kv_cache, self.rotary, self.attention,
+                metadata,
             )
-        return self.norm(hidden_states)
+        return self.norm(hidden_states, residual)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden_states, weight)
+        return linear(hidden_states, weight, packed=self.packed_logits)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from tokenserve.kernels import layer_ops
+
 
 def _rope_parameters(hf_config) -> dict:
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
@@ -42,11 +44,18 @@ class RotaryEmbedding(torch.nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (angles.cos() * attention_scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (angles.sin() * attention_scaling).to(dtype), persistent=False)
+        self.ops = layer_ops() if dtype == torch.float32 else None
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate query [T, H, D] and key [T, Hkv, D] by their positions [T]."""
+        """Rotate query [T, H, D] and key [T, Hkv, D] by their positions [T].
+
+        On CPU with the C kernels, in place (query and key may be views of one fused QKV
+        tensor); otherwise new tensors."""
+        if self.ops is not None and self.cos.device.type == "cpu":
+            self.ops.rotary(query, key, positions, self.cos, self.sin)
+            return query, key
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin

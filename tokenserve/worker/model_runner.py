@@ -48,7 +48,7 @@ class ModelRunner:
         self.config = config
         self.device = device or torch.device("cpu")
         self.block_size = config.cache_config.block_size
-        self.attention = get_attention_backend(self.device)
+        self.attention = get_attention_backend(self.device, config.model_config.dtype)
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         # Per-request generators outlive preemption: a resumed request keeps drawing
@@ -65,6 +65,8 @@ class ModelRunner:
         model = build_model(model_config, self.attention)
         model.load_weights(iterate_weights(model_config.files))
         self.model = model.to(self.device).eval()
+        if self.device.type == "cpu":
+            self.model.pack_weights()
 
     def initialize_kv_cache(self) -> None:
         model_config = self.config.model_config

@@ -1,11 +1,14 @@
-"""Server fixtures: one tiny-model server (behind an API key) for the whole session."""
+"""Server fixtures for the whole session: a tiny-model server (behind an API key), and one
+serving the default model (SmolLM2), started only when a test asks for it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import openai
 import pytest
+import transformers
 
 from tests.entrypoints.openai.remote_server import API_KEY, TINY_MODEL_NAME, RemoteServer
 
@@ -34,3 +37,17 @@ def tiny_server(tiny_model_dirs: dict[str, str]) -> Iterator[RemoteServer]:
 @pytest.fixture(scope="session")
 def tiny_client(tiny_server: RemoteServer) -> openai.OpenAI:
     return tiny_server.client()
+
+
+@pytest.fixture(scope="session")
+def default_server(default_model_path: str) -> Iterator[RemoteServer]:
+    """`tokenserve serve` with no model argument: the default model, SmolLM2-135M-Instruct."""
+    server = RemoteServer(None, "--kv-cache-memory", "256MiB", "--max-model-len", "2048")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_tokenizer_dir: str) -> Any:
+    """The tiny byte-level BPE, to cut parser inputs into token-sized pieces."""
+    return transformers.AutoTokenizer.from_pretrained(tiny_tokenizer_dir)

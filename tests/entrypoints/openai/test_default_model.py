@@ -1,19 +1,9 @@
-"""`tokenserve serve` with no model argument serves the default model, SmolLM2-135M-Instruct."""
+"""`tokenserve serve` with no model argument serves the default model, SmolLM2-135M-Instruct
+(the session's `default_server`, conftest.py)."""
 
 from __future__ import annotations
 
-import pytest
-
-from tests.entrypoints.openai.remote_server import RemoteServer
-
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
-
-
-@pytest.fixture(scope="module")
-def default_server(default_model_path):
-    server = RemoteServer(None, "--kv-cache-memory", "256MiB", "--max-model-len", "2048")
-    yield server
-    server.stop()
 
 
 def test_chat_answers_paris(default_server):

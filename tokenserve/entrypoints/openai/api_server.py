@@ -32,6 +32,7 @@ import tokenserve
 from tokenserve.engine.async_llm import AsyncLLM
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.entrypoints.chat_utils import load_chat_template
+from tokenserve.entrypoints.openai.assistant_message import ChatParsing
 from tokenserve.entrypoints.openai.auth import (
     APIKeyMiddleware,
     effective_cache_salt,
@@ -69,6 +70,7 @@ def build_app(
     metrics: PrometheusStatLogger | None = None,
     limits: ServingLimits | None = None,
     shared_prefix_cache_across_keys: bool = False,
+    parsing: ChatParsing | None = None,
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -90,7 +92,7 @@ def build_app(
         max_body_size=limits.max_request_body_size,
     )
     completion = OpenAIServingCompletion(engine, served_model_names, chat_template, limits)
-    chat = OpenAIServingChat(engine, served_model_names, chat_template, limits)
+    chat = OpenAIServingChat(engine, served_model_names, chat_template, limits, parsing)
     max_model_len = engine.config.model_config.max_model_len
 
     @app.get("/health")
@@ -142,6 +144,7 @@ def build_app(
                 request.add_generation_prompt,
                 request.continue_final_message,
                 request.chat_template_kwargs,
+                request.tools,
             )
             add_special_tokens = bool(request.add_special_tokens)
         else:
@@ -196,6 +199,15 @@ def served_model_names_from(args: argparse.Namespace) -> list[str]:
     return [args.model if args.model is not None else DEFAULT_SERVED_MODEL_NAME]
 
 
+def parsing_from(args: argparse.Namespace) -> ChatParsing:
+    return ChatParsing(
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        structured_outputs_in_reasoning=args.structured_outputs_enable_in_reasoning,
+    )
+
+
 def limits_from(args: argparse.Namespace) -> ServingLimits:
     return ServingLimits(
         max_request_body_size=args.max_request_body_size,
@@ -217,6 +229,7 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         raise ValueError(f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}.")
     api_keys = load_api_keys(args.api_key, args.api_key_file)
     limits = limits_from(args)
+    parsing = parsing_from(args)
     chat_template = load_chat_template(args.chat_template)
     served_model_names = served_model_names_from(args)
     config = engine_args.create_engine_config()
@@ -231,6 +244,7 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             metrics,
             limits,
             args.shared_prefix_cache_across_keys,
+            parsing,
         )
         server = uvicorn.Server(
             uvicorn.Config(

@@ -17,7 +17,11 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from tokenserve.sampling_params import RequestOutputKind, SamplingParams
+from tokenserve.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 
 def random_id(prefix: str) -> str:
@@ -106,6 +110,39 @@ class ModelList(OpenAIModel):
     data: list[ModelCard]
 
 
+# ---- structured outputs --------------------------------------------------------------
+
+
+class JsonSchemaResponseFormat(OpenAIModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    # `schema` would shadow pydantic's BaseModel.schema.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the grammar is always strict
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+
+class StructuredOutputsField(OpenAIModel):
+    """vLLM's `structured_outputs` request field: exactly one of json / json_object / regex /
+    choice / grammar. Unknown keys are refused, so a misspelt one is not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    # `json` would shadow pydantic's BaseModel.json.
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+
 # ---- sampling fields shared by /v1/completions and /v1/chat/completions --------------
 
 
@@ -137,6 +174,14 @@ class SamplingRequest(RequestBody):
     prompt_logprobs: NonNegativeInt64 | None = None
     cache_salt: str | None = None
     priority: Int64 = 0
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, and vLLM's
+    # older guided_* fields (tokenserve/entrypoints/openai/structured_outputs.py).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -145,7 +190,11 @@ class SamplingRequest(RequestBody):
         return self
 
     def to_sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """SamplingParams for this request; raises ValueError for invalid values."""
         optional: dict[str, Any] = {
@@ -175,6 +224,7 @@ class SamplingRequest(RequestBody):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured_outputs,
             **{name: value for name, value in optional.items() if value is not None},
         )
 
@@ -229,11 +279,49 @@ class CompletionResponse(OpenAIModel):
 # ---- /v1/chat/completions -----------------------------------------------------------
 
 
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the template
+    model_config = ConfigDict(extra="allow")  # other fields reach the template as they are
 
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
+
+
+ToolChoice = Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -242,7 +330,10 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: NonNegativeInt64 | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    # Default: "auto" with tools, "none" without (OpenAI's).
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     # vLLM's chat-template fields.
     echo: bool = False
     add_generation_prompt: bool = True
@@ -269,6 +360,8 @@ class ChatCompletionLogProbs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # vLLM's field, with --reasoning-parser
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(OpenAIModel):
@@ -288,14 +381,33 @@ class ChatCompletionResponse(OpenAIModel):
     usage: UsageInfo | None = None
 
 
-class DeltaMessage(OpenAIModel):
-    role: str | None = None
-    content: str | None = None
-
+class DeltaModel(OpenAIModel):
     @model_serializer(mode="wrap")
     def _omit_unset_fields(self, handler: Any) -> dict[str, Any]:
         # A delta carries only what changed: {"role": ...} first, then {"content": ...}.
         return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(DeltaModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(DeltaModel):
+    """A call's first delta has its id, type and name (arguments ""); later ones only the
+    index and the next piece of the arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(DeltaModel):
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(OpenAIModel):
@@ -324,6 +436,7 @@ class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None  # rendered by the chat template
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
     continue_final_message: bool = False

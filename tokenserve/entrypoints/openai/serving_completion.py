@@ -1,6 +1,7 @@
 """POST /v1/completions: one engine request per prompt, each with `n` samples.
 
-Choices are numbered `prompt_index * n + sample_index`, as OpenAI does. Streaming sends
+Choices are numbered `prompt_index * n + sample_index`, as OpenAI does. Structured outputs
+come from response_format / structured_outputs / guided_* (structured_outputs.py). Streaming sends
 one chunk per engine output (merged when the client reads slowly) and, with
 `stream_options.include_usage`, a last chunk with the usage.
 """
@@ -30,6 +31,7 @@ from tokenserve.entrypoints.openai.serving_base import (
     sse,
     sse_error,
 )
+from tokenserve.entrypoints.openai.structured_outputs import requested_structured_outputs
 from tokenserve.outputs import CompletionOutput, LogprobsDict, PromptLogprobs, RequestOutput
 from tokenserve.sampling_params import SamplingParams
 
@@ -52,7 +54,9 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = request.prompt_logprobs
         if request.echo and logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, logprobs)
-        params = request.to_sampling_params(request.max_tokens, logprobs, prompt_logprobs)
+        params = request.to_sampling_params(
+            request.max_tokens, logprobs, prompt_logprobs, requested_structured_outputs(request)
+        )
         request_id = random_id("cmpl")
         generators = await self.add_requests(
             request_id, prompts, params, request.priority, request.cache_salt

@@ -1,0 +1,193 @@
+"""The C kernels against plain PyTorch: paged decode attention, RMSNorm (with the fused
+residual add), SwiGLU and rotary embeddings; and the attention backend with and without
+them on one mixed batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenserve import kernels
+from tokenserve.attention.backend import AttentionMetadata
+from tokenserve.attention.torch_sdpa import TorchSDPABackend
+
+
+@pytest.fixture(scope="module")
+def ops() -> kernels.LayerOps:
+    # The kernels are the default CPU path: on a machine with a C compiler they must build.
+    layer_ops = kernels.layer_ops()
+    assert layer_ops is not None, "the C kernels did not build (see the warning in the log)"
+    return layer_ops
+
+
+@pytest.fixture(scope="module")
+def paged_decode():
+    kernel = kernels.paged_decode()
+    assert kernel is not None, "the C kernels did not build (see the warning in the log)"
+    return kernel
+
+
+def _reference_decode(query, key_cache, value_cache, tables, seq_lens, scale):
+    block_size = key_cache.shape[1]
+    flat_k = key_cache.flatten(0, 1)
+    flat_v = value_cache.flatten(0, 1)
+    outs = []
+    for row, seq_len in enumerate(seq_lens.tolist()):
+        positions = torch.arange(seq_len)
+        slots = tables[row, positions // block_size] * block_size + positions % block_size
+        k = flat_k[slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, len, dim]
+        v = flat_v[slots].transpose(0, 1).unsqueeze(0)
+        q = query[row].unsqueeze(0).unsqueeze(2)  # [1, heads, 1, dim]
+        out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+        outs.append(out[0, :, 0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 32, 8), (6, 1, 80, 32)],
+    ids=["gqa3-d64", "mha-d128", "gqa4-d32-generic", "mqa-d80-generic"],
+)
+def test_paged_decode_matches_sdpa(paged_decode, num_heads, num_kv_heads, head_dim, block_size):
+    generator = torch.Generator().manual_seed(0)
+    num_blocks = 400
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    # Lengths on and around block edges, a single token, and long ones.
+    seq_lens = torch.tensor(
+        [1, block_size - 1, block_size, block_size + 1, 7, 8, 9, 5 * block_size + 3, 300]
+    )
+    max_blocks = int(-(-seq_lens.max() // block_size))
+    # Blocks scattered through the cache, in no order, none shared.
+    tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * max_blocks]
+    tables = tables.view(len(seq_lens), max_blocks).contiguous()
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator) * 3
+    scale = head_dim**-0.5
+    out = torch.full_like(query, float("nan"))
+    paged_decode(out, query, key_cache, value_cache, tables, seq_lens, scale)
+    expected = _reference_decode(query, key_cache, value_cache, tables, seq_lens, scale)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_decode_refuses_wrong_dtypes(paged_decode):
+    cache = torch.zeros(4, 16, 1, 64)
+    query = torch.zeros(1, 1, 64)
+    with pytest.raises(ValueError, match="float32"):
+        paged_decode(query.clone(), query.double(), cache, cache,
+                     torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 1.0)
+    with pytest.raises(ValueError, match="int64"):
+        paged_decode(query.clone(), query, cache, cache,
+                     torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int64), 1.0)
+
+
+def _reference_rms_norm(x, weight, eps):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def test_rms_norm_with_and_without_residual(ops):
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 576, generator=generator) * 4
+    weight = torch.randn(576, generator=generator)
+    residual = torch.randn(37, 576, generator=generator)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), _reference_rms_norm(x, weight, 1e-5))
+
+    expected_stream = residual + x
+    stream = residual.clone()
+    out = ops.rms_norm(x, weight, 1e-6, stream)
+    torch.testing.assert_close(stream, expected_stream, rtol=0, atol=0)
+    torch.testing.assert_close(out, _reference_rms_norm(expected_stream, weight, 1e-6))
+
+
+def test_silu_and_mul_over_a_wide_range(ops):
+    generator = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(19, 2 * 1539, generator=generator) * 30  # odd width: a scalar tail
+    gate_up[0, :8] = torch.tensor([-200.0, -88.0, -87.5, -20.0, 0.0, 20.0, 88.5, 200.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = ops.silu_and_mul(gate_up)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_in_place_on_fused_qkv_views(ops):
+    generator = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, dim, max_position = 11, 9, 3, 64, 512
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
+    angles = torch.rand(max_position, dim // 2, generator=generator) * 100
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    positions = torch.randint(0, max_position, (tokens,), generator=generator)
+
+    def rotate(x):
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        half = dim // 2
+        return x * c + torch.cat((-x[..., half:], x[..., :half]), -1) * s
+
+    expected_q, expected_k = rotate(q.clone()), rotate(k.clone())
+    untouched = qkv[:, (heads + kv_heads) * dim :].clone()
+    ops.rotary(q, k, positions, cos, sin)
+    torch.testing.assert_close(q, expected_q)
+    torch.testing.assert_close(k, expected_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], untouched)  # values stay as they were
+
+
+def test_backend_same_output_with_and_without_kernels(paged_decode):
+    """One step mixing decode rows, a first prefill chunk and a chunk continuing a cached
+    context: the kernel path and the pure-torch path agree."""
+    generator = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim, block_size, num_blocks = 6, 2, 64, 16, 64
+    # Request 0: decode at 40 tokens; 1: a 20-token first chunk; 2: decode at 1 token;
+    # 3: a 5-token chunk after 30 cached tokens.
+    query_lens, seq_lens = [1, 20, 1, 5], [40, 20, 1, 35]
+    tables = [[3, 9, 4], [10, 11], [20], [30, 31, 32]]
+    query_start_loc = [0]
+    for n in query_lens:
+        query_start_loc.append(query_start_loc[-1] + n)
+    slots = []
+    for n, seq_len, table in zip(query_lens, seq_lens, tables):
+        slots += [table[p // block_size] * block_size + p % block_size
+                  for p in range(seq_len - n, seq_len)]
+    num_tokens = query_start_loc[-1]
+    query = torch.randn(num_tokens, heads, dim, generator=generator)
+    key = torch.randn(num_tokens, kv_heads, dim, generator=generator)
+    value = torch.randn(num_tokens, kv_heads, dim, generator=generator)
+    base_k = torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator)
+    base_v = torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator)
+
+    outputs = []
+    for backend in (TorchSDPABackend(use_kernels=True), TorchSDPABackend(use_kernels=False)):
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), query_start_loc=query_start_loc,
+            seq_lens=seq_lens, block_tables=tables, block_size=block_size,
+        )
+        backend.prepare(metadata, torch.device("cpu"))
+        key_cache, value_cache = base_k.clone(), base_v.clone()
+        outputs.append(backend.forward(query, key, value, key_cache, value_cache, metadata, 0.125))
+    assert TorchSDPABackend(use_kernels=True).paged_decode is not None
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_build_is_cached_and_keyed_by_machine(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("TOKENSERVE_CACHE_DIR", str(tmp_path))
+    first = kernels.build("layer_ops")
+    assert first.startswith(str(tmp_path)) and first.endswith(".so")
+    modified = (tmp_path / "kernels").stat().st_mtime_ns
+    assert kernels.build("layer_ops") == first  # cached: not rebuilt
+    assert (tmp_path / "kernels").stat().st_mtime_ns == modified
+    monkeypatch.setattr(kernels, "_cpu_identity", lambda: "another machine")
+    assert kernels.build("layer_ops") != first
+
+
+def test_without_a_compiler_the_kernels_are_none(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture):
+    monkeypatch.setenv("TOKENSERVE_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    kernels._load.cache_clear()
+    try:
+        with pytest.raises(kernels.KernelBuildError, match="no C compiler"):
+            kernels.build("layer_ops")
+        assert kernels._load("layer_ops") is None
+        assert "pure-torch" in caplog.text
+    finally:
+        kernels._load.cache_clear()

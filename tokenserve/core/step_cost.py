@@ -1,0 +1,270 @@
+"""What a step costs, learned as the engine runs, and the prefill it leaves room for.
+
+Behind `--target-step-ms`. A step's shape is the tokens it computes and the query-key
+pairs its attention covers; its wall time is modelled as
+
+    step_ms ≈ a + b · tokens / 1e3 + c · pairs / 1e6        (a, b, c ≥ 0)
+
+fitted by exponentially weighted least squares over the steps the engine core records.
+A lone outlying step (a GC pause) is down-weighted or ignored; a run of them on one side
+is the machine getting slower or faster, and the fit is rescaled to it. The first steps
+are skipped as warm-up, and until a few samples are in the model says nothing, so the
+scheduler behaves as it does without a target. `TargetStepBudget` turns the fit into one
+step's prefill allowance: decode rows always get their token, prefill chunks fill what
+the predicted time leaves under the target, but at least a minimum so prefill never
+stops.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from tokenserve.core.scheduler_output import SchedulerOutput
+
+# Feature scales: they keep the fitted coefficients of comparable size.
+TOKEN_SCALE = 1e3
+PAIR_SCALE = 1e6
+# Non-empty steps not recorded at start (allocator, kernels and caches warming up).
+WARMUP_STEPS = 3
+# Samples after warm-up before the model predicts anything.
+MIN_SAMPLES = 4
+# Weight of a sample n steps old: FORGETTING ** n (a memory of about 20 steps).
+FORGETTING = 0.95
+# A residual beyond OUTLIER_K typical residuals counts as only OUTLIER_K of them.
+OUTLIER_K = 3.0
+# ... and one beyond REJECT_K of them, alone, not at all.
+REJECT_K = 10.0
+# This many outliers in a row on one side are a change of cost, learned at full weight.
+LEVEL_SHIFT_STEPS = 3
+# ... after which the earlier steps are rescaled to the new level (by at most this factor
+# either way) and weigh this much.
+MAX_LEVEL_SHIFT = 10.0
+LEVEL_SHIFT_DISCOUNT = 0.5
+# Typical residual never below this fraction of the prediction, nor below MIN_SCALE_MS.
+MIN_RELATIVE_SCALE = 0.05
+MIN_SCALE_MS = 0.01
+# Keeps the normal equations solvable when the steps seen so far all look alike
+# (relative to each feature's own weight, so small features are not biased).
+RIDGE = 1e-6
+
+
+def attention_pairs(num_computed_tokens: int, num_new_tokens: int) -> int:
+    """Query-key pairs causal attention covers for `num_new_tokens` after `num_computed_tokens`."""
+    return num_new_tokens * num_computed_tokens + num_new_tokens * (num_new_tokens + 1) // 2
+
+
+@dataclass
+class StepShape:
+    """What a step computes, as far as its cost goes."""
+
+    num_tokens: int = 0
+    attention_pairs: int = 0
+
+    def add(self, num_computed_tokens: int, num_new_tokens: int) -> None:
+        """Add one request's row: `num_new_tokens` computed after `num_computed_tokens`."""
+        self.num_tokens += num_new_tokens
+        self.attention_pairs += attention_pairs(num_computed_tokens, num_new_tokens)
+
+    @classmethod
+    def of(cls, scheduler_output: SchedulerOutput) -> StepShape:
+        shape = cls()
+        # num_computed_tokens in a SchedulerOutput is the count before the step.
+        num_computed: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            num_computed[new.request_id] = new.num_computed_tokens
+        for cached in scheduler_output.scheduled_cached_reqs:
+            num_computed[cached.request_id] = cached.num_computed_tokens
+        for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            shape.add(num_computed[request_id], num_new)
+        return shape
+
+    def features(self) -> np.ndarray:
+        return np.array([1.0, self.num_tokens / TOKEN_SCALE, self.attention_pairs / PAIR_SCALE])
+
+
+class StepCostModel:
+    """step_ms ≈ a + b·tokens + c·pairs, fitted online from recorded steps."""
+
+    def __init__(
+        self,
+        warmup_steps: int = WARMUP_STEPS,
+        min_samples: int = MIN_SAMPLES,
+        forgetting: float = FORGETTING,
+    ) -> None:
+        if not 0.0 < forgetting <= 1.0:
+            raise ValueError(f"forgetting must be in (0, 1], got {forgetting}.")
+        self.warmup_steps = warmup_steps
+        self.min_samples = max(min_samples, 1)
+        self.forgetting = forgetting
+        self.num_steps_seen = 0
+        self.num_samples = 0
+        self.num_outliers = 0
+        # Weighted normal equations: sum w·x·xᵀ and sum w·x·y (y in ms).
+        self._gram = np.zeros((3, 3))
+        self._moment = np.zeros(3)
+        # ms: intercept, per TOKEN_SCALE tokens, per PAIR_SCALE attention pairs.
+        self.coefficients = np.zeros(3)
+        self._residual_scale_ms: float | None = None
+        # Consecutive outliers, signed: > 0 slower than predicted, < 0 faster.
+        self._outlier_streak = 0
+        self.num_level_shifts = 0
+
+    @property
+    def is_ready(self) -> bool:
+        return self.num_samples >= self.min_samples
+
+    def predict_ms(self, shape: StepShape) -> float:
+        return float(self.coefficients @ shape.features())
+
+    def record(self, shape: StepShape, seconds: float) -> None:
+        """Learn from one executed step of `shape` that took `seconds` of wall time."""
+        if shape.num_tokens <= 0 or not math.isfinite(seconds) or seconds < 0:
+            return
+        self.num_steps_seen += 1
+        if self.num_steps_seen <= self.warmup_steps:
+            return
+        features = shape.features()
+        step_ms = seconds * 1e3
+        weight = self._weigh(step_ms, float(self.coefficients @ features)) if self.is_ready else 1.0
+        if weight == 0.0:
+            return
+        self._gram = self.forgetting * self._gram + weight * np.outer(features, features)
+        self._moment = self.forgetting * self._moment + weight * step_ms * features
+        self.num_samples += 1
+        self.coefficients = self._solve()
+
+    def _weigh(self, step_ms: float, predicted: float) -> float:
+        """A step's weight in the fit: 1, less for an outlier, 0 for an isolated far one.
+
+        A run of outliers on one side is no accident but a new cost level (contention,
+        clocks): what was learned is rescaled to it and weighs less from then on.
+        """
+        residual = abs(step_ms - predicted)
+        scale = max(
+            self._residual_scale_ms if self._residual_scale_ms is not None else residual,
+            MIN_RELATIVE_SCALE * predicted,
+            MIN_SCALE_MS,
+        )
+        # The typical residual follows the clipped ones, so it can grow after a real change.
+        self._residual_scale_ms = 0.9 * scale + 0.1 * min(residual, OUTLIER_K * scale)
+        if residual <= OUTLIER_K * scale:
+            self._outlier_streak = 0
+            return 1.0
+        side = 1 if step_ms > predicted else -1
+        same_side = self._outlier_streak * side > 0
+        self._outlier_streak = self._outlier_streak + side if same_side else side
+        if abs(self._outlier_streak) == LEVEL_SHIFT_STEPS and predicted > 0:
+            ratio = min(max(step_ms / predicted, 1 / MAX_LEVEL_SHIFT), MAX_LEVEL_SHIFT)
+            self._gram *= LEVEL_SHIFT_DISCOUNT
+            self._moment *= LEVEL_SHIFT_DISCOUNT * ratio
+            self.num_level_shifts += 1
+        if abs(self._outlier_streak) >= LEVEL_SHIFT_STEPS:
+            return 1.0
+        self.num_outliers += 1
+        if residual > REJECT_K * scale:
+            return 0.0
+        return OUTLIER_K * scale / residual
+
+    def _solve(self) -> np.ndarray:
+        """Least squares with every coefficient ≥ 0: the best over the 7 supports (3 unknowns)."""
+        gram = self._gram + np.diag(RIDGE * np.diag(self._gram) + 1e-12)
+        try:
+            solution = np.linalg.solve(gram, self._moment)
+            if np.all(np.isfinite(solution)) and np.all(solution >= 0):
+                return solution  # the unconstrained best is feasible: the usual case
+        except np.linalg.LinAlgError:
+            pass
+        best, best_loss = np.zeros(3), 0.0  # the empty support: loss 0 relative to the constant
+        for size in (1, 2, 3):
+            for support in itertools.combinations(range(3), size):
+                index = list(support)
+                try:
+                    solution = np.linalg.solve(gram[np.ix_(index, index)], self._moment[index])
+                except np.linalg.LinAlgError:
+                    continue
+                if not np.all(np.isfinite(solution)) or np.any(solution < 0):
+                    continue
+                candidate = np.zeros(3)
+                candidate[index] = solution
+                loss = float(candidate @ gram @ candidate - 2 * candidate @ self._moment)
+                if loss < best_loss:
+                    best, best_loss = candidate, loss
+        return best
+
+    def max_new_tokens(self, shape: StepShape, num_computed_tokens: int, target_ms: float) -> float:
+        """The most tokens one request (`num_computed_tokens` done) can add to `shape` and
+        keep the predicted step time within `target_ms` (may be inf, never negative)."""
+        slack = target_ms - self.predict_ms(shape)
+        if slack <= 0:
+            return 0.0
+        if math.isinf(slack):
+            return math.inf
+        _, per_token, per_pair = self.coefficients
+        # Adding n tokens adds q·n² + l·n milliseconds (attention_pairs, expanded).
+        quadratic = per_pair / PAIR_SCALE / 2
+        linear = per_token / TOKEN_SCALE + per_pair / PAIR_SCALE * (num_computed_tokens + 0.5)
+        denominator = linear + math.sqrt(linear * linear + 4 * quadratic * slack)
+        if denominator <= 0:
+            return math.inf
+        return 2 * slack / denominator  # the positive root, in a form stable as q → 0
+
+
+class PrefillBudget:
+    """No limit beyond the step's token budget: the scheduler without a target step time."""
+
+    token_budget: int | None = None  # the step's allowance, when a target sets one
+
+    def grant(self, num_computed_tokens: int, num_new_tokens: int) -> int:
+        """Of `num_new_tokens` prompt tokens a request wants this step, how many it gets."""
+        return num_new_tokens
+
+
+class TargetStepBudget(PrefillBudget):
+    """One step's prefill under a target step time.
+
+    Built after the step's decode rows are known: they are counted first, and always get
+    their token. Prefill rows then get what the predicted time leaves under the target,
+    but the step's prefill rows together get at least `min_prefill_tokens` (they never
+    stall behind decodes). Without chunked prefill a prompt is granted whole or not at
+    all; the step's first prompt always is.
+    """
+
+    def __init__(
+        self,
+        cost_model: StepCostModel,
+        target_ms: float,
+        decode_shape: StepShape,
+        min_prefill_tokens: int,
+        max_num_batched_tokens: int,
+        chunked: bool = True,
+    ) -> None:
+        self.cost_model = cost_model
+        self.target_ms = target_ms
+        self.shape = StepShape(decode_shape.num_tokens, decode_shape.attention_pairs)
+        self.min_prefill_tokens = min_prefill_tokens
+        self.chunked = chunked
+        self.num_granted = 0
+        # What a fresh prompt could get now: the adaptive budget the metrics report.
+        fresh = cost_model.max_new_tokens(self.shape, 0, target_ms)
+        allowance = max(min_prefill_tokens, int(min(fresh, max_num_batched_tokens)))
+        self.token_budget = min(max_num_batched_tokens, decode_shape.num_tokens + allowance)
+
+    def grant(self, num_computed_tokens: int, num_new_tokens: int) -> int:
+        fits = self.cost_model.max_new_tokens(self.shape, num_computed_tokens, self.target_ms)
+        floor = max(self.min_prefill_tokens - self.num_granted, 0)
+        if self.chunked:
+            granted = min(num_new_tokens, max(int(min(fits, num_new_tokens)), floor))
+        elif num_new_tokens <= fits or self.num_granted == 0:
+            granted = num_new_tokens
+        else:
+            granted = 0
+        if granted > 0:
+            self.shape.add(num_computed_tokens, granted)
+            self.num_granted += granted
+        return granted

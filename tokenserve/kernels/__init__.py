@@ -1,0 +1,231 @@
+"""Small C kernels for the CPU path, compiled on the machine that runs them.
+
+The C sources are in csrc/ beside this file: paged decode attention (paged_attention.c)
+and the fused element-wise operators of a layer (layer_ops.c). The first use compiles each one with the system C
+compiler (`$CC`, else `cc`) into the cache directory, keyed by the source, the flags, the
+compiler and the CPU, so a changed source, compiler or machine gets a fresh build;
+`scripts/install.sh` builds them ahead of time (`python -m tokenserve.kernels`).
+The kernels are loaded with ctypes, which releases the GIL around each call, and use the
+OpenMP runtime torch has already loaded (libgomp is shared by soname), so they run on the
+same threads as torch's own operators.
+
+Without a compiler, or with `TOKENSERVE_DISABLE_C_KERNELS=1`, `paged_decode()` and
+`layer_ops()` return None and callers fall back to pure-torch code (slower, same results
+up to float rounding).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+from tokenserve.cache_dir import cache_root
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "TOKENSERVE_DISABLE_C_KERNELS"
+_SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+KERNELS = ("paged_attention", "layer_ops")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        with open("/proc/cpuinfo") as file:
+            lines = [line for line in file if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build(name: str) -> str:
+    """Compile `name`.c into the cache (if not there yet); returns the shared library's path."""
+    compiler = _compiler()
+    if compiler is None:
+        raise KernelBuildError(f"no C compiler found (looked for {os.environ.get('CC', 'cc')!r})")
+    source_path = os.path.join(_SOURCE_DIR, f"{name}.c")
+    sources = []  # the kernel and every header it may include
+    for file_name in sorted(os.listdir(_SOURCE_DIR)):
+        if file_name == f"{name}.c" or file_name.endswith(".h"):
+            with open(os.path.join(_SOURCE_DIR, file_name), "rb") as file:
+                sources.append(file_name.encode() + b"\0" + file.read())
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    key = hashlib.sha256(
+        b"\0".join([*sources, " ".join(_FLAGS).encode(), version.encode(), _cpu_identity().encode()])
+    ).hexdigest()[:16]
+    directory = os.path.join(cache_root(), "kernels")
+    library = os.path.join(directory, f"{name}-{key}.so")
+    if os.path.exists(library):
+        return library
+    os.makedirs(directory, exist_ok=True)
+    # Compile to a private name and rename into place: a racing process never loads a
+    # half-written library.
+    handle, partial = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=directory)
+    os.close(handle)
+    try:
+        result = subprocess.run(
+            [compiler, *_FLAGS, source_path, "-o", partial, "-lm"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise KernelBuildError(f"{compiler} failed on {name}.c:\n{result.stderr.strip()}")
+        os.replace(partial, library)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return library
+
+
+@functools.cache
+def _load(name: str) -> ctypes.CDLL | None:
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return None
+    try:
+        return ctypes.CDLL(build(name))
+    except (OSError, KernelBuildError) as error:
+        logger.warning("C kernel %r unavailable, using the pure-torch path: %s", name, error)
+        return None
+
+
+_i64 = ctypes.c_int64
+_ptr = ctypes.c_void_p
+
+
+@functools.cache
+def paged_decode():
+    """The decode-attention kernel as `fn(out, query, key_cache, value_cache, block_tables,
+    seq_lens, scale)` over torch tensors (see paged_attention.c for layouts), or None."""
+    library = _load("paged_attention")
+    if library is None:
+        return None
+    kernel = library.ts_paged_decode_f32
+    kernel.restype = ctypes.c_int
+    kernel.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64,
+                       ctypes.c_float]
+
+    def run(
+        out: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> None:
+        _check_f32(out, query, key_cache, value_cache)
+        for tensor in (block_tables, seq_lens):
+            if tensor.dtype != torch.int64 or not tensor.is_contiguous():
+                raise ValueError("paged_decode needs contiguous int64 block tables and lengths.")
+        num_rows, num_heads, head_dim = query.shape
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        status = kernel(
+            out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), num_rows,
+            num_heads, num_kv_heads, head_dim, block_size, scale,
+        )
+        if status != 0:
+            raise MemoryError("paged_decode could not allocate its scratch buffers.")
+
+    return run
+
+
+class LayerOps:
+    """The fused operators of layer_ops.c over torch tensors (fp32, contiguous)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._rms_norm = library.ts_rms_norm_f32
+        self._rms_norm.restype = None
+        self._rms_norm.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float]
+        self._silu_and_mul = library.ts_silu_and_mul_f32
+        self._silu_and_mul.restype = None
+        self._silu_and_mul.argtypes = [_ptr, _ptr, _i64, _i64]
+        self._rotary = library.ts_rotary_f32
+        self._rotary.restype = None
+        self._rotary.argtypes = [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64]
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """RMSNorm of x [rows, hidden]; with `residual`, of residual + x, which is also
+        written back into `residual` (in place)."""
+        _check_f32(x, weight, *(() if residual is None else (residual,)))
+        out = torch.empty_like(x)
+        self._rms_norm(
+            out.data_ptr(), x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+            weight.data_ptr(), x.shape[0], x.shape[1], eps,
+        )
+        return out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up = [rows, 2 * d] → [rows, d]."""
+        _check_f32(gate_up)
+        rows, width = gate_up.shape
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        self._silu_and_mul(out.data_ptr(), gate_up.data_ptr(), rows, width // 2)
+        return out
+
+    def rotary(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        """Rotate query [tokens, heads, dim] and key [tokens, kv_heads, dim] in place. Both
+        may be views into one fused QKV tensor: rows may be strided (the same stride), heads
+        must be contiguous within a row."""
+        _check_f32(cos, sin)
+        tokens, heads, dim = query.shape
+        for tensor in (query, key):
+            if (
+                tensor.dtype != torch.float32
+                or tensor.stride(2) != 1
+                or (tensor.shape[1] > 1 and tensor.stride(1) != dim)
+                or (tokens > 1 and tensor.stride(0) != query.stride(0))
+            ):
+                raise ValueError("rotary needs float32 query/key with contiguous heads.")
+        if positions.dtype != torch.int64 or not positions.is_contiguous():
+            raise ValueError("rotary needs contiguous int64 positions.")
+        self._rotary(
+            query.data_ptr(), key.data_ptr(), query.stride(0), positions.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), tokens, heads, key.shape[1], dim,
+        )
+
+
+def _check_f32(*tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError("C kernels need contiguous float32 CPU tensors.")
+
+
+@functools.cache
+def layer_ops() -> LayerOps | None:
+    library = _load("layer_ops")
+    return None if library is None else LayerOps(library)

@@ -1,0 +1,181 @@
+/*
+ * Decode attention over a paged KV cache, for the CPU backend.
+ *
+ * One query token per row attends to the row's whole context, read in place from the
+ * cache blocks its block table names: nothing is gathered or padded. Work items are
+ * (row, kv head) pairs, spread over the OpenMP threads of the process (the same libgomp
+ * runtime torch uses, so one thread pool serves both). The query heads that share a kv
+ * head (grouped-query attention) are done together, so each key and value is read once
+ * from memory.
+ *
+ * Two passes per item: scores q.k for the whole context (eight keys at a time, eight
+ * independent accumulators), a softmax, then the probability-weighted sum of values
+ * (the output row held in registers). Head sizes 64 and 128 get code specialised at
+ * compile time; other sizes take a plain loop.
+ *
+ * Layouts (fp32, contiguous):
+ *   out, query     [num_rows, num_heads, head_dim]
+ *   key/value      [num_blocks, block_size, num_kv_heads, head_dim]
+ *   block_tables   [num_rows, block_table_stride] int64; row r uses the first
+ *                  ceil(seq_lens[r] / block_size) entries
+ *   seq_lens       [num_rows] int64, each >= 1
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec8.h"
+
+static inline __attribute__((always_inline)) void attend_item(
+    float *o, const float *q, const float *key_cache, const float *value_cache,
+    const int64_t *table, int64_t seq_len, int64_t group, const int64_t head_dim,
+    int64_t token_stride, int64_t block_stride, int64_t block_size, int64_t kv_offset,
+    float scale, float *scores) {
+    const int64_t chunks = head_dim / 8;
+    /* Pass 1: scaled scores, per query head of the group, per context position. */
+    for (int64_t start = 0; start < seq_len; start += block_size) {
+        const float *block = key_cache + table[start / block_size] * block_stride + kv_offset;
+        const int64_t count = seq_len - start < block_size ? seq_len - start : block_size;
+        if (start + block_size < seq_len) {
+            /* The next block's keys, and its values for pass 2, start coming from memory
+             * while this block is computed: a block table is a pointer chase the hardware
+             * prefetcher cannot follow. */
+            const int64_t next = table[start / block_size + 1] * block_stride + kv_offset;
+            const int64_t next_count =
+                seq_len - start - block_size < block_size ? seq_len - start - block_size
+                                                          : block_size;
+            for (int64_t i = 0; i < next_count; ++i)
+                for (int64_t d = 0; d < head_dim; d += 16) {
+                    __builtin_prefetch(key_cache + next + i * token_stride + d, 0, 3);
+                    __builtin_prefetch(value_cache + next + i * token_stride + d, 0, 2);
+                }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+            const float *qg = q + g * head_dim;
+            float *s = scores + g * seq_len + start;
+            int64_t i = 0;
+            for (; i + 8 <= count; i += 8) {
+                v8f acc[8] = {0};
+                for (int64_t c = 0; c < chunks; ++c) {
+                    const v8f qv = load8(qg + 8 * c);
+                    for (int t = 0; t < 8; ++t)
+                        acc[t] += qv * load8(block + (i + t) * token_stride + 8 * c);
+                }
+                store8(s + i, hsum8x8(acc) * splat8(scale));
+            }
+            for (; i < count; ++i) {
+                v8f acc = {0};
+                for (int64_t c = 0; c < chunks; ++c)
+                    acc += load8(qg + 8 * c) * load8(block + i * token_stride + 8 * c);
+                s[i] = hsum8(acc) * scale;
+            }
+        }
+    }
+    /* Softmax per query head, then pass 2: the probability-weighted sum of values. */
+    for (int64_t g = 0; g < group; ++g) {
+        float *s = scores + g * seq_len;
+        float max = s[0];
+        for (int64_t t = 1; t < seq_len; ++t) max = s[t] > max ? s[t] : max;
+        float sum = 0.0f;
+        int64_t t = 0;
+        for (; t + 8 <= seq_len; t += 8) {
+            const v8f e = exp8(load8(s + t) - splat8(max));
+            store8(s + t, e);
+            sum += hsum8(e);
+        }
+        for (; t < seq_len; ++t) {
+            s[t] = expf(s[t] - max);
+            sum += s[t];
+        }
+        v8f acc[32] = {0}; /* head_dim <= 256 */
+        for (int64_t start = 0; start < seq_len; start += block_size) {
+            const float *block =
+                value_cache + table[start / block_size] * block_stride + kv_offset;
+            const int64_t count = seq_len - start < block_size ? seq_len - start : block_size;
+            for (int64_t i = 0; i < count; ++i) {
+                const v8f p = splat8(s[start + i]);
+                const float *v = block + i * token_stride;
+                for (int64_t c = 0; c < chunks; ++c) acc[c] += p * load8(v + 8 * c);
+            }
+        }
+        const v8f inv = splat8(1.0f / sum);
+        for (int64_t c = 0; c < chunks; ++c) store8(o + g * head_dim + 8 * c, acc[c] * inv);
+    }
+}
+
+static void attend_item_generic(float *o, const float *q, const float *key_cache,
+                                const float *value_cache, const int64_t *table, int64_t seq_len,
+                                int64_t group, int64_t head_dim, int64_t token_stride,
+                                int64_t block_stride, int64_t block_size, int64_t kv_offset,
+                                float scale, float *scores) {
+    for (int64_t t = 0; t < seq_len; ++t) {
+        const float *k = key_cache + table[t / block_size] * block_stride +
+                         (t % block_size) * token_stride + kv_offset;
+        for (int64_t g = 0; g < group; ++g) {
+            float dot = 0.0f;
+            for (int64_t d = 0; d < head_dim; ++d) dot += q[g * head_dim + d] * k[d];
+            scores[g * seq_len + t] = dot * scale;
+        }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+        float *s = scores + g * seq_len;
+        float *og = o + g * head_dim;
+        float max = s[0];
+        for (int64_t t = 1; t < seq_len; ++t) max = s[t] > max ? s[t] : max;
+        float sum = 0.0f;
+        for (int64_t t = 0; t < seq_len; ++t) {
+            s[t] = expf(s[t] - max);
+            sum += s[t];
+        }
+        for (int64_t d = 0; d < head_dim; ++d) og[d] = 0.0f;
+        for (int64_t t = 0; t < seq_len; ++t) {
+            const float *v = value_cache + table[t / block_size] * block_stride +
+                             (t % block_size) * token_stride + kv_offset;
+            for (int64_t d = 0; d < head_dim; ++d) og[d] += s[t] * v[d];
+        }
+        for (int64_t d = 0; d < head_dim; ++d) og[d] /= sum;
+    }
+}
+
+/* Returns 0, or -1 if a scratch buffer could not be allocated. */
+int ts_paged_decode_f32(float *out, const float *query, const float *key_cache,
+                        const float *value_cache, const int64_t *block_tables,
+                        int64_t block_table_stride, const int64_t *seq_lens, int64_t num_rows,
+                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t block_size, float scale) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim;
+    const int64_t block_stride = block_size * token_stride;
+    const int64_t num_items = num_rows * num_kv_heads;
+    int failed = 0;
+
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_items; ++item) {
+        const int64_t row = item / num_kv_heads;
+        const int64_t kv_head = item % num_kv_heads;
+        const int64_t seq_len = seq_lens[row];
+        const int64_t *table = block_tables + row * block_table_stride;
+        const int64_t first_head = row * num_heads + kv_head * group;
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * seq_len));
+        if (scores == NULL) {
+            failed = 1;
+            continue;
+        }
+        float *o = out + first_head * head_dim;
+        const float *q = query + first_head * head_dim;
+        const int64_t kv_offset = kv_head * head_dim;
+        if (head_dim == 64)
+            attend_item(o, q, key_cache, value_cache, table, seq_len, group, 64, token_stride,
+                        block_stride, block_size, kv_offset, scale, scores);
+        else if (head_dim == 128)
+            attend_item(o, q, key_cache, value_cache, table, seq_len, group, 128, token_stride,
+                        block_stride, block_size, kv_offset, scale, scores);
+        else
+            attend_item_generic(o, q, key_cache, value_cache, table, seq_len, group, head_dim,
+                                token_stride, block_stride, block_size, kv_offset, scale,
+                                scores);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,45 @@
+"""Linear layers on CPU through oneDNN with prepacked weights.
+
+`F.linear` on CPU goes to MKL's sgemm, which on this project's AMD machines runs well below
+the matmul peak for the small-M shapes of decode (measured in docs/BENCHMARKS.md).
+oneDNN, which PyTorch also ships, reaches it; packing each weight once into oneDNN's
+blocked layout saves reordering it on every call. The packed copy replaces the dense
+weight, so memory does not double.
+
+`TOKENSERVE_DISABLE_ONEDNN=1` keeps the dense weights and `F.linear` (for comparison).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+DISABLE_ENV = "TOKENSERVE_DISABLE_ONEDNN"
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's packed form of a [out, in] weight, or None where it does not apply."""
+    if (
+        os.environ.get(DISABLE_ENV, "") not in ("", "0")
+        or weight.device.type != "cpu"
+        or weight.dtype != torch.float32
+        or not torch.backends.mkldnn.is_available()
+    ):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if packed is None:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
