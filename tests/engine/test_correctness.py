@@ -83,11 +83,11 @@ def pure_torch(monkeypatch: pytest.MonkeyPatch):
     """No C kernels and no oneDNN packing: the fallback path of a machine without them."""
     monkeypatch.setenv(kernels.DISABLE_ENV, "1")
     monkeypatch.setenv(linear.DISABLE_ENV, "1")
-    for cached in (kernels._load, kernels.layer_ops, kernels.paged_decode):
+    for cached in (kernels._load, kernels.layer_ops, kernels.paged_attention):
         cached.cache_clear()
     yield
     monkeypatch.undo()
-    for cached in (kernels._load, kernels.layer_ops, kernels.paged_decode):
+    for cached in (kernels._load, kernels.layer_ops, kernels.paged_attention):
         cached.cache_clear()
 
 
@@ -97,7 +97,7 @@ def test_pure_torch_path_matches_transformers(
 ):
     llm = LLM(tiny_model_dirs[architecture], kv_cache_memory="64MiB", max_num_batched_tokens=64)
     runner = llm.llm_engine.engine_core.model_runner
-    assert runner.attention.paged_decode is None
+    assert runner.attention.ops is None
     assert runner.model.layers[0].packed == {} and runner.model.norm.ops is None
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -109,7 +109,7 @@ def test_default_path_uses_the_cpu_kernels(tiny_model_dirs):
     """The test above is about the fallback; the suite's other tests run this path."""
     llm = LLM(tiny_model_dirs["llama"], kv_cache_memory="64MiB")
     runner = llm.llm_engine.engine_core.model_runner
-    assert runner.attention.paged_decode is not None
+    assert runner.attention.ops is not None
     assert set(runner.model.layers[0].packed) == {
         "qkv_weight", "o_weight", "gate_up_weight", "down_weight"
     }

@@ -22,10 +22,10 @@ def ops() -> kernels.LayerOps:
 
 
 @pytest.fixture(scope="module")
-def paged_decode():
-    kernel = kernels.paged_decode()
-    assert kernel is not None, "the C kernels did not build (see the warning in the log)"
-    return kernel
+def paged() -> kernels.PagedAttentionOps:
+    paged_ops = kernels.paged_attention()
+    assert paged_ops is not None, "the C kernels did not build (see the warning in the log)"
+    return paged_ops
 
 
 def _reference_decode(query, key_cache, value_cache, tables, seq_lens, scale):
@@ -49,7 +49,7 @@ def _reference_decode(query, key_cache, value_cache, tables, seq_lens, scale):
     [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 32, 8), (6, 1, 80, 32)],
     ids=["gqa3-d64", "mha-d128", "gqa4-d32-generic", "mqa-d80-generic"],
 )
-def test_paged_decode_matches_sdpa(paged_decode, num_heads, num_kv_heads, head_dim, block_size):
+def test_paged_decode_matches_sdpa(paged, num_heads, num_kv_heads, head_dim, block_size):
     generator = torch.Generator().manual_seed(0)
     num_blocks = 400
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
@@ -62,23 +62,49 @@ def test_paged_decode_matches_sdpa(paged_decode, num_heads, num_kv_heads, head_d
     # Blocks scattered through the cache, in no order, none shared.
     tables = torch.randperm(num_blocks, generator=generator)[: len(seq_lens) * max_blocks]
     tables = tables.view(len(seq_lens), max_blocks).contiguous()
-    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator) * 3
+    # The decode rows sit among other tokens of the step, as every other row of a fused
+    # QKV tensor (a strided view); the kernel reads and writes only its rows.
+    num_tokens = 2 * len(seq_lens) + 1
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
+    query = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    query.mul_(3)
+    rows = torch.arange(1, num_tokens, 2)
     scale = head_dim**-0.5
-    out = torch.full_like(query, float("nan"))
-    paged_decode(out, query, key_cache, value_cache, tables, seq_lens, scale)
-    expected = _reference_decode(query, key_cache, value_cache, tables, seq_lens, scale)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    out = torch.full((num_tokens, num_heads, head_dim), float("nan"))
+    paged.decode(out, query, rows, key_cache, value_cache, tables, seq_lens, scale)
+    expected = _reference_decode(query[rows], key_cache, value_cache, tables, seq_lens, scale)
+    torch.testing.assert_close(out[rows], expected, rtol=1e-5, atol=1e-5)
+    assert out[0::2].isnan().all()  # rows that are not decode rows are left alone
 
 
-def test_paged_decode_refuses_wrong_dtypes(paged_decode):
+def test_paged_decode_refuses_wrong_inputs(paged):
     cache = torch.zeros(4, 16, 1, 64)
     query = torch.zeros(1, 1, 64)
+    rows, table, lens = (torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
+                         torch.ones(1, dtype=torch.int64))
     with pytest.raises(ValueError, match="float32"):
-        paged_decode(query.clone(), query.double(), cache, cache,
-                     torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 1.0)
+        paged.decode(query.clone(), query.double(), rows, cache, cache, table, lens, 1.0)
     with pytest.raises(ValueError, match="int64"):
-        paged_decode(query.clone(), query, cache, cache,
-                     torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int64), 1.0)
+        paged.decode(query.clone(), query, rows, cache, cache, table.int(), lens, 1.0)
+    with pytest.raises(ValueError, match="disagree"):
+        paged.decode(query.clone(), query, rows, cache, cache, table, torch.ones(2).long(), 1.0)
+
+
+def test_write_kv_from_fused_qkv_views(paged):
+    generator = torch.Generator().manual_seed(5)
+    tokens, heads, kv_heads, dim, block_size = 70, 9, 3, 64, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=generator)
+    _, key, value = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    key, value = key.view(tokens, kv_heads, dim), value.view(tokens, kv_heads, dim)
+    slots = torch.randperm(10 * block_size, generator=generator)[:tokens]
+    key_cache = torch.zeros(10, block_size, kv_heads, dim)
+    value_cache = torch.zeros(10, block_size, kv_heads, dim)
+    paged.write_kv(key_cache, value_cache, key, value, slots)
+    assert torch.equal(key_cache.flatten(0, 1)[slots], key)
+    assert torch.equal(value_cache.flatten(0, 1)[slots], value)
+    untouched = torch.ones(10 * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    assert (key_cache.flatten(0, 1)[untouched] == 0).all()
 
 
 def _reference_rms_norm(x, weight, eps):
@@ -132,7 +158,7 @@ def test_rotary_in_place_on_fused_qkv_views(ops):
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], untouched)  # values stay as they were
 
 
-def test_backend_same_output_with_and_without_kernels(paged_decode):
+def test_backend_same_output_with_and_without_kernels(paged):
     """One step mixing decode rows, a first prefill chunk and a chunk continuing a cached
     context: the kernel path and the pure-torch path agree."""
     generator = torch.Generator().manual_seed(4)
@@ -149,13 +175,15 @@ def test_backend_same_output_with_and_without_kernels(paged_decode):
         slots += [table[p // block_size] * block_size + p % block_size
                   for p in range(seq_len - n, seq_len)]
     num_tokens = query_start_loc[-1]
-    query = torch.randn(num_tokens, heads, dim, generator=generator)
-    key = torch.randn(num_tokens, kv_heads, dim, generator=generator)
-    value = torch.randn(num_tokens, kv_heads, dim, generator=generator)
+    # Views into one fused QKV tensor, as the model passes them.
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim, generator=generator)
+    query, key, value = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    query = query.view(num_tokens, heads, dim)
+    key, value = key.view(num_tokens, kv_heads, dim), value.view(num_tokens, kv_heads, dim)
     base_k = torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator)
     base_v = torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator)
 
-    outputs = []
+    outputs, caches = [], []
     for backend in (TorchSDPABackend(use_kernels=True), TorchSDPABackend(use_kernels=False)):
         metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slots), query_start_loc=query_start_loc,
@@ -164,8 +192,10 @@ def test_backend_same_output_with_and_without_kernels(paged_decode):
         backend.prepare(metadata, torch.device("cpu"))
         key_cache, value_cache = base_k.clone(), base_v.clone()
         outputs.append(backend.forward(query, key, value, key_cache, value_cache, metadata, 0.125))
-    assert TorchSDPABackend(use_kernels=True).paged_decode is not None
+        caches.append((key_cache, value_cache))
+    assert TorchSDPABackend(use_kernels=True).ops is not None
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
 
 def test_build_is_cached_and_keyed_by_machine(tmp_path, monkeypatch: pytest.MonkeyPatch):

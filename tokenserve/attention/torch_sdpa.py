@@ -7,10 +7,12 @@ directly; a chunk that continues a context gathers that context once per layer a
 causal mask offset by the tokens already cached.
 
 Decode rows (one query token) of all requests go to the paged-decode C kernel
-(kernels.paged_decode), which reads each context in place from its blocks. Where
-the kernel cannot be built, decode rows are attended in one padded SDPA call over
-gathered contexts instead (the same results, more memory traffic). Index tensors are
-built once per step, in `prepare`.
+(kernels.paged_attention), which reads each query in place from the fused QKV tensor and
+each context in place from its blocks, and writes its rows of the output; a second
+kernel writes the step's new keys and values into their slots. Where the kernels cannot
+be built, decode rows are attended in one padded SDPA call over gathered contexts
+instead (the same results, more memory traffic). Index tensors are built once per step,
+in `prepare`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
 
     def __init__(self, use_kernels: bool = True) -> None:
-        self.paged_decode = kernels.paged_decode() if use_kernels else None
+        self.ops = kernels.paged_attention() if use_kernels else None
 
     def prepare(self, metadata: AttentionMetadata, device: torch.device) -> None:
         decode_rows: list[int] = []
@@ -64,7 +66,7 @@ class TorchSDPABackend(AttentionBackend):
         if decode_rows:
             seq_lens = [metadata.seq_lens[i] for i in decode_reqs]
             data["decode_rows"] = torch.tensor(decode_rows, device=device)
-            if self.paged_decode is not None:
+            if self.ops is not None:
                 num_blocks = max(-(-n // metadata.block_size) for n in seq_lens)
                 tables = np.zeros((len(decode_reqs), num_blocks), dtype=np.int64)
                 for row, i in enumerate(decode_reqs):
@@ -100,8 +102,11 @@ class TorchSDPABackend(AttentionBackend):
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
         flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
         flat_values = value_cache.view(-1, num_kv_heads, head_dim)
-        flat_keys.index_copy_(0, metadata.slot_mapping, key)
-        flat_values.index_copy_(0, metadata.slot_mapping, value)
+        if self.ops is not None:
+            self.ops.write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
+        else:
+            flat_keys.index_copy_(0, metadata.slot_mapping, key)
+            flat_values.index_copy_(0, metadata.slot_mapping, value)
 
         data = metadata.backend_data
         output = torch.empty_like(query)
@@ -125,18 +130,17 @@ class TorchSDPABackend(AttentionBackend):
         rows = data["decode_rows"]
         if rows is None:
             return output
-        if self.paged_decode is not None:
-            decode_out = torch.empty((rows.shape[0], *query.shape[1:]), dtype=query.dtype)
-            self.paged_decode(
-                decode_out,
-                query[rows],
+        if self.ops is not None:
+            self.ops.decode(
+                output,
+                query,
+                rows,
                 key_cache,
                 value_cache,
                 data["decode_block_tables"],
                 data["decode_seq_lens"],
                 scale,
             )
-            output[rows] = decode_out
             return output
         slots = data["decode_slots"]
         q = query[rows].unsqueeze(2)  # [batch, heads, 1, head_dim]

@@ -46,6 +46,11 @@ def parse_memory(value: int | float | str) -> int:
     return int(float(match.group(1)) * _MEMORY_UNITS[unit])
 
 
+# A step's token budget on CPU, by measurement (docs/BENCHMARKS.md, "Defaults"): W1's
+# throughput at 512 was no lower than at 2048 (285 vs 273 total tok/s, back to back), and
+# a smaller prefill chunk makes a shorter step, which every running decode waits for.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+
 @dataclass
 class EngineArgs:
     model: str | None = None
@@ -53,7 +58,8 @@ class EngineArgs:
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
-    max_num_batched_tokens: int = 2048
+    # None: DEFAULT_MAX_NUM_BATCHED_TOKENS with chunked prefill, else the longest prompt.
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 128
     block_size: int = 16
     kv_cache_memory: int | str | None = None
@@ -101,9 +107,16 @@ class EngineArgs:
             logger.warning("Lowering max_model_len to %d: the KV cache holds no more.", capacity)
             model_config.max_model_len = capacity
 
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < model_config.max_model_len:
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = (
+                DEFAULT_MAX_NUM_BATCHED_TOKENS
+                if self.enable_chunked_prefill
+                else max(model_config.max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+            )
+        if not self.enable_chunked_prefill and max_num_batched_tokens < model_config.max_model_len:
             raise ValueError(
-                f"With chunked prefill disabled, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"With chunked prefill disabled, max_num_batched_tokens ({max_num_batched_tokens}) "
                 f"must be at least max_model_len ({model_config.max_model_len}), or a long prompt "
                 "could never be scheduled."
             )
@@ -114,7 +127,7 @@ class EngineArgs:
             prefix_caching_hash_algo=self.prefix_caching_hash_algo,
         )
         scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
             max_model_len=model_config.max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
@@ -125,7 +138,7 @@ class EngineArgs:
 
     def _validate_numbers(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}.")

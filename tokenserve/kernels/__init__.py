@@ -9,7 +9,7 @@ The kernels are loaded with ctypes, which releases the GIL around each call, and
 OpenMP runtime torch has already loaded (libgomp is shared by soname), so they run on the
 same threads as torch's own operators.
 
-Without a compiler, or with `TOKENSERVE_DISABLE_C_KERNELS=1`, `paged_decode()` and
+Without a compiler, or with `TOKENSERVE_DISABLE_C_KERNELS=1`, `paged_attention()` and
 `layer_ops()` return None and callers fall back to pure-torch code (slower, same results
 up to float rounding).
 """
@@ -113,42 +113,93 @@ _i64 = ctypes.c_int64
 _ptr = ctypes.c_void_p
 
 
-@functools.cache
-def paged_decode():
-    """The decode-attention kernel as `fn(out, query, key_cache, value_cache, block_tables,
-    seq_lens, scale)` over torch tensors (see paged_attention.c for layouts), or None."""
-    library = _load("paged_attention")
-    if library is None:
-        return None
-    kernel = library.ts_paged_decode_f32
-    kernel.restype = ctypes.c_int
-    kernel.argtypes = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64,
-                       ctypes.c_float]
+class PagedAttentionOps:
+    """The kernels of paged_attention.c over torch tensors (see there for layouts)."""
 
-    def run(
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._decode = library.ts_paged_decode_f32
+        self._decode.restype = ctypes.c_int
+        self._decode.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
+                                 _i64, _i64, _i64, _i64, _i64, ctypes.c_float]
+        self._write_kv = library.ts_write_kv_f32
+        self._write_kv.restype = None
+        self._write_kv.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64]
+
+    def decode(
+        self,
         out: torch.Tensor,
         query: torch.Tensor,
+        rows: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
     ) -> None:
-        _check_f32(out, query, key_cache, value_cache)
-        for tensor in (block_tables, seq_lens):
-            if tensor.dtype != torch.int64 or not tensor.is_contiguous():
-                raise ValueError("paged_decode needs contiguous int64 block tables and lengths.")
-        num_rows, num_heads, head_dim = query.shape
+        """Attend query rows `rows` of query [tokens, heads, dim] (a view into a fused QKV
+        tensor is fine) over their contexts; write the same rows of out [tokens, heads, dim]."""
+        _check_f32(key_cache, value_cache)
+        _check_rows(out, query)
+        _check_i64(rows, block_tables, seq_lens)
+        if not len(rows) == len(seq_lens) == block_tables.shape[0]:
+            raise ValueError("paged decode: rows, seq_lens and block_tables disagree in length.")
+        _, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, _ = key_cache.shape
-        status = kernel(
-            out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-            block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), num_rows,
-            num_heads, num_kv_heads, head_dim, block_size, scale,
+        status = self._decode(
+            out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0), rows.data_ptr(),
+            key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), seq_lens.data_ptr(), len(rows), num_heads, num_kv_heads,
+            head_dim, block_size, scale,
         )
         if status != 0:
-            raise MemoryError("paged_decode could not allocate its scratch buffers.")
+            raise MemoryError("paged decode could not allocate its scratch buffers.")
 
-    return run
+    def write_kv(
+        self,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """key/value [tokens, kv_heads, dim] (views into a fused QKV tensor are fine) into
+        slots [tokens] of the caches [blocks, block_size, kv_heads, dim]."""
+        _check_f32(key_cache, value_cache)
+        _check_rows(key, value)
+        _check_i64(slots)
+        if key.stride(0) != value.stride(0) and len(slots) > 1:
+            raise ValueError("write_kv needs key and value with the same row stride.")
+        if key.shape[1:] != key_cache.shape[2:] or len(slots) != key.shape[0]:
+            raise ValueError("write_kv: shapes of key, slots and cache disagree.")
+        self._write_kv(
+            key_cache.data_ptr(), value_cache.data_ptr(), key.data_ptr(), value.data_ptr(),
+            key.stride(0), slots.data_ptr(), len(slots), key.shape[1] * key.shape[2],
+        )
+
+
+def _check_rows(*tensors: torch.Tensor) -> None:
+    """[rows, heads, dim] float32 with rows at any stride and each row's heads contiguous."""
+    for tensor in tensors:
+        rows, heads, dim = tensor.shape
+        if (
+            tensor.dtype != torch.float32
+            or tensor.device.type != "cpu"
+            or tensor.stride(2) != 1
+            or (heads > 1 and tensor.stride(1) != dim)
+        ):
+            raise ValueError("C kernels need float32 CPU tensors with contiguous heads.")
+
+
+def _check_i64(*tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        if tensor.dtype != torch.int64 or not tensor.is_contiguous():
+            raise ValueError("C kernels need contiguous int64 index tensors.")
+
+
+@functools.cache
+def paged_attention() -> PagedAttentionOps | None:
+    library = _load("paged_attention")
+    return None if library is None else PagedAttentionOps(library)
 
 
 class LayerOps:

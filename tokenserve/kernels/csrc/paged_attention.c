@@ -14,7 +14,7 @@
  * compile time; other sizes take a plain loop.
  *
  * Layouts (fp32, contiguous):
- *   out, query     [num_rows, num_heads, head_dim]
+ *   out, query     [num_tokens, num_heads, head_dim], heads contiguous, rows strided
  *   key/value      [num_blocks, block_size, num_kv_heads, head_dim]
  *   block_tables   [num_rows, block_table_stride] int64; row r uses the first
  *                  ceil(seq_lens[r] / block_size) entries
@@ -138,12 +138,14 @@ static void attend_item_generic(float *o, const float *q, const float *key_cache
     }
 }
 
-/* Returns 0, or -1 if a scratch buffer could not be allocated. */
-int ts_paged_decode_f32(float *out, const float *query, const float *key_cache,
-                        const float *value_cache, const int64_t *block_tables,
-                        int64_t block_table_stride, const int64_t *seq_lens, int64_t num_rows,
-                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                        int64_t block_size, float scale) {
+/* Returns 0, or -1 if a scratch buffer could not be allocated. Decode row r reads its
+ * query at query + rows[r] * query_stride and writes out + rows[r] * out_stride (rows index
+ * the step's flat token dimension; query may be a view into a fused QKV tensor). */
+int ts_paged_decode_f32(float *out, int64_t out_stride, const float *query, int64_t query_stride,
+                        const int64_t *rows, const float *key_cache, const float *value_cache,
+                        const int64_t *block_tables, int64_t block_table_stride,
+                        const int64_t *seq_lens, int64_t num_rows, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t block_stride = block_size * token_stride;
@@ -156,14 +158,13 @@ int ts_paged_decode_f32(float *out, const float *query, const float *key_cache,
         const int64_t kv_head = item % num_kv_heads;
         const int64_t seq_len = seq_lens[row];
         const int64_t *table = block_tables + row * block_table_stride;
-        const int64_t first_head = row * num_heads + kv_head * group;
         float *scores = (float *)malloc(sizeof(float) * (size_t)(group * seq_len));
         if (scores == NULL) {
             failed = 1;
             continue;
         }
-        float *o = out + first_head * head_dim;
-        const float *q = query + first_head * head_dim;
+        float *o = out + rows[row] * out_stride + kv_head * group * head_dim;
+        const float *q = query + rows[row] * query_stride + kv_head * group * head_dim;
         const int64_t kv_offset = kv_head * head_dim;
         if (head_dim == 64)
             attend_item(o, q, key_cache, value_cache, table, seq_len, group, 64, token_stride,
@@ -178,4 +179,19 @@ int ts_paged_decode_f32(float *out, const float *query, const float *key_cache,
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* Writes the step's new keys and values into their cache slots: token t's K/V heads
+ * (num_kv_heads * head_dim contiguous values at key + t * src_stride, value + t * src_stride:
+ * views into a fused QKV tensor) go to slot slots[t] of the flat caches. */
+void ts_write_kv_f32(float *key_cache, float *value_cache, const float *key, const float *value,
+                     int64_t src_stride, const int64_t *slots, int64_t num_tokens,
+                     int64_t token_size) {
+#pragma omp parallel for schedule(static) if (num_tokens > 64)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        memcpy(key_cache + slots[t] * token_size, key + t * src_stride,
+               sizeof(float) * (size_t)token_size);
+        memcpy(value_cache + slots[t] * token_size, value + t * src_stride,
+               sizeof(float) * (size_t)token_size);
+    }
 }
