@@ -80,26 +80,21 @@ def dig(data: dict[str, Any] | None, path: tuple[str, ...]) -> float | None:
 
 def w1_figures(out_dir: str) -> dict[str, dict[str, float | None]]:
     figures: dict[str, dict[str, float | None]] = {}
-    ours = load(out_dir, "w1_tokenserve")
-    if ours is not None:
-        figures["tokenserve"] = {
-            "output tok/s": ours["output_tokens_per_second"],
-            "total tok/s": ours["total_tokens_per_second"],
-            "wall s": ours["elapsed_time"],
-        }
+    # tokenserve's and transformers_generate.py's JSON share their keys.
+    for engine in ("tokenserve", "transformers"):
+        data = load(out_dir, f"w1_{engine}")
+        if data is not None:
+            figures[engine] = {
+                "output tok/s": data["output_tokens_per_second"],
+                "total tok/s": data["total_tokens_per_second"],
+                "wall s": data["elapsed_time"],
+            }
     vllm = load(out_dir, "w1_vllm")
     if vllm is not None:
         figures["vllm"] = {
             "output tok/s": vllm["num_requests"] * W1_OUTPUT_LEN / vllm["elapsed_time"],
             "total tok/s": vllm["tokens_per_second"],
             "wall s": vllm["elapsed_time"],
-        }
-    baseline = load(out_dir, "w1_transformers")
-    if baseline is not None:
-        figures["transformers"] = {
-            "output tok/s": baseline["output_tokens_per_second"],
-            "total tok/s": baseline["total_tokens_per_second"],
-            "wall s": baseline["elapsed_time"],
         }
     return figures
 

@@ -253,17 +253,11 @@ class LayerOps:
         may be views into one fused QKV tensor: rows may be strided (the same stride), heads
         must be contiguous within a row."""
         _check_f32(cos, sin)
+        _check_rows(query, key)
+        _check_i64(positions)
         tokens, heads, dim = query.shape
-        for tensor in (query, key):
-            if (
-                tensor.dtype != torch.float32
-                or tensor.stride(2) != 1
-                or (tensor.shape[1] > 1 and tensor.stride(1) != dim)
-                or (tokens > 1 and tensor.stride(0) != query.stride(0))
-            ):
-                raise ValueError("rotary needs float32 query/key with contiguous heads.")
-        if positions.dtype != torch.int64 or not positions.is_contiguous():
-            raise ValueError("rotary needs contiguous int64 positions.")
+        if tokens > 1 and key.stride(0) != query.stride(0):
+            raise ValueError("rotary needs query and key with the same row stride.")
         self._rotary(
             query.data_ptr(), key.data_ptr(), query.stride(0), positions.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), tokens, heads, key.shape[1], dim,
