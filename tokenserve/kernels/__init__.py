@@ -1,7 +1,8 @@
 """Small C kernels for the CPU path, compiled on the machine that runs them.
 
-The C sources are in csrc/ beside this file: paged decode attention (paged_attention.c)
-and the fused element-wise operators of a layer (layer_ops.c). The first use compiles each one with the system C
+The C sources are in csrc/ beside this file: paged decode attention (paged_attention.c),
+the fused element-wise operators of a layer (layer_ops.c) and products with GGUF-quantized
+weights (quant_linear.c). The first use compiles each one with the system C
 compiler (`$CC`, else `cc`) into the cache directory, keyed by the source, the flags, the
 compiler and the CPU, so a changed source, compiler or machine gets a fresh build;
 `scripts/install.sh` builds them ahead of time (`python -m tokenserve.kernels`).
@@ -9,8 +10,8 @@ The kernels are loaded with ctypes, which releases the GIL around each call, and
 OpenMP runtime torch has already loaded (libgomp is shared by soname), so they run on the
 same threads as torch's own operators.
 
-Without a compiler, or with `TOKENSERVE_DISABLE_C_KERNELS=1`, `paged_attention()` and
-`layer_ops()` return None and callers fall back to pure-torch code (slower, same results
+Without a compiler, or with `TOKENSERVE_DISABLE_C_KERNELS=1`, `paged_attention()`,
+`layer_ops()` and `quant_linear()` return None and callers fall back to pure-torch code (slower, same results
 up to float rounding).
 """
 
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "TOKENSERVE_DISABLE_C_KERNELS"
 _SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-KERNELS = ("paged_attention", "layer_ops")
+KERNELS = ("paged_attention", "layer_ops", "quant_linear")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 
@@ -274,3 +275,65 @@ def _check_f32(*tensors: torch.Tensor) -> None:
 def layer_ops() -> LayerOps | None:
     library = _load("layer_ops")
     return None if library is None else LayerOps(library)
+
+
+class QuantLinearOps:
+    """The kernels of quant_linear.c: y = x · Wᵀ with W in GGUF's Q4_1 or Q8_0 blocks,
+    repacked by `model/quantized.py` (see quant_linear.c for the layouts)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._q4_1 = library.ts_q4_1_linear_f32
+        self._q8_0 = library.ts_q8_0_linear_f32
+        for function in (self._q4_1, self._q8_0):
+            function.restype = ctypes.c_int
+            function.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr]
+
+    def q4_1(self, x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 times W [N, K] given as qs uint8 [N, K / 2] and dm float32
+        [N, K / 32, 2] → [M, N]."""
+        num_out = qs.shape[0]
+        _check_linear(x, qs, dm, num_out, torch.uint8, x.shape[1] // 2)
+        out = torch.empty((x.shape[0], num_out), dtype=torch.float32)
+        status = self._q4_1(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], num_out,
+                            qs.data_ptr(), dm.data_ptr())
+        if status != 0:
+            raise ValueError("quantized linear needs an even number of output rows.")
+        return out
+
+    def q8_0(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 times W [N, K] given as qs int8 [N, K] and d float32 [N, K / 32]."""
+        num_out = qs.shape[0]
+        _check_linear(x, qs, d, num_out, torch.int8, x.shape[1])
+        out = torch.empty((x.shape[0], num_out), dtype=torch.float32)
+        status = self._q8_0(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], num_out,
+                            qs.data_ptr(), d.data_ptr())
+        if status != 0:
+            raise ValueError("quantized linear needs an even number of output rows.")
+        return out
+
+
+def _check_linear(
+    x: torch.Tensor,
+    qs: torch.Tensor,
+    scales: torch.Tensor,
+    num_out: int,
+    qs_dtype: torch.dtype,
+    qs_width: int,
+) -> None:
+    _check_f32(x, scales)
+    if x.dim() != 2 or x.shape[1] % 32 != 0:
+        raise ValueError("quantized linear needs x [rows, K] with K a multiple of 32.")
+    if (
+        qs.dtype != qs_dtype
+        or not qs.is_contiguous()
+        or tuple(qs.shape) != (num_out, qs_width)
+        or scales.shape[0] != num_out
+        or scales[0].numel() != x.shape[1] // 32 * (2 if qs_dtype == torch.uint8 else 1)
+    ):
+        raise ValueError("quantized linear: the weight blocks do not match x's width.")
+
+
+@functools.cache
+def quant_linear() -> QuantLinearOps | None:
+    library = _load("quant_linear")
+    return None if library is None else QuantLinearOps(library)

@@ -3,7 +3,8 @@
 The config is built directly from the GGUF metadata (fast) rather than through transformers'
 GGUF config path, which parses the whole vocabulary first. Weights are dequantized to float32
 and renamed to Hugging Face names, undoing the q/k row permutation llama.cpp applies at
-conversion time. The tokenizer conversion is slow, so its result is cached on disk.
+conversion time; the Q4_1 / Q8_0 ones are also given in their block form for the quantized
+decode kernels (model/quantized.py). The tokenizer conversion is slow, so its result is cached on disk.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from tokenserve.cache_dir import cache_root
+from tokenserve.model.quantized import QUANTIZED_KINDS, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -119,13 +121,33 @@ def iterate_gguf_weights(
                 f"GGUF file {path} has tensor {tensor.name!r}, which a llama model does not "
                 "have (mixture-of-experts and multimodal GGUFs are not supported)."
             )
-        weight = _dequantize(tensor, path)
-        # llama.cpp reorders q/k rows for its interleaved RoPE; we use the HF half-split RoPE.
-        if ".self_attn.q_proj." in hf_name:
-            weight = _undo_rope_permutation(weight, config.num_attention_heads)
-        elif ".self_attn.k_proj." in hf_name:
-            weight = _undo_rope_permutation(weight, config.num_key_value_heads)
-        yield hf_name, weight
+        permute = _row_order(hf_name, config)
+        yield hf_name, permute(_dequantize(tensor, path))
+
+
+def iterate_gguf_quantized_weights(
+    path: str, config: transformers.PretrainedConfig
+) -> Iterator[tuple[str, QuantizedWeight]]:
+    """Yield the Q4_1 and Q8_0 weights in their block form (model/quantized.py), rows in the
+    same order as iterate_gguf_weights gives them."""
+    reader = _open_reader(path)
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        hf_name = _hf_name(tensor.name)
+        if kind not in QUANTIZED_KINDS or hf_name is None or len(tensor.shape) != 2:
+            continue
+        permute = _row_order(hf_name, config)
+        # The file's data is [out, bytes of the row's blocks] (innermost dimension last).
+        yield hf_name, QuantizedWeight.from_blocks(kind, tensor.data).map_rows(permute)
+
+
+def _row_order(hf_name: str, config: transformers.PretrainedConfig):
+    """llama.cpp reorders q/k rows for its interleaved RoPE; we use the HF half-split RoPE."""
+    if ".self_attn.q_proj." in hf_name:
+        return functools.partial(_undo_rope_permutation, num_heads=config.num_attention_heads)
+    if ".self_attn.k_proj." in hf_name:
+        return functools.partial(_undo_rope_permutation, num_heads=config.num_key_value_heads)
+    return lambda rows: rows
 
 
 def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:

@@ -7,6 +7,9 @@ blocked layout saves reordering it on every call. The packed copy replaces the d
 weight, so memory does not double.
 
 `TOKENSERVE_DISABLE_ONEDNN=1` keeps the dense weights and `F.linear` (for comparison).
+
+A weight may also have a block-quantized copy from its GGUF file (model/quantized.py):
+products of few rows (decode) read that instead, being bound by memory traffic.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from tokenserve.model.quantized import QuantizedWeight
 
 DISABLE_ENV = "TOKENSERVE_DISABLE_ONEDNN"
 
@@ -39,7 +44,11 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
+    quantized: QuantizedWeight | None = None,
 ) -> torch.Tensor:
+    if quantized is not None and x.dim() == 2 and x.shape[0] <= quantized.max_rows:
+        out = quantized.matmul(x)
+        return out if bias is None else out.add_(bias)
     if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

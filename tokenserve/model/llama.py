@@ -4,7 +4,9 @@ One flat batch per step: `input_ids` and `positions` are [num_tokens], with no
 per-request padding; attention finds each request's context through the metadata.
 Q/K/V and gate/up projections are fused at load time (one matmul each instead of
 three and two). On CPU, `pack_weights()` then moves every projection (and the logits
-matrix) to oneDNN's prepacked layout (model/linear.py).
+matrix) to oneDNN's prepacked layout (model/linear.py); for a GGUF model,
+`load_quantized_weights()` first keeps their Q4_1 / Q8_0 blocks too, which decode's
+few-row products read instead (model/quantized.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 from tokenserve.attention.backend import AttentionBackend, AttentionMetadata
 from tokenserve.kernels import layer_ops
 from tokenserve.model.linear import linear, pack_weight
+from tokenserve.model.quantized import QuantizedWeight, max_rows, usable_for
 from tokenserve.model.rotary import RotaryEmbedding
 
 
@@ -78,6 +81,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp_ops = layer_ops() if dtype == torch.float32 else None
         # Parameter name → its oneDNN-packed form, once pack_weights() has run.
         self.packed: dict[str, torch.Tensor] = {}
+        # Parameter name → its GGUF block-quantized copy (load_quantized_weights).
+        self.quantized: dict[str, QuantizedWeight] = {}
 
     def pack_weights(self) -> None:
         for name in _PROJECTIONS:
@@ -90,7 +95,7 @@ class LlamaDecoderLayer(nn.Module):
                 getattr(self, name).data = torch.empty(0, dtype=self.packed[name].dtype)
 
     def _project(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None):
-        return linear(x, getattr(self, name), bias, self.packed.get(name))
+        return linear(x, getattr(self, name), bias, self.packed.get(name), self.quantized.get(name))
 
     def forward(
         self,
@@ -174,6 +179,7 @@ class LlamaForCausalLM(nn.Module):
         head_dim = self.layers[0].head_dim
         self.rotary = RotaryEmbedding(hf_config, head_dim, max_position, dtype)
         self.packed_logits: torch.Tensor | None = None
+        self.quantized_logits: QuantizedWeight | None = None
 
     def pack_weights(self) -> None:
         """Prepack the projections and the logits matrix for oneDNN (CPU only; a no-op
@@ -205,7 +211,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return linear(hidden_states, weight, packed=self.packed_logits)
+        return linear(
+            hidden_states, weight, packed=self.packed_logits, quantized=self.quantized_logits
+        )
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -215,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if _IGNORED.search(name):
                 continue
-            target, offset = self._locate(name, tensor)
+            target, offset = self._locate(name)
             if target == "<tied>":
                 continue  # Some tied checkpoints still carry a copy of the embeddings.
             if target is None or target not in params:
@@ -236,7 +244,35 @@ class LlamaForCausalLM(nn.Module):
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"The checkpoint is missing {len(missing)} tensor(s): {shown}")
 
-    def _locate(self, name: str, tensor: torch.Tensor) -> tuple[str | None, int | None]:
+    def load_quantized_weights(self, weights: Iterable[tuple[str, QuantizedWeight]]) -> int:
+        """Keep block-quantized copies (model/quantized.py) of the projections and the logits
+        matrix beside their float32 weights, for few-row products. Call after load_weights()
+        and before pack_weights(). A fused weight gets a copy only when every part has one of
+        the same kind. Returns how many weights got one."""
+        parts: dict[str, dict[int, QuantizedWeight]] = {}
+        for name, weight in weights:
+            target, offset = self._locate(name)
+            if target is not None:
+                parts.setdefault(target, {})[offset or 0] = weight
+        params = dict(self.named_parameters())
+        logits_name = "embed_tokens" if self.lm_head is None else "lm_head"
+        count = 0
+        for target, pieces in parts.items():
+            fused = QuantizedWeight.concat([pieces[offset] for offset in sorted(pieces)])
+            if fused is None or target not in params or not usable_for(fused, params[target].shape):
+                continue
+            fused.max_rows = max_rows()
+            if target == logits_name:
+                self.quantized_logits = fused
+            else:
+                layer, _, attribute = target.removeprefix("layers.").partition(".")
+                if attribute not in _PROJECTIONS:
+                    continue
+                self.layers[int(layer)].quantized[attribute] = fused
+            count += 1
+        return count
+
+    def _locate(self, name: str) -> tuple[str | None, int | None]:
         if name == "model.embed_tokens.weight":
             return "embed_tokens", None
         if name == "model.norm.weight":

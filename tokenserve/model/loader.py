@@ -18,6 +18,7 @@ import torch
 import transformers
 
 from tokenserve.model import gguf_loader, hf_loader
+from tokenserve.model.quantized import QuantizedWeight
 
 # The model classes tokenserve implements (all share the llama layer layout).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -104,6 +105,14 @@ def iterate_weights(files: LoadedModelFiles) -> Iterator[tuple[str, torch.Tensor
     if files.format == "gguf":
         return gguf_loader.iterate_gguf_weights(files.path, files.hf_config)
     raise ValueError(f"Unknown model format {files.format!r}; expected 'hf' or 'gguf'.")
+
+
+def iterate_quantized_weights(files: LoadedModelFiles) -> Iterator[tuple[str, QuantizedWeight]]:
+    """The weights a GGUF file holds in a block form the quantized kernels read (Q4_1, Q8_0);
+    nothing for Hugging Face checkpoints."""
+    if files.format == "gguf":
+        return gguf_loader.iterate_gguf_quantized_weights(files.path, files.hf_config)
+    return iter(())
 
 
 def _check_supported(architecture: str, path: str) -> None:

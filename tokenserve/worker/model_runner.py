@@ -9,6 +9,7 @@ for every prompt position of their chunk (only those rows).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,13 +19,16 @@ import torch
 from tokenserve.attention.backend import AttentionMetadata, get_attention_backend
 from tokenserve.config import EngineConfig
 from tokenserve.core.scheduler_output import SchedulerOutput
-from tokenserve.model.loader import iterate_weights
+from tokenserve.model import quantized
+from tokenserve.model.loader import iterate_quantized_weights, iterate_weights
 from tokenserve.model.registry import build_model
 from tokenserve.sample.logits_processors import GrammarMask
 from tokenserve.sample.logprobs import LogprobsLists, LogprobsTensors, compute_logprobs
 from tokenserve.sample.sampler import Sampler
 from tokenserve.worker.request_state import CachedRequestState
 from tokenserve.worker.sampling_inputs import build_sampling_metadata
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from tokenserve.structured_output.manager import GrammarBitmask
@@ -66,6 +70,15 @@ class ModelRunner:
         model.load_weights(iterate_weights(model_config.files))
         self.model = model.to(self.device).eval()
         if self.device.type == "cpu":
+            if model_config.dtype == torch.float32 and quantized.kernels_available():
+                count = self.model.load_quantized_weights(
+                    iterate_quantized_weights(model_config.files)
+                )
+                if count:
+                    logger.info(
+                        "%d weights also kept in their GGUF block form for products of up "
+                        "to %d rows.", count, quantized.max_rows(),
+                    )
             self.model.pack_weights()
 
     def initialize_kv_cache(self) -> None:

@@ -1,0 +1,172 @@
+/*
+ * y = x · Wᵀ with W kept in GGUF's block-quantized form, for the few-row products of decode.
+ *
+ * A decode step with few rows is bound by reading the weights: in float32 the projections
+ * of a 135M model are ~0.5 GB per step. Q4_1 holds the same weights in ~0.6 bytes each
+ * and Q8_0 in ~1.1, so these kernels read the quantized blocks and expand them in
+ * registers. The expansion is the same float32 arithmetic as gguf's dequantization
+ * (Q4_1: d * q + m, Q8_0: d * q, each a single rounding; this file is compiled as ISO
+ * C, so the multiply and add are not fused), so the products use the very weights the
+ * float32 path uses; only the order of the sums differs.
+ *
+ * Layouts (repacked at load time, rows in PyTorch's [out, in] order):
+ *   Q4_1: qs  uint8 [N, K / 2]  per 32-weight block, 16 bytes: byte i holds weight i in
+ *                               its low nibble and weight i + 16 in its high nibble
+ *         dm  float [N, K / 32, 2]  the block's scale d and minimum m
+ *   Q8_0: qs  int8  [N, K]
+ *         d   float [N, K / 32]
+ *   x float [M, K] and y float [M, N], both contiguous; K a multiple of 32.
+ *
+ * Work is split over output columns (rows of W): each thread streams its share of the
+ * weights once, and for every 32-weight block multiplies it into up to four rows of x.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "vec8.h"
+
+#define BLOCK 32
+/* Tile shape: x rows times weight rows. Measured best of 8x1, 6x2, 5x2, 4x2 and 3x4 on
+ * AVX2: 4 x 2 keeps 8 accumulators, 2 weight vectors and an x vector in registers. */
+#define ROWS 4
+#define COLS 2
+
+/* Eight bytes widened to eight int32 lanes. GCC's generic vector conversion does this one
+ * byte at a time, so x86 gets the one-instruction form. */
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline v8i widen_u8(const uint8_t *p) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    v8i out;
+    memcpy(&out, &v, sizeof out);
+    return out;
+}
+static inline v8i widen_s8(const int8_t *p) {
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    v8i out;
+    memcpy(&out, &v, sizeof out);
+    return out;
+}
+#else
+static inline v8i widen_u8(const uint8_t *p) {
+    return (v8i){p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+}
+static inline v8i widen_s8(const int8_t *p) {
+    return (v8i){p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+}
+#endif
+
+/* Weights 8c..8c+7 of a Q4_1 block (c = 0..3). */
+static inline v8f q4_1_chunk(const uint8_t *qs, float d, float m, int c) {
+    const v8i bytes = widen_u8(qs + (c & 1) * 8);
+    const v8i q = (c < 2) ? (bytes & 0x0F) : (bytes >> 4);
+    return __builtin_convertvector(q, v8f) * splat8(d) + splat8(m);
+}
+
+static inline v8f q8_0_chunk(const int8_t *qs, float d, int c) {
+    return __builtin_convertvector(widen_s8(qs + c * 8), v8f) * splat8(d);
+}
+
+/* One tile: `rows` (1..ROWS, a constant after inlining) rows of x times COLS weight rows. */
+static inline __attribute__((always_inline)) void q4_1_tile(
+    float *y, int64_t y_stride, const float *x, int64_t K, const uint8_t *qs,
+    const float *dm, int rows) {
+    v8f acc[ROWS][COLS];
+#pragma GCC unroll 4
+    for (int i = 0; i < ROWS; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < COLS; ++j) acc[i][j] = splat8(0.0f);
+    const int64_t blocks = K / BLOCK;
+    for (int64_t b = 0; b < blocks; ++b) {
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+            v8f w[COLS];
+#pragma GCC unroll 4
+            for (int j = 0; j < COLS; ++j) {
+                const float *s = dm + (j * blocks + b) * 2;
+                w[j] = q4_1_chunk(qs + j * (K / 2) + b * 16, s[0], s[1], c);
+            }
+#pragma GCC unroll 4
+            for (int i = 0; i < rows; ++i) {
+                const v8f xv = load8(x + i * K + b * BLOCK + c * 8);
+#pragma GCC unroll 4
+                for (int j = 0; j < COLS; ++j) acc[i][j] += xv * w[j];
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < rows; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < COLS; ++j) y[i * y_stride + j] = hsum8(acc[i][j]);
+}
+
+static inline __attribute__((always_inline)) void q8_0_tile(
+    float *y, int64_t y_stride, const float *x, int64_t K, const int8_t *qs, const float *d,
+    int rows) {
+    v8f acc[ROWS][COLS];
+#pragma GCC unroll 4
+    for (int i = 0; i < ROWS; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < COLS; ++j) acc[i][j] = splat8(0.0f);
+    const int64_t blocks = K / BLOCK;
+    for (int64_t b = 0; b < blocks; ++b) {
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+            v8f w[COLS];
+#pragma GCC unroll 4
+            for (int j = 0; j < COLS; ++j)
+                w[j] = q8_0_chunk(qs + j * K + b * BLOCK, d[j * blocks + b], c);
+#pragma GCC unroll 4
+            for (int i = 0; i < rows; ++i) {
+                const v8f xv = load8(x + i * K + b * BLOCK + c * 8);
+#pragma GCC unroll 4
+                for (int j = 0; j < COLS; ++j) acc[i][j] += xv * w[j];
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < rows; ++i)
+#pragma GCC unroll 4
+        for (int j = 0; j < COLS; ++j) y[i * y_stride + j] = hsum8(acc[i][j]);
+}
+
+/* The tile functions with the row count as a constant, so the accumulators stay in registers. */
+#define DISPATCH_ROWS(tile, rows, ...)          \
+    switch (rows) {                             \
+    case 1: tile(__VA_ARGS__, 1); break;        \
+    case 2: tile(__VA_ARGS__, 2); break;        \
+    case 3: tile(__VA_ARGS__, 3); break;        \
+    default: tile(__VA_ARGS__, ROWS); break;    \
+    }
+
+int ts_q4_1_linear_f32(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                       const uint8_t *qs, const float *dm) {
+    if (K % BLOCK != 0 || N % COLS != 0) return 1;
+    const int64_t tiles = N / COLS;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t n = t * COLS;
+        for (int64_t m = 0; m < M; m += ROWS) {
+            const int rows = M - m < ROWS ? (int)(M - m) : ROWS;
+            DISPATCH_ROWS(q4_1_tile, rows, y + m * N + n, N, x + m * K, K,
+                          qs + n * (K / 2), dm + n * (K / BLOCK) * 2)
+        }
+    }
+    return 0;
+}
+
+int ts_q8_0_linear_f32(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                       const int8_t *qs, const float *d) {
+    if (K % BLOCK != 0 || N % COLS != 0) return 1;
+    const int64_t tiles = N / COLS;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t n = t * COLS;
+        for (int64_t m = 0; m < M; m += ROWS) {
+            const int rows = M - m < ROWS ? (int)(M - m) : ROWS;
+            DISPATCH_ROWS(q8_0_tile, rows, y + m * N + n, N, x + m * K, K, qs + n * K,
+                          d + n * (K / BLOCK))
+        }
+    }
+    return 0;
+}
