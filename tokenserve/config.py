@@ -59,6 +59,10 @@ class CacheConfig:
         return self.num_blocks * self.block_size
 
 
+# The orders in which a step's prompt chunks are granted (SchedulerConfig.prefill_order).
+PREFILL_ORDERS = ("shortest", "arrival")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_batched_tokens: int
@@ -69,6 +73,10 @@ class SchedulerConfig:
     # Milliseconds: each step's prompt tokens are sized so the step's predicted time stays
     # within it (decodes always run); None: max_num_batched_tokens alone limits a step.
     target_step_ms: float | None = None
+    # After the decode rows, prompt chunks go to the fewest remaining prompt tokens first
+    # ("shortest"), or to running prompts and then the waiting queue ("arrival"). The
+    # priority policy always takes "arrival" (in priority order).
+    prefill_order: str = "shortest"
 
 
 @dataclass

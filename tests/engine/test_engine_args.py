@@ -23,6 +23,7 @@ def test_memory_sizes_parse():
         (dict(dtype="float64"), "dtype"),
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
         (dict(scheduling_policy="lifo"), "scheduling_policy"),
+        (dict(prefill_order="longest"), "prefill_order must be 'shortest' or 'arrival'"),
         (dict(max_model_len=4096), "exceeds what the model supports"),
         # 4 blocks of 16 tokens cannot hold a 1000-token sequence: refused at start.
         (dict(num_kv_blocks=4, max_model_len=1000), "does not fit in the KV cache"),
@@ -54,6 +55,22 @@ def test_target_step_ms_flag_reaches_the_scheduler_config(tiny_model_dirs, argv)
     assert engine_args.create_engine_config().scheduler_config.target_step_ms == 50.0
     engine_args.target_step_ms = None  # the default: no target
     assert engine_args.create_engine_config().scheduler_config.target_step_ms is None
+
+
+def test_prefill_order_flag_reaches_the_scheduler_config(tiny_model_dirs):
+    from tokenserve.entrypoints.cli import build_parser, engine_args_from
+
+    parser = build_parser()
+    for argv, expected in (
+        (["serve"], "shortest"),  # the default
+        (["serve", "--prefill-order", "arrival"], "arrival"),
+        (["bench", "throughput", "--prefill-order", "arrival"], "arrival"),
+    ):
+        engine_args = engine_args_from(parser.parse_args(argv))
+        engine_args.model = tiny_model_dirs["llama"]
+        assert engine_args.create_engine_config().scheduler_config.prefill_order == expected
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--prefill-order", "longest"])
 
 
 def test_unknown_engine_argument_is_refused(tiny_model_dirs):

@@ -1,4 +1,5 @@
-"""Waiting queues: first come first served, or by priority."""
+"""Waiting queues (first come first served, or by priority) and the order prompts are
+granted a step's tokens in."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterator
 
-from tokenserve.core.request import Request
+from tokenserve.core.request import Request, RequestStatus
 
 
 class RequestQueue:
@@ -27,6 +28,7 @@ class RequestQueue:
         raise NotImplementedError
 
     def remove(self, request: Request) -> None:
+        """Take out a request wherever it is (the scheduler admits from near the head)."""
         raise NotImplementedError
 
     def __len__(self) -> int:
@@ -53,7 +55,7 @@ class FCFSQueue(RequestQueue):
         return self._queue.popleft()
 
     def remove(self, request: Request) -> None:
-        self._queue.remove(request)
+        self._queue.remove(request)  # scans from the head: cheap near it
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -83,6 +85,9 @@ class PriorityQueue(RequestQueue):
         return heapq.heappop(self._heap)[-1]
 
     def remove(self, request: Request) -> None:
+        if self._heap and self._heap[0][-1] is request:
+            heapq.heappop(self._heap)
+            return
         self._heap = [entry for entry in self._heap if entry[-1] is not request]
         heapq.heapify(self._heap)
 
@@ -90,7 +95,10 @@ class PriorityQueue(RequestQueue):
         return len(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
-        return (entry[-1] for entry in sorted(self._heap))
+        # Lazily, in order: reading only the head costs a copy, not a sort.
+        heap = list(self._heap)
+        while heap:
+            yield heapq.heappop(heap)[-1]
 
 
 def create_request_queue(policy: str) -> RequestQueue:
@@ -99,3 +107,34 @@ def create_request_queue(policy: str) -> RequestQueue:
     if policy == "priority":
         return PriorityQueue()
     raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}.")
+
+
+def remaining_prompt_tokens(request: Request) -> int:
+    """Prompt tokens the request has yet to compute; past its prompt (recomputing its
+    output after a preemption), none."""
+    return max(request.num_prompt_tokens - request.num_computed_tokens, 0)
+
+
+def order_for_prefill(
+    running: list[Request], waiting: list[Request], shortest_first: bool
+) -> list[Request]:
+    """The order in which prompt chunks get a step's tokens (after its decode rows).
+
+    By arrival: `running` (prompts already started, in admission order), then `waiting`
+    (in queue order). Shortest first: running prompts and fresh waiting requests by fewest
+    remaining prompt tokens, ties by arrival time and then that same order; so a short
+    request does not wait for a long prompt to finish, and prompts of one length keep
+    first come first served. Preempted waiting requests go in queue order right after
+    the last running prompt: ahead of the fresh prompts after it, as first come first
+    served puts them, but never ahead of a running prompt (the request gave way to the
+    running ones; going first again, it could be preempted again and again while they
+    never advance).
+    """
+    if not shortest_first:
+        return running + waiting
+    resuming = [r for r in waiting if r.status == RequestStatus.PREEMPTED]
+    fresh = [r for r in waiting if r.status != RequestStatus.PREEMPTED]
+    ranked = sorted(running + fresh, key=lambda r: (remaining_prompt_tokens(r), r.arrival_time))
+    started = set(running)
+    after_running = max((i + 1 for i, r in enumerate(ranked) if r in started), default=0)
+    return ranked[:after_running] + resuming + ranked[after_running:]

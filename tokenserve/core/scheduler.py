@@ -1,24 +1,34 @@
 """The token-budget scheduler: each step, which requests advance and by how many tokens.
 
-One rule: bring each request's `num_computed_tokens` up to its `num_tokens`. Running
-requests go first (so decodes keep priority), then waiting ones while the token budget,
-`max_num_seqs` and free KV blocks allow. A prompt longer than the remaining budget is
-split across steps (chunked prefill). When a running request needs a block and none is
-free, the newest (or lowest-priority) running request is preempted: it gives back its
-blocks and waits to be recomputed. Nobody is admitted in a step that preempted.
-With a target step time (`target_step_ms`), a `TargetStepBudget` caps the prompt tokens
-of each step on top of its decodes (core/step_cost.py).
+One rule: bring each request's `num_computed_tokens` up to its `num_tokens`. A step is
+composed in two passes:
+1. Decode rows first: every running request with one token to compute gets it, wherever
+   it stands in `running`.
+2. Prompt chunks next, from what the token budget has left: running requests still
+   computing their prompt and the waiting requests at the head of the queue (as many as
+   `max_num_seqs` leaves room for), fewest remaining prompt tokens first, ties by
+   arrival, preempted requests right after the running prompts
+   (`prefill_order="shortest"`, under the fcfs policy); or running prompts first, then
+   the queue (`prefill_order="arrival"`, and always under the priority policy). A
+   prompt longer than what is left is split across steps (chunked prefill); a waiting
+   request is admitted after its longest cached prefix.
+When a running request needs a block and none is free, the newest (or lowest-priority)
+running request is preempted: it gives back its blocks and waits to be recomputed.
+Admission and preemption never share a step. With a target step time (`target_step_ms`),
+a `TargetStepBudget` caps the prompt tokens of each step on top of its decodes
+(core/step_cost.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tokenserve.config import CacheConfig, SchedulerConfig
+from tokenserve.config import PREFILL_ORDERS, CacheConfig, SchedulerConfig
 from tokenserve.core.kv_cache_manager import KVCacheManager
 from tokenserve.core.request import Request, RequestStatus
-from tokenserve.core.request_queue import create_request_queue
+from tokenserve.core.request_queue import create_request_queue, order_for_prefill
 from tokenserve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenserve.core.step_cost import PrefillBudget, StepCostModel, StepShape, TargetStepBudget
 from tokenserve.sample.logprobs import LogprobsLists
@@ -57,6 +67,41 @@ class SchedulerStats:
     predicted_step_ms: float | None = None
 
 
+@dataclass
+class StepPlan:
+    """What `schedule()` has decided so far in one step."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    scheduled_running: list[Request] = field(default_factory=list)
+    scheduled_new: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Blocks a running request got this step (the runner appends them to its table).
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+
+    def add_running(self, request: Request, num_new_tokens: int, new_block_ids: list[int]) -> None:
+        self.scheduled_running.append(request)
+        self.new_block_ids[request.request_id] = new_block_ids
+        self._take(request, num_new_tokens)
+
+    def add_new(self, request: Request, num_new_tokens: int) -> None:
+        self.scheduled_new.append(request)
+        self._take(request, num_new_tokens)
+
+    def add_preempted(self, request: Request) -> None:
+        """A request preempted this step: if it was already scheduled, its tokens go back."""
+        assert request not in self.scheduled_new, "a step that admits never preempts"
+        if request.request_id in self.num_scheduled_tokens:
+            self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+            self.scheduled_running.remove(request)
+            del self.new_block_ids[request.request_id]
+        self.preempted.append(request)
+
+    def _take(self, request: Request, num_new_tokens: int) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_new_tokens
+        self.token_budget -= num_new_tokens
+
+
 class Scheduler:
     def __init__(
         self,
@@ -66,6 +111,11 @@ class Scheduler:
     ) -> None:
         """`step_cost_model`: what sizes each step's prefill under `target_step_ms` (the
         engine core records into it); one is made if the config has a target and none is given."""
+        if scheduler_config.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(
+                f"prefill_order must be 'shortest' or 'arrival', "
+                f"got {scheduler_config.prefill_order!r}."
+            )
         self.config = scheduler_config
         self.kv_cache_manager = KVCacheManager(
             num_blocks=cache_config.num_blocks,
@@ -116,99 +166,26 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        token_budget = self.config.max_num_batched_tokens
+        plan = StepPlan(self.config.max_num_batched_tokens)
         prefill_budget = self._prefill_budget()
-        num_scheduled_tokens: dict[str, int] = {}
-        scheduled_running: list[Request] = []
-        scheduled_new: list[Request] = []
-        preempted: list[Request] = []
-        new_block_ids: dict[str, list[int]] = {}
-
-        index = 0
-        while index < len(self.running) and token_budget > 0:
-            request = self.running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            if num_new_tokens > 1:  # a prompt chunk; a decode row always gets its token
-                num_new_tokens = prefill_budget.grant(request.num_computed_tokens, num_new_tokens)
-                if num_new_tokens == 0:
-                    index += 1
-                    continue
-            while True:
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-                if new_blocks is not None:
-                    break
-                victim = self._choose_victim()
-                if victim in num_scheduled_tokens:
-                    # Already scheduled this step (priority policy): give its budget back.
-                    token_budget += num_scheduled_tokens.pop(victim.request_id)
-                    scheduled_running.remove(victim)
-                    index -= 1
-                self.running.remove(victim)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if new_blocks is None:
-                break
-            scheduled_running.append(request)
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            new_block_ids[request.request_id] = [block.block_id for block in new_blocks]
-            token_budget -= num_new_tokens
-            index += 1
-
-        if not preempted:
-            # Requests whose grammar is still compiling; they keep their place in the queue.
-            skipped: list[Request] = []
-            while (
-                len(self.waiting) > 0
-                and token_budget > 0
-                and len(self.running) < self.config.max_num_seqs
-            ):
-                request = self.waiting.peek()
-                if request.status == RequestStatus.WAITING_FOR_GRAMMAR:
-                    skipped.append(self.waiting.pop())
-                    continue
-                hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-                num_new_tokens = request.num_tokens - num_hit_tokens
-                if not self.config.enable_chunked_prefill and num_new_tokens > token_budget:
-                    break
-                num_new_tokens = min(num_new_tokens, token_budget)
-                num_new_tokens = prefill_budget.grant(num_hit_tokens, num_new_tokens)
-                if num_new_tokens == 0:
-                    break
-                new_blocks = self.kv_cache_manager.allocate_slots(
-                    request, num_new_tokens, hits, num_hit_tokens
-                )
-                if new_blocks is None:
-                    break
-                self.waiting.pop()
-                self.kv_cache_manager.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
-                request.num_computed_tokens = num_hit_tokens
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hit_tokens
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = time.time()
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                scheduled_new.append(request)
-                num_scheduled_tokens[request.request_id] = num_new_tokens
-                token_budget -= num_new_tokens
-            for request in reversed(skipped):
-                self.waiting.prepend(request)
+        if self._schedule_decodes(plan):
+            self._schedule_prompt_chunks(plan, prefill_budget)
 
         output = SchedulerOutput(
-            scheduled_new_reqs=[self._new_request_data(r) for r in scheduled_new],
+            scheduled_new_reqs=[self._new_request_data(r) for r in plan.scheduled_new],
             scheduled_cached_reqs=[
-                CachedRequestData(r.request_id, new_block_ids[r.request_id], r.num_computed_tokens)
-                for r in scheduled_running
+                CachedRequestData(
+                    r.request_id, plan.new_block_ids[r.request_id], r.num_computed_tokens
+                )
+                for r in plan.scheduled_running
             ],
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(num_scheduled_tokens.values()),
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted},
+            preempted_req_ids={r.request_id for r in plan.preempted},
         )
-        for request in (*scheduled_running, *scheduled_new):
-            request.num_computed_tokens += num_scheduled_tokens[request.request_id]
+        for request in (*plan.scheduled_running, *plan.scheduled_new):
+            request.num_computed_tokens += plan.num_scheduled_tokens[request.request_id]
         self.finished_req_ids = set()
         self.last_token_budget = prefill_budget.token_budget or self.config.max_num_batched_tokens
         if isinstance(prefill_budget, TargetStepBudget) and not output.is_empty:
@@ -264,6 +241,129 @@ class Scheduler:
             token_budget=self.last_token_budget,
             predicted_step_ms=self.last_predicted_step_ms,
         )
+
+    # ---- composing a step ----------------------------------------------------------
+
+    def _schedule_decodes(self, plan: StepPlan) -> bool:
+        """Give every decode row (one token to compute) its token, before any prompt chunk.
+
+        False when a decode row had to preempt itself: no block is left, the step is done.
+        """
+        for request in [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]:
+            if plan.token_budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted this step, for an earlier row
+            if not self._schedule_running(request, 1, plan, may_preempt=True):
+                return False
+        return True
+
+    def _schedule_prompt_chunks(self, plan: StepPlan, prefill_budget: PrefillBudget) -> None:
+        """Grant the rest of the budget to prompts: running requests still computing theirs,
+        and waiting requests being admitted, in `order_for_prefill` (shortest remaining prompt
+        first under the fcfs policy, unless `prefill_order="arrival"`).
+
+        Admission and preemption never share a step: nobody is admitted once a request was
+        preempted, and a running prompt ordered after an admission gets a chunk only from
+        free blocks (short of them, it waits for the next step, and admission ends). A
+        running prompt that has to preempt itself ends the step. Admission also ends with
+        the first waiting request that cannot be admitted.
+        """
+        running = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        waiting = self._admission_window(plan)
+        admitting = True
+        shortest_first = self.config.policy == "fcfs" and self.config.prefill_order == "shortest"
+        for request in order_for_prefill(running, waiting, shortest_first):
+            if plan.token_budget == 0:
+                break
+            if request.status == RequestStatus.RUNNING:
+                if not self._schedule_prompt_chunk(request, plan, prefill_budget):
+                    if request.status == RequestStatus.PREEMPTED:
+                        return  # it had to preempt itself: no block is left
+                    admitting = False
+            elif admitting and not plan.preempted:
+                # A waiting request (a running one preempted this step leaves admission closed).
+                admitting = self._admit(request, plan, prefill_budget)
+
+    def _admission_window(self, plan: StepPlan) -> list[Request]:
+        """The waiting requests this step may admit, in queue order: as many as `max_num_seqs`
+        leaves room for, none in a step that preempted. Requests whose grammar is still
+        compiling are passed over and keep their place."""
+        room = self.config.max_num_seqs - len(self.running)
+        if plan.preempted or room <= 0 or plan.token_budget == 0:
+            return []
+        ready = (r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_GRAMMAR)
+        return list(itertools.islice(ready, room))
+
+    def _schedule_prompt_chunk(
+        self, request: Request, plan: StepPlan, prefill_budget: PrefillBudget
+    ) -> bool:
+        """Schedule the next chunk of a running request's prompt, as large as the budgets
+        allow. False when it was granted tokens but not scheduled for want of blocks."""
+        num_new_tokens = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
+        num_new_tokens = prefill_budget.grant(request.num_computed_tokens, num_new_tokens)
+        if num_new_tokens == 0:
+            return True
+        # After an admission, free blocks only: admission and preemption never share a step.
+        may_preempt = not plan.scheduled_new
+        return self._schedule_running(request, num_new_tokens, plan, may_preempt=may_preempt)
+
+    def _schedule_running(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        plan: StepPlan,
+        *,
+        may_preempt: bool,
+    ) -> bool:
+        """Find blocks for `num_new_tokens` more tokens of a running request and schedule them.
+
+        When the pool is short and `may_preempt`, running requests are preempted
+        (`_choose_victim`) until the tokens fit or the request itself is the victim.
+        Returns whether the request was scheduled.
+        """
+        while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
+            if not may_preempt:
+                return False
+            victim = self._choose_victim()
+            self.running.remove(victim)
+            self._preempt(victim)
+            plan.add_preempted(victim)
+            if victim is request:
+                return False
+        plan.add_running(request, num_new_tokens, [block.block_id for block in new_blocks])
+        return True
+
+    def _admit(self, request: Request, plan: StepPlan, prefill_budget: PrefillBudget) -> bool:
+        """Admit a waiting request with the first chunk after its cached prefix.
+
+        False when it cannot be admitted now (no room in the budgets, no free blocks).
+        Without chunked prefill a prompt that does not fit the remaining budget is not split.
+        """
+        hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        num_new_tokens = request.num_tokens - num_hit_tokens
+        if not self.config.enable_chunked_prefill and num_new_tokens > plan.token_budget:
+            return False
+        num_new_tokens = min(num_new_tokens, plan.token_budget)
+        num_new_tokens = prefill_budget.grant(num_hit_tokens, num_new_tokens)
+        if num_new_tokens == 0:
+            return False
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_new_tokens, hits, num_hit_tokens
+        )
+        if new_blocks is None:
+            return False
+        self.waiting.remove(request)
+        self.kv_cache_manager.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.time()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        plan.add_new(request, num_new_tokens)
+        return True
 
     # ---- helpers -------------------------------------------------------------------
 

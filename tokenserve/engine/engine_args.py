@@ -13,7 +13,13 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from tokenserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenserve.config import (
+    PREFILL_ORDERS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from tokenserve.model.loader import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -68,6 +74,9 @@ class EngineArgs:
     prefix_caching_hash_algo: str = "sha256"
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    # Which prompts get a step's tokens after its decode rows: "shortest" remaining
+    # prompt first, or by "arrival" (fcfs policy only; priority order under "priority").
+    prefill_order: str = "shortest"
     # Size each step's prefill from the measured step cost so steps stay within this
     # many milliseconds (decodes always advance); None: no target.
     target_step_ms: float | None = None
@@ -133,6 +142,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,
             target_step_ms=self.target_step_ms,
+            prefill_order=self.prefill_order,
         )
         return EngineConfig(model_config, cache_config, scheduler_config)
 
@@ -158,6 +168,10 @@ class EngineArgs:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}."
+            )
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(
+                f"prefill_order must be 'shortest' or 'arrival', got {self.prefill_order!r}."
             )
 
     def _resolve_dtype(self) -> torch.dtype:

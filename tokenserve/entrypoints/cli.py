@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from tokenserve.config import PREFILL_ORDERS
 from tokenserve.engine.engine_args import EngineArgs, parse_memory
 
 MODEL_HELP = "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)."
@@ -44,6 +45,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                         help="Most logprobs (and prompt logprobs) a request may ask for.")
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
                         default=defaults.scheduling_policy, help="Order of admission and preemption.")
+    parser.add_argument("--prefill-order", choices=list(PREFILL_ORDERS),
+                        default=defaults.prefill_order,
+                        help="Which prompts get a step's tokens once every decode has its token: "
+                             "'shortest' remaining prompt first (a short request is not stuck "
+                             "behind a long one; equal lengths stay first come first served) or "
+                             "'arrival' (started prompts, then the waiting queue). Under "
+                             "--scheduling-policy priority, prompts always go in priority order.")
     parser.add_argument("--target-step-ms", type=float, default=defaults.target_step_ms,
                         help="Target engine-step time in ms: each step's prompt tokens are sized "
                              "from the measured step cost to keep it within the target (every "

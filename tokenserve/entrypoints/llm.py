@@ -26,7 +26,7 @@ class LLM:
     (SmolLM2-135M-Instruct). Other keyword arguments are engine arguments
     (`EngineArgs`): max_model_len, max_num_batched_tokens, max_num_seqs, block_size,
     kv_cache_memory, num_kv_blocks, enable_prefix_caching, enable_chunked_prefill,
-    scheduling_policy, dtype, seed, ...
+    scheduling_policy, prefill_order, dtype, seed, ...
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
