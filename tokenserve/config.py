@@ -59,6 +59,8 @@ class CacheConfig:
         return self.num_blocks * self.block_size
 
 
+# How many tokens of each request's growth admission looks ahead at (core/kv_lookahead.py).
+DEFAULT_LOOKAHEAD_TOKENS = 256
 # The orders in which a step's prompt chunks are granted (SchedulerConfig.prefill_order).
 PREFILL_ORDERS = ("shortest", "arrival")
 
@@ -77,6 +79,9 @@ class SchedulerConfig:
     # ("shortest"), or to running prompts and then the waiting queue ("arrival"). The
     # priority policy always takes "arrival" (in priority order).
     prefill_order: str = "shortest"
+    # Admit a request only if the running requests and it fit the KV pool over their next
+    # this many tokens of growth (core/kv_lookahead.py); 0: admit whenever the prompt fits.
+    admission_lookahead_tokens: int = DEFAULT_LOOKAHEAD_TOKENS
 
 
 @dataclass

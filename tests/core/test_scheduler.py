@@ -11,8 +11,10 @@ from .invariants import check_block_pool_invariants
 
 
 def make_scheduler(num_blocks=8, budget=64, max_num_seqs=8, policy="fcfs", block_size=4):
+    # These tests drive preemption, which admission lookahead (test_kv_lookahead.py) avoids.
     return Scheduler(
-        SchedulerConfig(budget, max_num_seqs, num_blocks * block_size, True, policy),
+        SchedulerConfig(budget, max_num_seqs, num_blocks * block_size, True, policy,
+                        admission_lookahead_tokens=0),
         CacheConfig(block_size, num_blocks, True, "sha256"),
     )
 

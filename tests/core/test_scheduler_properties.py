@@ -66,14 +66,16 @@ def run_step(scheduler: Scheduler, step_index: int) -> None:
     policy=st.sampled_from(["fcfs", "priority"]),
     prefill_order=st.sampled_from(["shortest", "arrival"]),
     caching=st.booleans(),
+    lookahead=st.sampled_from([0, 4, 256]),
 )
 def test_random_workloads_keep_block_pool_invariants(
-    actions, num_blocks, budget, max_num_seqs, policy, prefill_order, caching
+    actions, num_blocks, budget, max_num_seqs, policy, prefill_order, caching, lookahead
 ):
     max_model_len = 32  # 8 blocks: every request fits alone in the smallest cache
     scheduler = Scheduler(
         SchedulerConfig(
-            budget, max_num_seqs, max_model_len, True, policy, prefill_order=prefill_order
+            budget, max_num_seqs, max_model_len, True, policy, prefill_order=prefill_order,
+            admission_lookahead_tokens=lookahead,
         ),
         CacheConfig(BLOCK_SIZE, num_blocks, caching, "sha256"),
     )
@@ -130,12 +132,14 @@ def crowded_workloads(draw):
     policy=st.sampled_from(["fcfs", "priority"]),
     prefill_order=st.sampled_from(["shortest", "arrival"]),
     caching=st.booleans(),
+    lookahead=st.sampled_from([0, 4, 256]),
 )
 def test_under_kv_pressure_every_request_finishes_and_blocks_stay_consistent(
-    workload, num_blocks, budget, max_num_seqs, policy, prefill_order, caching
+    workload, num_blocks, budget, max_num_seqs, policy, prefill_order, caching, lookahead
 ):
     scheduler = Scheduler(
-        SchedulerConfig(budget, max_num_seqs, 32, True, policy, prefill_order=prefill_order),
+        SchedulerConfig(budget, max_num_seqs, 32, True, policy, prefill_order=prefill_order,
+                        admission_lookahead_tokens=lookahead),
         CacheConfig(BLOCK_SIZE, num_blocks, caching, "sha256"),
     )
     pending = list(enumerate(workload))

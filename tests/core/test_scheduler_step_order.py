@@ -24,7 +24,9 @@ def make_scheduler(
     chunked: bool = True,
     caching: bool = True,
 ) -> Scheduler:
-    config = SchedulerConfig(budget, max_num_seqs, num_blocks * block_size, chunked, policy)
+    # These tests drive preemption, which admission lookahead (test_kv_lookahead.py) avoids.
+    config = SchedulerConfig(budget, max_num_seqs, num_blocks * block_size, chunked, policy,
+                             admission_lookahead_tokens=0)
     config.prefill_order = prefill_order
     return Scheduler(config, CacheConfig(block_size, num_blocks, caching, "sha256"))
 

@@ -34,8 +34,10 @@ def make_scheduler(
         shape = random_shape(rng)
         cost_model.record(shape, synthetic_seconds(shape, speed=speed))
     return Scheduler(
+        # The scenarios preempt, which admission lookahead (test_kv_lookahead.py) avoids.
         SchedulerConfig(
-            budget, max_num_seqs, num_blocks * block_size, chunked, "fcfs", target_step_ms
+            budget, max_num_seqs, num_blocks * block_size, chunked, "fcfs", target_step_ms,
+            admission_lookahead_tokens=0,
         ),
         CacheConfig(block_size, num_blocks, True, "sha256"),
         step_cost_model=cost_model if target_step_ms is not None else None,

@@ -19,8 +19,11 @@ SETTINGS = {
     "default": dict(),
     "forced_chunking": dict(max_num_batched_tokens=16),
     "no_prefix_caching": dict(enable_prefix_caching=False),
-    # 20 blocks of 16 tokens cannot hold all nine requests at once: preemption.
-    "preemption": dict(num_kv_blocks=20, max_model_len=300),
+    # 20 blocks of 16 tokens cannot hold all nine requests at once: without admission
+    # lookahead, prompts that fit are admitted and the newest preempted as they grow.
+    "preemption": dict(num_kv_blocks=20, max_model_len=300, admission_lookahead_tokens=0),
+    # The same cache with lookahead (the default): requests wait instead, no preemption.
+    "kv_pressure_lookahead": dict(num_kv_blocks=20, max_model_len=300),
 }
 
 

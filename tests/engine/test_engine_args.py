@@ -29,6 +29,7 @@ def test_memory_sizes_parse():
         (dict(num_kv_blocks=4, max_model_len=1000), "does not fit in the KV cache"),
         (dict(enable_chunked_prefill=False, max_num_batched_tokens=64), "chunked prefill"),
         (dict(target_step_ms=0), "target_step_ms"),
+        (dict(admission_lookahead_tokens=-1), "admission_lookahead_tokens"),
         (dict(target_step_ms=-5.0), "target_step_ms"),
         (dict(target_step_ms=float("nan")), "target_step_ms"),
         (dict(target_step_ms="50"), "target_step_ms"),
@@ -71,6 +72,21 @@ def test_prefill_order_flag_reaches_the_scheduler_config(tiny_model_dirs):
         assert engine_args.create_engine_config().scheduler_config.prefill_order == expected
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--prefill-order", "longest"])
+
+
+def test_admission_lookahead_flag_reaches_the_scheduler_config(tiny_model_dirs):
+    from tokenserve.entrypoints.cli import build_parser, engine_args_from
+
+    parser = build_parser()
+    for argv, expected in (
+        (["serve"], 256),  # the default
+        (["serve", "--admission-lookahead-tokens", "0"], 0),
+        (["bench", "throughput", "--admission-lookahead-tokens", "64"], 64),
+    ):
+        engine_args = engine_args_from(parser.parse_args(argv))
+        engine_args.model = tiny_model_dirs["llama"]
+        config = engine_args.create_engine_config().scheduler_config
+        assert config.admission_lookahead_tokens == expected
 
 
 def test_unknown_engine_argument_is_refused(tiny_model_dirs):

@@ -12,6 +12,8 @@ composed in two passes:
    the queue (`prefill_order="arrival"`, and always under the priority policy). A
    prompt longer than what is left is split across steps (chunked prefill); a waiting
    request is admitted after its longest cached prefix.
+A waiting request is admitted only if the blocks the running requests and it are projected
+to hold over their next `admission_lookahead_tokens` tokens fit the pool (kv_lookahead.py).
 When a running request needs a block and none is free, the newest (or lowest-priority)
 running request is preempted: it gives back its blocks and waits to be recomputed.
 Admission and preemption never share a step. With a target step time (`target_step_ms`),
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 from tokenserve.config import PREFILL_ORDERS, CacheConfig, SchedulerConfig
 from tokenserve.core.kv_cache_manager import KVCacheManager
+from tokenserve.core.kv_lookahead import admission_fits
 from tokenserve.core.request import Request, RequestStatus
 from tokenserve.core.request_queue import create_request_queue, order_for_prefill
 from tokenserve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -337,9 +340,19 @@ class Scheduler:
     def _admit(self, request: Request, plan: StepPlan, prefill_budget: PrefillBudget) -> bool:
         """Admit a waiting request with the first chunk after its cached prefix.
 
-        False when it cannot be admitted now (no room in the budgets, no free blocks).
+        False when it cannot be admitted now (no room in the budgets, no free blocks, or
+        the running requests' projected growth leaves no room for it: kv_lookahead.py).
         Without chunked prefill a prompt that does not fit the remaining budget is not split.
         """
+        if not admission_fits(
+            request,
+            self.running,
+            self.kv_cache_manager.num_blocks,
+            self.kv_cache_manager.block_size,
+            self.config.max_model_len,
+            self.config.admission_lookahead_tokens,
+        ):
+            return False  # the running requests' growth would run the pool out (kv_lookahead.py)
         hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
         num_new_tokens = request.num_tokens - num_hit_tokens
         if not self.config.enable_chunked_prefill and num_new_tokens > plan.token_budget:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from tokenserve.config import (
+    DEFAULT_LOOKAHEAD_TOKENS,
     PREFILL_ORDERS,
     CacheConfig,
     EngineConfig,
@@ -77,6 +78,10 @@ class EngineArgs:
     # Which prompts get a step's tokens after its decode rows: "shortest" remaining
     # prompt first, or by "arrival" (fcfs policy only; priority order under "priority").
     prefill_order: str = "shortest"
+    # Admit a request only if the running requests and it fit the KV cache over their next
+    # this many tokens of growth; 0: whenever its prompt fits (fewer preemptions vs. more
+    # requests at once under KV pressure).
+    admission_lookahead_tokens: int = DEFAULT_LOOKAHEAD_TOKENS
     # Size each step's prefill from the measured step cost so steps stay within this
     # many milliseconds (decodes always advance); None: no target.
     target_step_ms: float | None = None
@@ -143,6 +148,7 @@ class EngineArgs:
             policy=self.scheduling_policy,
             target_step_ms=self.target_step_ms,
             prefill_order=self.prefill_order,
+            admission_lookahead_tokens=self.admission_lookahead_tokens,
         )
         return EngineConfig(model_config, cache_config, scheduler_config)
 
@@ -152,6 +158,11 @@ class EngineArgs:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}.")
+        if self.admission_lookahead_tokens < 0:
+            raise ValueError(
+                "admission_lookahead_tokens must be non-negative, got "
+                f"{self.admission_lookahead_tokens}."
+            )
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be non-negative, got {self.max_logprobs}.")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

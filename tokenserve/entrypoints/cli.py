@@ -52,6 +52,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                              "behind a long one; equal lengths stay first come first served) or "
                              "'arrival' (started prompts, then the waiting queue). Under "
                              "--scheduling-policy priority, prompts always go in priority order.")
+    parser.add_argument("--admission-lookahead-tokens", type=int,
+                        default=defaults.admission_lookahead_tokens,
+                        help="Admit a request only if the running requests and it fit the KV "
+                             "cache over their next this many tokens (each bounded by its "
+                             "max_tokens; a finished request frees its blocks): fewer "
+                             "preemptions when the cache is full. 0: admit whenever the prompt "
+                             "fits.")
     parser.add_argument("--target-step-ms", type=float, default=defaults.target_step_ms,
                         help="Target engine-step time in ms: each step's prompt tokens are sized "
                              "from the measured step cost to keep it within the target (every "

@@ -9,7 +9,7 @@ float32 arithmetic as gguf's dequantization: the very weights of the float32 pat
 a fifth of the bytes. Larger products stay on oneDNN's float32 GEMM, which is faster once
 the weights are reused across enough rows (measured in docs/BENCHMARKS.md).
 
-`TOKENSERVE_QUANTIZED_MAX_ROWS` sets the row limit (default 16); 0 turns the path off.
+`TOKENSERVE_QUANTIZED_MAX_ROWS` sets the row limit (default 20); 0 turns the path off.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch
 from tokenserve.kernels import quant_linear
 
 MAX_ROWS_ENV = "TOKENSERVE_QUANTIZED_MAX_ROWS"
-# The crossover with oneDNN's prepacked float32 GEMM on the 2-core CI machine, for
+# The crossover with oneDNN's prepacked float32 GEMM on this project's 2-core machine, for
 # SmolLM2-135M's shapes streamed from memory (benchmarks in docs/BENCHMARKS.md).
-DEFAULT_MAX_ROWS = 16
+DEFAULT_MAX_ROWS = 20
 BLOCK = 32
 # GGML type names → the bytes of one 32-weight block.
 _BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}

@@ -6,8 +6,8 @@
  * and Q8_0 in ~1.1, so these kernels read the quantized blocks and expand them in
  * registers. The expansion is the same float32 arithmetic as gguf's dequantization
  * (Q4_1: d * q + m, Q8_0: d * q, each a single rounding; this file is compiled as ISO
- * C, so the multiply and add are not fused), so the products use the very weights the
- * float32 path uses; only the order of the sums differs.
+ * C, so that multiply and add are not fused), so the products use the very weights the
+ * float32 path uses; only the sums differ (their order, and fused multiply-adds).
  *
  * Layouts (repacked at load time, rows in PyTorch's [out, in] order):
  *   Q4_1: qs  uint8 [N, K / 2]  per 32-weight block, 16 bytes: byte i holds weight i in
@@ -47,7 +47,22 @@ static inline v8i widen_s8(const int8_t *p) {
     memcpy(&out, &v, sizeof out);
     return out;
 }
+/* acc + a * b in one rounding. Only the sums use it: the weights are expanded unfused. */
+static inline v8f fma8(v8f a, v8f b, v8f acc) {
+#if defined(__FMA__)
+    __m256 a_, b_, acc_;
+    memcpy(&a_, &a, sizeof a_);
+    memcpy(&b_, &b, sizeof b_);
+    memcpy(&acc_, &acc, sizeof acc_);
+    acc_ = _mm256_fmadd_ps(a_, b_, acc_);
+    memcpy(&acc, &acc_, sizeof acc);
+    return acc;
 #else
+    return acc + a * b;
+#endif
+}
+#else
+static inline v8f fma8(v8f a, v8f b, v8f acc) { return acc + a * b; }
 static inline v8i widen_u8(const uint8_t *p) {
     return (v8i){p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
 }
@@ -90,7 +105,7 @@ static inline __attribute__((always_inline)) void q4_1_tile(
             for (int i = 0; i < rows; ++i) {
                 const v8f xv = load8(x + i * K + b * BLOCK + c * 8);
 #pragma GCC unroll 4
-                for (int j = 0; j < COLS; ++j) acc[i][j] += xv * w[j];
+                for (int j = 0; j < COLS; ++j) acc[i][j] = fma8(xv, w[j], acc[i][j]);
             }
         }
     }
@@ -120,7 +135,7 @@ static inline __attribute__((always_inline)) void q8_0_tile(
             for (int i = 0; i < rows; ++i) {
                 const v8f xv = load8(x + i * K + b * BLOCK + c * 8);
 #pragma GCC unroll 4
-                for (int j = 0; j < COLS; ++j) acc[i][j] += xv * w[j];
+                for (int j = 0; j < COLS; ++j) acc[i][j] = fma8(xv, w[j], acc[i][j]);
             }
         }
     }
