@@ -75,6 +75,10 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, An
         f"({len(outputs)} requests, {prompt_tokens} prompt + {output_tokens} output tokens "
         f"in {elapsed:.1f} s wall; model load {load_seconds:.1f} s)"
     )
+    print(
+        f"Preemptions: {result['num_preemptions']}; prefix cache hit rate "
+        f"{result['prefix_cache_hit_rate']:.3f}"
+    )
     if args.output_json:
         with open(args.output_json, "w") as file:
             json.dump(result, file, indent=2)
