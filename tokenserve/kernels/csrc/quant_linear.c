@@ -82,55 +82,33 @@ static inline v8f q8_0_chunk(const int8_t *qs, float d, int c) {
     return __builtin_convertvector(widen_s8(qs + c * 8), v8f) * splat8(d);
 }
 
-/* One tile: `rows` (1..ROWS, a constant after inlining) rows of x times COLS weight rows. */
-static inline __attribute__((always_inline)) void q4_1_tile(
-    float *y, int64_t y_stride, const float *x, int64_t K, const uint8_t *qs,
-    const float *dm, int rows) {
-    v8f acc[ROWS][COLS];
-#pragma GCC unroll 4
-    for (int i = 0; i < ROWS; ++i)
-#pragma GCC unroll 4
-        for (int j = 0; j < COLS; ++j) acc[i][j] = splat8(0.0f);
+/* Weights 8c..8c+7 of block b of weight row j (of a tile), in either format. */
+static inline v8f weight_chunk(int q4_1, const uint8_t *qs, const float *scales, int64_t K,
+                               int j, int64_t b, int c) {
     const int64_t blocks = K / BLOCK;
-    for (int64_t b = 0; b < blocks; ++b) {
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) {
-            v8f w[COLS];
-#pragma GCC unroll 4
-            for (int j = 0; j < COLS; ++j) {
-                const float *s = dm + (j * blocks + b) * 2;
-                w[j] = q4_1_chunk(qs + j * (K / 2) + b * 16, s[0], s[1], c);
-            }
-#pragma GCC unroll 4
-            for (int i = 0; i < rows; ++i) {
-                const v8f xv = load8(x + i * K + b * BLOCK + c * 8);
-#pragma GCC unroll 4
-                for (int j = 0; j < COLS; ++j) acc[i][j] = fma8(xv, w[j], acc[i][j]);
-            }
-        }
+    if (q4_1) {
+        const float *s = scales + (j * blocks + b) * 2;
+        return q4_1_chunk(qs + j * (K / 2) + b * 16, s[0], s[1], c);
     }
-#pragma GCC unroll 4
-    for (int i = 0; i < rows; ++i)
-#pragma GCC unroll 4
-        for (int j = 0; j < COLS; ++j) y[i * y_stride + j] = hsum8(acc[i][j]);
+    return q8_0_chunk((const int8_t *)qs + j * K + b * BLOCK, scales[j * blocks + b], c);
 }
 
-static inline __attribute__((always_inline)) void q8_0_tile(
-    float *y, int64_t y_stride, const float *x, int64_t K, const int8_t *qs, const float *d,
-    int rows) {
+/* One tile: `rows` (1..ROWS) rows of x times COLS weight rows. `rows` and `q4_1` are
+ * constants after inlining, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(
+    float *y, int64_t y_stride, const float *x, int64_t K, const uint8_t *qs,
+    const float *scales, int q4_1, int rows) {
     v8f acc[ROWS][COLS];
 #pragma GCC unroll 4
     for (int i = 0; i < ROWS; ++i)
 #pragma GCC unroll 4
         for (int j = 0; j < COLS; ++j) acc[i][j] = splat8(0.0f);
-    const int64_t blocks = K / BLOCK;
-    for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t b = 0; b < K / BLOCK; ++b) {
 #pragma GCC unroll 4
         for (int c = 0; c < 4; ++c) {
             v8f w[COLS];
 #pragma GCC unroll 4
-            for (int j = 0; j < COLS; ++j)
-                w[j] = q8_0_chunk(qs + j * K + b * BLOCK, d[j * blocks + b], c);
+            for (int j = 0; j < COLS; ++j) w[j] = weight_chunk(q4_1, qs, scales, K, j, b, c);
 #pragma GCC unroll 4
             for (int i = 0; i < rows; ++i) {
                 const v8f xv = load8(x + i * K + b * BLOCK + c * 8);
@@ -154,34 +132,31 @@ static inline __attribute__((always_inline)) void q8_0_tile(
     default: tile(__VA_ARGS__, ROWS); break;    \
     }
 
-int ts_q4_1_linear_f32(float *y, const float *x, int64_t M, int64_t K, int64_t N,
-                       const uint8_t *qs, const float *dm) {
+/* y = x · Wᵀ, split over tiles of COLS weight rows; q4_1 picks the format (a constant). */
+static inline __attribute__((always_inline)) int quant_linear(
+    float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *qs,
+    const float *scales, int q4_1) {
     if (K % BLOCK != 0 || N % COLS != 0) return 1;
-    const int64_t tiles = N / COLS;
+    const int64_t row_bytes = q4_1 ? K / 2 : K;
+    const int64_t row_scales = q4_1 ? K / BLOCK * 2 : K / BLOCK;
 #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t t = 0; t < N / COLS; ++t) {
         const int64_t n = t * COLS;
         for (int64_t m = 0; m < M; m += ROWS) {
             const int rows = M - m < ROWS ? (int)(M - m) : ROWS;
-            DISPATCH_ROWS(q4_1_tile, rows, y + m * N + n, N, x + m * K, K,
-                          qs + n * (K / 2), dm + n * (K / BLOCK) * 2)
+            DISPATCH_ROWS(tile, rows, y + m * N + n, N, x + m * K, K, qs + n * row_bytes,
+                          scales + n * row_scales, q4_1)
         }
     }
     return 0;
 }
 
+int ts_q4_1_linear_f32(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                       const uint8_t *qs, const float *dm) {
+    return quant_linear(y, x, M, K, N, qs, dm, 1);
+}
+
 int ts_q8_0_linear_f32(float *y, const float *x, int64_t M, int64_t K, int64_t N,
                        const int8_t *qs, const float *d) {
-    if (K % BLOCK != 0 || N % COLS != 0) return 1;
-    const int64_t tiles = N / COLS;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t n = t * COLS;
-        for (int64_t m = 0; m < M; m += ROWS) {
-            const int rows = M - m < ROWS ? (int)(M - m) : ROWS;
-            DISPATCH_ROWS(q8_0_tile, rows, y + m * N + n, N, x + m * K, K, qs + n * K,
-                          d + n * (K / BLOCK))
-        }
-    }
-    return 0;
+    return quant_linear(y, x, M, K, N, (const uint8_t *)qs, d, 0);
 }
