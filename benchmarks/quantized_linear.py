@@ -1,17 +1,23 @@
-"""Every projection of a model plus its logits matrix, at a few row counts, on both paths:
-GGUF's blocks through kernels/csrc/quant_linear.c, and oneDNN's prepacked float32 GEMM.
+"""Every projection of a model plus its logits matrix, at a few row counts, on three paths:
+GGUF's blocks through kernels/csrc/quant_linear.c's few-row and many-row (panel) kernels,
+and oneDNN's prepacked float32 GEMM.
 
-This is how `model/quantized.py`'s row limit was chosen: the weights stream from memory,
+This is how `model/quantized.py`'s row limits were chosen: the weights stream from memory,
 as in a decode step (one pass over all layers reads the whole model), so the figures are
-per pass over the model, in wall-clock ms, the mean of `--repeats` passes.
+per pass over the model, in wall-clock ms: the fastest of `--repeats` passes, the paths
+taking turns, so that load from other processes on the machine skews them alike and least.
+The few-row kernel is timed up to `--few-rows-up-to` rows only (it is slow beyond).
 
-usage: python benchmarks/quantized_linear.py [--model GGUF] [--rows 1 4 8 16 24 32 64]
+usage: python benchmarks/quantized_linear.py [--model GGUF] [--rows 1 8 16 64 ...]
+       [--few-rows-up-to 64] [--repeats 7]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -23,8 +29,11 @@ from tokenserve.model.llama import _PROJECTIONS
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="A GGUF file (default: the default model).")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 24, 32, 64])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=[1, 4, 8, 16, 20, 24, 32, 48, 64, 128, 256, 512]
+    )
+    parser.add_argument("--few-rows-up-to", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
     llm = LLM(args.model, kv_cache_memory="64MiB")
@@ -39,29 +48,49 @@ def main() -> None:
         weights.append((model.packed_logits, model.quantized_logits))
     if not weights:
         raise SystemExit("This model has no weights in a quantized block form (is it a GGUF?).")
-    print(f"{len(weights)} weights; ms per pass over all of them (wall clock)")
-    print(f"{'rows':>5} {'quantized':>10} {'oneDNN':>10} {'oneDNN / quantized':>19}")
+    print(
+        f"{len(weights)} weights; ms per pass over all of them (wall clock), "
+        f"{torch.get_num_threads()} threads"
+    )
+    print(
+        f"{'rows':>5} {'few-row':>8} {'many-row':>9} {'oneDNN':>8} "
+        f"{'oneDNN / few-row':>17} {'oneDNN / many-row':>18}"
+    )
     for rows in args.rows:
         inputs = {width: torch.randn(rows, width) for width in {q.shape[1] for _, q in weights}}
+        paths = ["many-row", "oneDNN"] + (["few-row"] if rows <= args.few_rows_up_to else [])
+        many, onednn, *few_or_none = _best_ms(
+            [functools.partial(_pass, weights, inputs, path) for path in paths], args.repeats
+        )
+        few = few_or_none[0] if few_or_none else None
+        few_cells = ("-", "-") if few is None else (f"{few:.1f}", f"{onednn / few:.2f}")
+        print(
+            f"{rows:>5} {few_cells[0]:>8} {many:>9.1f} {onednn:>8.1f} "
+            f"{few_cells[1]:>17} {onednn / many:>18.2f}"
+        )
 
-        def quantized_pass() -> None:
-            for _, quantized in weights:
-                quantized.matmul(inputs[quantized.shape[1]])
 
-        def onednn_pass() -> None:
-            for packed, quantized in weights:
-                linear(inputs[quantized.shape[1]], torch.empty(0), packed=packed)
+def _pass(weights: list, inputs: dict[int, torch.Tensor], path: str) -> None:
+    """One product with every weight, on `path`."""
+    for packed, quantized in weights:
+        x = inputs[quantized.shape[1]]
+        if path == "oneDNN":
+            linear(x, torch.empty(0), packed=packed)
+        else:
+            quantized.matmul(x, panels=path == "many-row")
 
-        timings = [_mean_ms(function, args.repeats) for function in (quantized_pass, onednn_pass)]
-        print(f"{rows:>5} {timings[0]:>10.1f} {timings[1]:>10.1f} {timings[1] / timings[0]:>19.2f}")
 
-
-def _mean_ms(function, repeats: int) -> float:
-    function()  # warm-up
-    started = time.perf_counter()
+def _best_ms(functions: list[Callable[[], None]], repeats: int) -> list[float]:
+    """The fastest of `repeats` calls of each function, the functions taking turns."""
+    best = [float("inf")] * len(functions)
+    for function in functions:
+        function()  # warm-up
     for _ in range(repeats):
-        function()
-    return (time.perf_counter() - started) / repeats * 1e3
+        for index, function in enumerate(functions):
+            started = time.perf_counter()
+            function()
+            best[index] = min(best[index], (time.perf_counter() - started) * 1e3)
+    return best
 
 
 if __name__ == "__main__":

@@ -103,12 +103,12 @@ def test_greedy_output_same_with_and_without_the_quantized_path(default_llm):
         return [list(o.outputs[0].token_ids) for o in default_llm.generate(prompts, params, use_tqdm=False)]
 
     with_blocks = greedy()
-    limits = [copy.max_rows for copy in copies]
+    limits = [(copy.max_rows, copy.gemm_max_rows) for copy in copies]
     try:
         for copy in copies:
-            copy.max_rows = 0  # every product on the float32 weights
+            copy.max_rows = copy.gemm_max_rows = 0  # every product on the float32 weights
         without_blocks = greedy()
     finally:
-        for copy, limit in zip(copies, limits):
-            copy.max_rows = limit
+        for copy, (limit, gemm_limit) in zip(copies, limits):
+            copy.max_rows, copy.gemm_max_rows = limit, gemm_limit
     assert with_blocks == without_blocks

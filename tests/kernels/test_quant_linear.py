@@ -70,19 +70,72 @@ def test_concat_stacks_rows_and_refuses_mixed_kinds():
     assert QuantizedWeight.concat([first, other]) is None
 
 
-def test_linear_uses_the_quantized_copy_up_to_max_rows_only():
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("in_features", [576, 1536])
+@pytest.mark.parametrize("num_rows", [1, 5, 6, 7, 13, 64, 65])
+def test_many_row_kernel_equals_float_product(kind, in_features, num_rows):
+    # 32 output rows: two panels; 576 inputs: three K slices, 1536: six.
+    weight, reference = _quantized(kind, 32, in_features, seed=num_rows)
+    x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(1))
+    expected = x.double() @ reference.double().T
+    # Float32 sums of in_features products: bounded relative to the sum of magnitudes.
+    bound = 1e-6 * (x.double().abs() @ reference.double().abs().T)
+    error = (weight.matmul(x, panels=True).double() - expected).abs()
+    assert bool((error <= bound).all()), float((error / bound).max())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_many_row_kernel_expands_exactly_gguf_dequantized_weights(kind):
+    # x = I picks W's columns: each output is 1 * w plus exact zeros, so any difference in
+    # the expanded panel (arithmetic or layout) shows.
+    weight, reference = _quantized(kind, 48, 576)
+    assert torch.equal(weight.matmul(torch.eye(576), panels=True), reference.T)
+
+
+def test_many_row_kernel_refuses_output_rows_off_its_panels():
+    weight, reference = _quantized("Q8_0", 24, 64)  # not a multiple of 16
+    x = torch.randn(30, 64)
+    with pytest.raises(ValueError, match="multiple of 16 output rows"):
+        weight.matmul(x, panels=True)
+    # By default the product falls back to the few-row kernel.
+    torch.testing.assert_close(weight.matmul(x), x @ reference.T, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_routes_by_rows_to_each_kernel_then_onednn(monkeypatch):
     # A quantized copy that deliberately differs from the float weight shows which one ran.
-    float_weight = torch.randn(8, 64)
-    quantized, reference = _quantized("Q8_0", 8, 64)
-    quantized.max_rows = 4
+    float_weight = torch.randn(16, 64)
+    quantized, reference = _quantized("Q8_0", 16, 64)
+    quantized.max_rows, quantized.gemm_max_rows = 4, 8
     packed = pack_weight(float_weight)
-    few, many = torch.randn(4, 64), torch.randn(5, 64)
-    bias = torch.randn(8)
+    bias = torch.randn(16)
+    ops = kernels.quant_linear()
+    kernels_run: list[bool] = []
+    original = ops.q8_0
+
+    def recording_q8_0(x, qs, d, panels=False):
+        kernels_run.append(panels)
+        return original(x, qs, d, panels)
+
+    monkeypatch.setattr(ops, "q8_0", recording_q8_0)
+    for num_rows, expected_weight, expected_kernels in [
+        (4, reference, [False]),  # the few-row kernel
+        (5, reference, [True]),  # the many-row kernel
+        (8, reference, [True]),
+        (9, float_weight, []),  # oneDNN
+    ]:
+        kernels_run.clear()
+        x = torch.randn(num_rows, 64)
+        torch.testing.assert_close(
+            linear(x, float_weight, bias, packed, quantized), x @ expected_weight.T + bias,
+            rtol=1e-5, atol=1e-5,
+        )
+        assert kernels_run == expected_kernels, num_rows
+
+    # Output rows off the many-row kernel's panels: oneDNN above max_rows.
+    narrow, _ = _quantized("Q8_0", 8, 64)
+    narrow.max_rows, narrow.gemm_max_rows = 4, 8
+    x = torch.randn(6, 64)
     torch.testing.assert_close(
-        linear(few, float_weight, bias, packed, quantized), few @ reference.T + bias,
-        rtol=1e-5, atol=1e-5,
-    )
-    torch.testing.assert_close(
-        linear(many, float_weight, bias, packed, quantized), many @ float_weight.T + bias,
-        rtol=1e-5, atol=1e-5,
+        linear(x, float_weight[:8], None, pack_weight(float_weight[:8]), narrow),
+        x @ float_weight[:8].T, rtol=1e-5, atol=1e-5,
     )

@@ -279,36 +279,52 @@ def layer_ops() -> LayerOps | None:
 
 class QuantLinearOps:
     """The kernels of quant_linear.c: y = x · Wᵀ with W in GGUF's Q4_1 or Q8_0 blocks,
-    repacked by `model/quantized.py` (see quant_linear.c for the layouts)."""
+    repacked by `model/quantized.py` (see quant_linear.c for the layouts). Two per format:
+    the few-row kernel, and with `panels=True` the many-row one (output rows a multiple of
+    `PANEL`)."""
+
+    PANEL = 16
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._q4_1 = library.ts_q4_1_linear_f32
-        self._q8_0 = library.ts_q8_0_linear_f32
-        for function in (self._q4_1, self._q8_0):
+        self._kernels = {
+            ("Q4_1", False): library.ts_q4_1_linear_f32,
+            ("Q8_0", False): library.ts_q8_0_linear_f32,
+            ("Q4_1", True): library.ts_q4_1_gemm_f32,
+            ("Q8_0", True): library.ts_q8_0_gemm_f32,
+        }
+        for function in self._kernels.values():
             function.restype = ctypes.c_int
             function.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr]
 
-    def q4_1(self, x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    def q4_1(
+        self, x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, panels: bool = False
+    ) -> torch.Tensor:
         """x [M, K] float32 times W [N, K] given as qs uint8 [N, K / 2] and dm float32
         [N, K / 32, 2] → [M, N]."""
-        num_out = qs.shape[0]
-        _check_linear(x, qs, dm, num_out, torch.uint8, x.shape[1] // 2)
-        out = torch.empty((x.shape[0], num_out), dtype=torch.float32)
-        status = self._q4_1(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], num_out,
-                            qs.data_ptr(), dm.data_ptr())
-        if status != 0:
-            raise ValueError("quantized linear needs an even number of output rows.")
-        return out
+        _check_linear(x, qs, dm, qs.shape[0], torch.uint8, x.shape[1] // 2)
+        return self._run("Q4_1", panels, x, qs, dm)
 
-    def q8_0(self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    def q8_0(
+        self, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, panels: bool = False
+    ) -> torch.Tensor:
         """x [M, K] float32 times W [N, K] given as qs int8 [N, K] and d float32 [N, K / 32]."""
+        _check_linear(x, qs, d, qs.shape[0], torch.int8, x.shape[1])
+        return self._run("Q8_0", panels, x, qs, d)
+
+    def _run(
+        self, kind: str, panels: bool, x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor
+    ) -> torch.Tensor:
         num_out = qs.shape[0]
-        _check_linear(x, qs, d, num_out, torch.int8, x.shape[1])
         out = torch.empty((x.shape[0], num_out), dtype=torch.float32)
-        status = self._q8_0(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], num_out,
-                            qs.data_ptr(), d.data_ptr())
+        status = self._kernels[kind, panels](
+            out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], num_out, qs.data_ptr(),
+            scales.data_ptr(),
+        )
         if status != 0:
-            raise ValueError("quantized linear needs an even number of output rows.")
+            raise ValueError(
+                f"quantized linear needs a multiple of {self.PANEL} output rows."
+                if panels else "quantized linear needs an even number of output rows."
+            )
         return out
 
 

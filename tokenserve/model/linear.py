@@ -46,7 +46,7 @@ def linear(
     packed: torch.Tensor | None = None,
     quantized: QuantizedWeight | None = None,
 ) -> torch.Tensor:
-    if quantized is not None and x.dim() == 2 and x.shape[0] <= quantized.max_rows:
+    if quantized is not None and x.dim() == 2 and quantized.takes(x.shape[0]):
         out = quantized.matmul(x)
         return out if bias is None else out.add_(bias)
     if packed is None:

@@ -21,7 +21,7 @@ from torch import nn
 from tokenserve.attention.backend import AttentionBackend, AttentionMetadata
 from tokenserve.kernels import layer_ops
 from tokenserve.model.linear import linear, pack_weight
-from tokenserve.model.quantized import QuantizedWeight, max_rows, usable_for
+from tokenserve.model.quantized import QuantizedWeight, gemm_max_rows, max_rows, usable_for
 from tokenserve.model.rotary import RotaryEmbedding
 
 
@@ -261,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
             fused = QuantizedWeight.concat([pieces[offset] for offset in sorted(pieces)])
             if fused is None or target not in params or not usable_for(fused, params[target].shape):
                 continue
-            fused.max_rows = max_rows()
+            fused.max_rows, fused.gemm_max_rows = max_rows(), gemm_max_rows()
             if target == logits_name:
                 self.quantized_logits = fused
             else:

@@ -1,4 +1,4 @@
-"""GGUF's block-quantized weights kept beside the float32 ones, for decode's few-row products.
+"""GGUF's block-quantized weights kept beside the float32 ones, for decode's products.
 
 A decode step with few rows reads every weight once and does little with it, so its time
 is the time to stream the weights from memory. For a GGUF model the projections (Q4_1
@@ -6,26 +6,34 @@ here) and the logits matrix (Q8_0) are also kept in their file's block form, ~5x
 smaller than float32, and `linear()` sends products of at most `max_rows` rows to the C
 kernels of kernels/csrc/quant_linear.c, which expand the blocks in registers with the same
 float32 arithmetic as gguf's dequantization: the very weights of the float32 path, read in
-a fifth of the bytes. Larger products stay on oneDNN's float32 GEMM, which is faster once
-the weights are reused across enough rows (measured in docs/BENCHMARKS.md).
+a fifth of the bytes. Products of more rows, up to `gemm_max_rows`, go to its many-row
+kernel, which expands each weight once per call into a cache-resident float32 panel and
+multiplies it into all rows (a GEMM micro-kernel); that needs the output rows in
+multiples of 16. Larger products stay on oneDNN's float32 GEMM, which is as fast once the
+weights are reused across enough rows (measured in docs/BENCHMARKS.md).
 
-`TOKENSERVE_QUANTIZED_MAX_ROWS` sets the row limit (default 20); 0 turns the path off.
+`TOKENSERVE_QUANTIZED_MAX_ROWS` sets the few-row kernel's limit (default 10) and
+`TOKENSERVE_QUANTIZED_GEMM_MAX_ROWS` the many-row kernel's (default 192); 0 turns a kernel
+off, both 0 the path.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from tokenserve.kernels import quant_linear
+from tokenserve.kernels import QuantLinearOps, quant_linear
 
 MAX_ROWS_ENV = "TOKENSERVE_QUANTIZED_MAX_ROWS"
-# The crossover with oneDNN's prepacked float32 GEMM on this project's 2-core machine, for
-# SmolLM2-135M's shapes streamed from memory (benchmarks in docs/BENCHMARKS.md).
-DEFAULT_MAX_ROWS = 20
+GEMM_MAX_ROWS_ENV = "TOKENSERVE_QUANTIZED_GEMM_MAX_ROWS"
+# The crossovers of the two kernels with each other and with oneDNN's prepacked float32
+# GEMM on this project's 2-core machine, for SmolLM2-135M's shapes streamed from memory
+# (benchmarks/quantized_linear.py, figures in docs/BENCHMARKS.md).
+DEFAULT_MAX_ROWS = 10
+DEFAULT_GEMM_MAX_ROWS = 192
 BLOCK = 32
 # GGML type names → the bytes of one 32-weight block.
 _BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
@@ -33,11 +41,19 @@ QUANTIZED_KINDS = tuple(_BLOCK_BYTES)
 
 
 def max_rows() -> int:
-    value = os.environ.get(MAX_ROWS_ENV, "")
+    return _row_limit(MAX_ROWS_ENV, DEFAULT_MAX_ROWS)
+
+
+def gemm_max_rows() -> int:
+    return _row_limit(GEMM_MAX_ROWS_ENV, DEFAULT_GEMM_MAX_ROWS)
+
+
+def _row_limit(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
     try:
-        return int(value) if value else DEFAULT_MAX_ROWS
+        return int(value) if value else default
     except ValueError as error:
-        raise ValueError(f"{MAX_ROWS_ENV} must be an integer, got {value!r}.") from error
+        raise ValueError(f"{name} must be an integer, got {value!r}.") from error
 
 
 @dataclass
@@ -49,8 +65,10 @@ class QuantizedWeight:
     kind: str  # "Q4_1" or "Q8_0"
     qs: torch.Tensor
     scales: torch.Tensor
-    # linear() uses this copy for products of at most this many rows.
+    # linear() uses this copy for products of at most max_rows rows (the few-row kernel)
+    # and, above that, of at most gemm_max_rows rows (the many-row kernel).
     max_rows: int = DEFAULT_MAX_ROWS
+    gemm_max_rows: int = DEFAULT_GEMM_MAX_ROWS
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -79,18 +97,17 @@ class QuantizedWeight:
     def map_rows(self, function) -> QuantizedWeight:
         """The same weight with its output rows rearranged by `function` (a row permutation
         written for [out, ...] tensors)."""
-        return QuantizedWeight(self.kind, function(self.qs), function(self.scales), self.max_rows)
+        return replace(self, qs=function(self.qs), scales=function(self.scales))
 
     @staticmethod
     def concat(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
         """Parts stacked along the output rows (fused q/k/v, gate/up); None if they differ in kind."""
         if len({part.kind for part in parts}) != 1 or len({part.shape[1] for part in parts}) != 1:
             return None
-        return QuantizedWeight(
-            parts[0].kind,
-            torch.cat([part.qs for part in parts]),
-            torch.cat([part.scales for part in parts]),
-            parts[0].max_rows,
+        return replace(
+            parts[0],
+            qs=torch.cat([part.qs for part in parts]),
+            scales=torch.cat([part.scales for part in parts]),
         )
 
     def dequantize(self) -> torch.Tensor:
@@ -104,19 +121,28 @@ class QuantizedWeight:
             weight = q * self.scales[:, :, None]
         return weight.reshape(self.shape)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [rows, in] float32 → x · Wᵀ [rows, out]."""
+    def takes(self, rows: int) -> bool:
+        """Whether linear() sends a product of `rows` rows here (else to oneDNN)."""
+        return rows <= self.max_rows or (
+            rows <= self.gemm_max_rows and self.shape[0] % QuantLinearOps.PANEL == 0
+        )
+
+    def matmul(self, x: torch.Tensor, panels: bool | None = None) -> torch.Tensor:
+        """x [rows, in] float32 → x · Wᵀ [rows, out]. `panels` picks the kernel; by
+        default the many-row one for more than max_rows rows, where it applies."""
         ops = quant_linear()
         if ops is None:
             raise RuntimeError("the quantized linear kernel is unavailable")
         x = x.contiguous()
+        if panels is None:
+            panels = x.shape[0] > self.max_rows and self.shape[0] % QuantLinearOps.PANEL == 0
         if self.kind == "Q4_1":
-            return ops.q4_1(x, self.qs, self.scales)
-        return ops.q8_0(x, self.qs, self.scales)
+            return ops.q4_1(x, self.qs, self.scales, panels)
+        return ops.q8_0(x, self.qs, self.scales, panels)
 
 
 def kernels_available() -> bool:
-    return max_rows() > 0 and quant_linear() is not None
+    return max(max_rows(), gemm_max_rows()) > 0 and quant_linear() is not None
 
 
 def usable_for(weight: QuantizedWeight, shape: tuple[int, ...]) -> bool:

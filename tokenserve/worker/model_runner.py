@@ -77,7 +77,7 @@ class ModelRunner:
                 if count:
                     logger.info(
                         "%d weights also kept in their GGUF block form for products of up "
-                        "to %d rows.", count, quantized.max_rows(),
+                        "to %d rows.", count, max(quantized.max_rows(), quantized.gemm_max_rows()),
                     )
             self.model.pack_weights()
 

@@ -37,6 +37,28 @@ static inline v8f hsum8x8(const v8f a[8]) {
     return __builtin_shuffle(y[0], y[1], lo_half) + __builtin_shuffle(y[0], y[1], hi_half);
 }
 
+/* a as an 8 x 8 matrix (a[i] its row i), transposed in place: 24 shuffles (unpack,
+ * shuffle, permute on AVX2). */
+static inline void transpose8x8(v8f a[8]) {
+    const v8i lo = {0, 8, 1, 9, 4, 12, 5, 13}, hi = {2, 10, 3, 11, 6, 14, 7, 15};
+    const v8i lo_pairs = {0, 1, 8, 9, 4, 5, 12, 13}, hi_pairs = {2, 3, 10, 11, 6, 7, 14, 15};
+    const v8i lo_half = {0, 1, 2, 3, 8, 9, 10, 11}, hi_half = {4, 5, 6, 7, 12, 13, 14, 15};
+    v8f t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo);
+        t[2 * i + 1] = __builtin_shuffle(a[2 * i], a[2 * i + 1], hi);
+    }
+    for (int i = 0; i < 2; ++i)
+        for (int j = 0; j < 2; ++j) {
+            u[4 * i + 2 * j] = __builtin_shuffle(t[4 * i + j], t[4 * i + j + 2], lo_pairs);
+            u[4 * i + 2 * j + 1] = __builtin_shuffle(t[4 * i + j], t[4 * i + j + 2], hi_pairs);
+        }
+    for (int i = 0; i < 4; ++i) {
+        a[i] = __builtin_shuffle(u[i], u[i + 4], lo_half);
+        a[i + 4] = __builtin_shuffle(u[i], u[i + 4], hi_half);
+    }
+}
+
 static inline float hsum8(v8f v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
