@@ -25,7 +25,7 @@
 #                                   attention refused block size 16 (it wants multiples of
 #                                   32), --max-model-len 2048 on 128 blocks of 16 (it
 #                                   estimated 2032) and 2032 on 64 blocks of 32 (it
-#                                   estimated 2016); 2016 is not yet tried
+#                                   estimated 2016); it accepted 2016
 #
 # Servers listen on 127.0.0.1 only and are stopped by their PID (then process group).
 # Results: OUT/<workload>_<engine>.json, logs in OUT/logs, summary in OUT/summary.md.
