@@ -121,11 +121,14 @@ class QuantizedWeight:
             weight = q * self.scales[:, :, None]
         return weight.reshape(self.shape)
 
+    @property
+    def _fits_panels(self) -> bool:
+        """Whether the many-row kernel takes this weight (its output rows in whole panels)."""
+        return self.shape[0] % QuantLinearOps.PANEL == 0
+
     def takes(self, rows: int) -> bool:
         """Whether linear() sends a product of `rows` rows here (else to oneDNN)."""
-        return rows <= self.max_rows or (
-            rows <= self.gemm_max_rows and self.shape[0] % QuantLinearOps.PANEL == 0
-        )
+        return rows <= self.max_rows or (rows <= self.gemm_max_rows and self._fits_panels)
 
     def matmul(self, x: torch.Tensor, panels: bool | None = None) -> torch.Tensor:
         """x [rows, in] float32 → x · Wᵀ [rows, out]. `panels` picks the kernel; by
@@ -135,7 +138,7 @@ class QuantizedWeight:
             raise RuntimeError("the quantized linear kernel is unavailable")
         x = x.contiguous()
         if panels is None:
-            panels = x.shape[0] > self.max_rows and self.shape[0] % QuantLinearOps.PANEL == 0
+            panels = x.shape[0] > self.max_rows and self._fits_panels
         if self.kind == "Q4_1":
             return ops.q4_1(x, self.qs, self.scales, panels)
         return ops.q8_0(x, self.qs, self.scales, panels)
