@@ -28,10 +28,15 @@ def paged() -> kernels.PagedAttentionOps:
     return paged_ops
 
 
+def _by_slot(cache: torch.Tensor) -> torch.Tensor:
+    """A cache [blocks, kv_heads, block_size, dim] as [slots, kv_heads, dim] (a copy)."""
+    return cache.transpose(1, 2).flatten(0, 1)
+
+
 def _reference_decode(query, key_cache, value_cache, tables, seq_lens, scale):
-    block_size = key_cache.shape[1]
-    flat_k = key_cache.flatten(0, 1)
-    flat_v = value_cache.flatten(0, 1)
+    block_size = key_cache.shape[2]
+    flat_k = _by_slot(key_cache)
+    flat_v = _by_slot(value_cache)
     outs = []
     for row, seq_len in enumerate(seq_lens.tolist()):
         positions = torch.arange(seq_len)
@@ -52,8 +57,8 @@ def _reference_decode(query, key_cache, value_cache, tables, seq_lens, scale):
 def test_paged_decode_matches_sdpa(paged, num_heads, num_kv_heads, head_dim, block_size):
     generator = torch.Generator().manual_seed(0)
     num_blocks = 400
-    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
-    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    key_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=generator)
+    value_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=generator)
     # Lengths on and around block edges, a single token, and long ones.
     seq_lens = torch.tensor(
         [1, block_size - 1, block_size, block_size + 1, 7, 8, 9, 5 * block_size + 3, 300]
@@ -78,7 +83,7 @@ def test_paged_decode_matches_sdpa(paged, num_heads, num_kv_heads, head_dim, blo
 
 
 def test_paged_decode_refuses_wrong_inputs(paged):
-    cache = torch.zeros(4, 16, 1, 64)
+    cache = torch.zeros(4, 1, 16, 64)
     query = torch.zeros(1, 1, 64)
     rows, table, lens = (torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
                          torch.ones(1, dtype=torch.int64))
@@ -97,14 +102,17 @@ def test_write_kv_from_fused_qkv_views(paged):
     _, key, value = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     key, value = key.view(tokens, kv_heads, dim), value.view(tokens, kv_heads, dim)
     slots = torch.randperm(10 * block_size, generator=generator)[:tokens]
-    key_cache = torch.zeros(10, block_size, kv_heads, dim)
-    value_cache = torch.zeros(10, block_size, kv_heads, dim)
+    key_cache = torch.zeros(10, kv_heads, block_size, dim)
+    value_cache = torch.zeros(10, kv_heads, block_size, dim)
     paged.write_kv(key_cache, value_cache, key, value, slots)
-    assert torch.equal(key_cache.flatten(0, 1)[slots], key)
-    assert torch.equal(value_cache.flatten(0, 1)[slots], value)
+    # Token t, kv head h sits at [slot // block_size, h, slot % block_size].
+    slot = int(slots[7])
+    assert torch.equal(key_cache[slot // block_size, 2, slot % block_size], key[7, 2])
+    assert torch.equal(_by_slot(key_cache)[slots], key)
+    assert torch.equal(_by_slot(value_cache)[slots], value)
     untouched = torch.ones(10 * block_size, dtype=torch.bool)
     untouched[slots] = False
-    assert (key_cache.flatten(0, 1)[untouched] == 0).all()
+    assert (_by_slot(key_cache)[untouched] == 0).all()
 
 
 def _reference_rms_norm(x, weight, eps):
@@ -180,8 +188,8 @@ def test_backend_same_output_with_and_without_kernels(paged):
     query, key, value = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     query = query.view(num_tokens, heads, dim)
     key, value = key.view(num_tokens, kv_heads, dim), value.view(num_tokens, kv_heads, dim)
-    base_k = torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator)
-    base_v = torch.randn(num_blocks, block_size, kv_heads, dim, generator=generator)
+    base_k = torch.randn(num_blocks, kv_heads, block_size, dim, generator=generator)
+    base_v = torch.randn(num_blocks, kv_heads, block_size, dim, generator=generator)
 
     outputs, caches = [], []
     for backend in (TorchSDPABackend(use_kernels=True), TorchSDPABackend(use_kernels=False)):

@@ -13,6 +13,10 @@ kernel writes the step's new keys and values into their slots. Where the kernels
 be built, decode rows are attended in one padded SDPA call over gathered contexts
 instead (the same results, more memory traffic). Index tensors are built once per step,
 in `prepare`.
+
+Each layer's cache is K and V apart, [num_blocks, num_kv_heads, block_size, head_dim]: a
+kv head's keys within a block are contiguous, which is what the decode kernel streams. A
+token's slot is block * block_size + offset; a gather indexes [blocks, :, offsets].
 """
 
 from __future__ import annotations
@@ -25,11 +29,20 @@ from tokenserve import kernels
 from tokenserve.attention.backend import AttentionBackend, AttentionMetadata
 
 
-def _context_slots(block_table: list[int], seq_len: int, block_size: int) -> np.ndarray:
+def _context_index(
+    block_table: list[int], seq_len: int, block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Where a context's tokens lie in the cache: block ids and offsets in them."""
     positions = np.arange(seq_len)
-    return np.asarray(block_table, dtype=np.int64)[positions // block_size] * block_size + (
-        positions % block_size
-    )
+    return np.asarray(block_table, dtype=np.int64)[positions // block_size], positions % block_size
+
+
+def _gather_context(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """A context's first seq_len tokens as [kv_heads, seq_len, head_dim]: whole blocks
+    copied (twice as fast as gathering token by token), their heads then put first."""
+    _, num_kv_heads, _, head_dim = cache.shape
+    gathered = cache.index_select(0, blocks).transpose(0, 1)
+    return gathered.reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -41,7 +54,8 @@ class TorchSDPABackend(AttentionBackend):
     def prepare(self, metadata: AttentionMetadata, device: torch.device) -> None:
         decode_rows: list[int] = []
         decode_reqs: list[int] = []
-        prefills: list[tuple[int, int, torch.Tensor | None, torch.Tensor | None]] = []
+        # (first row, end row, the context's (blocks, length) if it continues one, mask)
+        prefills: list[tuple[int, int, tuple[torch.Tensor, int] | None, torch.Tensor | None]] = []
         for i in range(metadata.num_reqs):
             start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
             if end - start == 1:
@@ -54,15 +68,17 @@ class TorchSDPABackend(AttentionBackend):
                 # Nothing cached before this chunk: its own keys are the whole context.
                 prefills.append((start, end, None, None))
                 continue
-            slots = torch.from_numpy(
-                _context_slots(metadata.block_tables[i], seq_len, metadata.block_size)
-            ).to(device)
+            num_blocks = -(-seq_len // metadata.block_size)
+            blocks = torch.tensor(metadata.block_tables[i][:num_blocks], device=device)
             # Query j sits at position seq_len - query_len + j and sees keys up to it.
             query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
             mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
-            prefills.append((start, end, slots, mask))
+            prefills.append((start, end, (blocks, seq_len), mask))
 
         data: dict = {"prefills": prefills, "decode_rows": None}
+        if self.ops is None:
+            slots = metadata.slot_mapping
+            data["write_index"] = (slots // metadata.block_size, slots % metadata.block_size)
         if decode_rows:
             seq_lens = [metadata.seq_lens[i] for i in decode_reqs]
             data["decode_rows"] = torch.tensor(decode_rows, device=device)
@@ -76,14 +92,19 @@ class TorchSDPABackend(AttentionBackend):
                 data["decode_seq_lens"] = torch.tensor(seq_lens, dtype=torch.int64, device=device)
             else:
                 max_len = max(seq_lens)
-                # Pad every context to max_len with slot 0; the mask hides the padding.
-                slot_matrix = np.zeros((len(decode_reqs), max_len), dtype=np.int64)
+                # Pad every context to max_len with block 0's first slot; the mask hides the
+                # padding.
+                blocks = np.zeros((len(decode_reqs), max_len), dtype=np.int64)
+                offsets = np.zeros((len(decode_reqs), max_len), dtype=np.int64)
                 for row, i in enumerate(decode_reqs):
-                    slot_matrix[row, : seq_lens[row]] = _context_slots(
+                    blocks[row, : seq_lens[row]], offsets[row, : seq_lens[row]] = _context_index(
                         metadata.block_tables[i], seq_lens[row], metadata.block_size
                     )
                 lengths = torch.tensor(seq_lens, device=device)
-                data["decode_slots"] = torch.from_numpy(slot_matrix).to(device)
+                data["decode_context"] = (
+                    torch.from_numpy(blocks).to(device),
+                    torch.from_numpy(offsets).to(device),
+                )
                 data["decode_mask"] = (
                     torch.arange(max_len, device=device)[None, :] < lengths[:, None]
                 )[:, None, None, :]
@@ -99,27 +120,25 @@ class TorchSDPABackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-        flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
-        flat_values = value_cache.view(-1, num_kv_heads, head_dim)
+        data = metadata.backend_data
         if self.ops is not None:
             self.ops.write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
         else:
-            flat_keys.index_copy_(0, metadata.slot_mapping, key)
-            flat_values.index_copy_(0, metadata.slot_mapping, value)
+            blocks, offsets = data["write_index"]
+            key_cache[blocks, :, offsets] = key
+            value_cache[blocks, :, offsets] = value
 
-        data = metadata.backend_data
         output = torch.empty_like(query)
-        for start, end, slots, mask in data["prefills"]:
-            if slots is None:
-                k, v = key[start:end], value[start:end]
+        for start, end, context, mask in data["prefills"]:
+            if context is None:
+                k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
             else:
-                k, v = flat_keys[slots], flat_values[slots]
+                k, v = _gather_context(key_cache, *context), _gather_context(value_cache, *context)
             # [1, heads, tokens, head_dim]: the 4-D form is what PyTorch's CPU flash kernel takes.
             out = F.scaled_dot_product_attention(
                 query[start:end].transpose(0, 1).unsqueeze(0),
-                k.transpose(0, 1).unsqueeze(0),
-                v.transpose(0, 1).unsqueeze(0),
+                k.unsqueeze(0),
+                v.unsqueeze(0),
                 attn_mask=mask,
                 is_causal=mask is None,
                 scale=scale,
@@ -142,10 +161,10 @@ class TorchSDPABackend(AttentionBackend):
                 scale,
             )
             return output
-        slots = data["decode_slots"]
+        blocks, offsets = data["decode_context"]
         q = query[rows].unsqueeze(2)  # [batch, heads, 1, head_dim]
-        k = flat_keys[slots].transpose(1, 2)  # [batch, kv_heads, max_len, head_dim]
-        v = flat_values[slots].transpose(1, 2)
+        k = key_cache[blocks, :, offsets].transpose(1, 2)  # [batch, kv_heads, max_len, head_dim]
+        v = value_cache[blocks, :, offsets].transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=data["decode_mask"], scale=scale, enable_gqa=True
         )

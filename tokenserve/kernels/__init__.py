@@ -124,7 +124,7 @@ class PagedAttentionOps:
                                  _i64, _i64, _i64, _i64, _i64, ctypes.c_float]
         self._write_kv = library.ts_write_kv_f32
         self._write_kv.restype = None
-        self._write_kv.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64]
+        self._write_kv.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]
 
     def decode(
         self,
@@ -145,7 +145,7 @@ class PagedAttentionOps:
         if not len(rows) == len(seq_lens) == block_tables.shape[0]:
             raise ValueError("paged decode: rows, seq_lens and block_tables disagree in length.")
         _, num_heads, head_dim = query.shape
-        _, block_size, num_kv_heads, _ = key_cache.shape
+        _, num_kv_heads, block_size, _ = key_cache.shape
         status = self._decode(
             out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0), rows.data_ptr(),
             key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
@@ -164,17 +164,18 @@ class PagedAttentionOps:
         slots: torch.Tensor,
     ) -> None:
         """key/value [tokens, kv_heads, dim] (views into a fused QKV tensor are fine) into
-        slots [tokens] of the caches [blocks, block_size, kv_heads, dim]."""
+        slots [tokens] of the caches [blocks, kv_heads, block_size, dim]."""
         _check_f32(key_cache, value_cache)
         _check_rows(key, value)
         _check_i64(slots)
         if key.stride(0) != value.stride(0) and len(slots) > 1:
             raise ValueError("write_kv needs key and value with the same row stride.")
-        if key.shape[1:] != key_cache.shape[2:] or len(slots) != key.shape[0]:
+        _, num_kv_heads, block_size, head_dim = key_cache.shape
+        if key.shape[1:] != (num_kv_heads, head_dim) or len(slots) != key.shape[0]:
             raise ValueError("write_kv: shapes of key, slots and cache disagree.")
         self._write_kv(
             key_cache.data_ptr(), value_cache.data_ptr(), key.data_ptr(), value.data_ptr(),
-            key.stride(0), slots.data_ptr(), len(slots), key.shape[1] * key.shape[2],
+            key.stride(0), slots.data_ptr(), len(slots), num_kv_heads, block_size, head_dim,
         )
 
 

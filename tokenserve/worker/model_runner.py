@@ -85,8 +85,8 @@ class ModelRunner:
         model_config = self.config.model_config
         shape = (
             self.config.cache_config.num_blocks,
-            self.block_size,
             model_config.num_kv_heads,
+            self.block_size,
             model_config.head_dim,
         )
         # Zeroed, not empty: padded gathers read unused slots, which must hold finite values.

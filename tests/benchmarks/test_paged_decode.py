@@ -1,0 +1,26 @@
+"""benchmarks/paged_decode.py: the decode kernel timed over blocks in order and scattered."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "paged_decode.py"
+
+
+def test_paged_decode_times_both_block_orders():
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--rows", "3", "--context", "40", "--block-size", "8",
+         "--layers", "2", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("3 rows x 40 tokens, block size 8, 2 layers"), result.stdout
+    timed = re.findall(
+        r"^\s+blocks (in order|scattered)\s+([\d.]+) ms per step\s+([\d.]+) GB/s$",
+        result.stdout, re.MULTILINE,
+    )
+    assert [name for name, _, _ in timed] == ["in order", "scattered"]
+    assert all(float(ms) > 0 and float(rate) > 0 for _, ms, rate in timed)
