@@ -9,7 +9,7 @@ fastest of `--repeats`, the two block orders taking turns; and the K/V bytes rea
 second.
 
 usage: python benchmarks/paged_decode.py [--rows 64] [--context 340] [--block-size 16]
-       [--layers 30] [--repeats 7]
+       [--layers 30] [--kv-cache-dtype float32|bfloat16] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     ops = kernels.paged_attention()
@@ -40,7 +41,10 @@ def main() -> None:
     blocks_per_row = -(-args.context // args.block_size)
     num_blocks = args.rows * blocks_per_row
     shape = (num_blocks, args.kv_heads, args.block_size, args.head_dim)
-    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(args.layers)]
+    dtype = getattr(torch, args.kv_cache_dtype)
+    caches = [
+        (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(args.layers)
+    ]
     generator = torch.Generator().manual_seed(0)
     tables = {
         "in order": torch.arange(num_blocks).view(args.rows, blocks_per_row),
@@ -66,10 +70,11 @@ def main() -> None:
             started = time.perf_counter()
             step(table)
             best[name] = min(best[name], time.perf_counter() - started)
-    kv_bytes = 2 * args.rows * args.context * args.kv_heads * args.head_dim * 4 * args.layers
+    element = caches[0][0].element_size()
+    kv_bytes = 2 * args.rows * args.context * args.kv_heads * args.head_dim * element * args.layers
     print(
         f"{args.rows} rows x {args.context} tokens, block size {args.block_size}, "
-        f"{args.layers} layers, {torch.get_num_threads()} threads"
+        f"{args.layers} layers, {args.kv_cache_dtype} cache, {torch.get_num_threads()} threads"
     )
     for name, seconds in best.items():
         print(

@@ -7,7 +7,10 @@ holds the projections and attention) and `sample` (which holds the logits projec
 `linear` counts every projection, the logits one included.
 
 usage: python benchmarks/step_breakdown.py [--num-prompts 64] [--input-len 256]
-           [--output-len 128] [--skip 40] [--steps 20] [engine flags as for bench throughput]
+           [--prefix-len 0] [--output-len 128] [--skip 40] [--steps 20]
+           [engine flags as for bench throughput]
+
+`--prefix-len` puts a shared prefix of that many tokens before every prompt (W3's shape).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--prefix-len", type=int, default=0)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--skip", type=int, default=40, help="Steps run before timing.")
     parser.add_argument("--steps", type=int, default=20, help="Steps timed.")
@@ -61,7 +65,9 @@ def main() -> None:
     timed(engine.output_processor, "process_outputs", "output processing")
 
     vocab_size = engine.config.model_config.vocab_size
-    prompts = random_token_prompts(args.num_prompts, args.input_len, vocab_size, seed=0)
+    prompts = random_token_prompts(
+        args.num_prompts, args.input_len, vocab_size, seed=0, prefix_len=args.prefix_len
+    )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), {"prompt_token_ids": prompt}, params)

@@ -42,8 +42,10 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
-    def kv_bytes_per_token(self) -> int:
-        element_size = torch.empty((), dtype=self.dtype).element_size()
+    def kv_bytes_per_token(self, cache_dtype: torch.dtype | None = None) -> int:
+        """Bytes of K and V per token over all layers, in `cache_dtype` (default: the
+        model's dtype)."""
+        element_size = torch.empty((), dtype=cache_dtype or self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
 
 
@@ -53,6 +55,8 @@ class CacheConfig:
     num_blocks: int
     enable_prefix_caching: bool
     prefix_caching_hash_algo: str
+    # What the KV cache stores: the model's dtype, or bfloat16 (--kv-cache-dtype).
+    dtype: torch.dtype = torch.float32
 
     @property
     def num_token_slots(self) -> int:

@@ -17,7 +17,9 @@ def test_paged_decode_times_both_block_orders():
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("3 rows x 40 tokens, block size 8, 2 layers"), result.stdout
+    assert result.stdout.startswith("3 rows x 40 tokens, block size 8, 2 layers, float32"), (
+        result.stdout
+    )
     timed = re.findall(
         r"^\s+blocks (in order|scattered)\s+([\d.]+) ms per step\s+([\d.]+) GB/s$",
         result.stdout, re.MULTILINE,

@@ -103,6 +103,38 @@ def test_kv_cache_sized_from_memory_budget(tiny_model_dirs):
     assert config.model_config.max_model_len == 2048
 
 
+def test_bfloat16_kv_cache_holds_twice_the_tokens_and_rounds_what_it_reads(tiny_model_dirs):
+    model = tiny_model_dirs["llama"]
+    full = EngineArgs(model=model, kv_cache_memory="1MiB").create_engine_config()
+    narrow = EngineArgs(
+        model=model, kv_cache_memory="1MiB", kv_cache_dtype="bfloat16"
+    ).create_engine_config()
+    assert (full.cache_config.dtype, narrow.cache_config.dtype) == (torch.float32, torch.bfloat16)
+    assert narrow.cache_config.num_blocks == 2 * full.cache_config.num_blocks
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineArgs(model=model, kv_cache_dtype="fp8").create_engine_config()
+
+    # A 64-token prompt prefilled 16 tokens a step: the first chunk attends to the keys and
+    # values it computed (the same logprobs as with a float32 cache); later chunks read
+    # the earlier ones back from the cache, rounded (close, not the same).
+    prompt = list(range(10, 74))
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    logprobs = []
+    for kv_cache_dtype in ("auto", "bfloat16"):
+        llm = LLM(model, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=16,
+                  kv_cache_memory="8MiB")
+        assert llm.llm_engine.engine_core.model_runner.kv_caches[0][0].dtype == (
+            torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32
+        )
+        [output] = llm.generate([prompt], params, use_tqdm=False)
+        logprobs.append(torch.tensor([
+            output.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))
+        ]))
+    assert torch.equal(logprobs[0][:16], logprobs[1][:16])
+    difference = (logprobs[0][16:] - logprobs[1][16:]).abs()
+    assert 0 < difference.max() < 0.25 and difference.mean() < 0.05, difference
+
+
 def test_bfloat16_is_selectable(tiny_model_dirs):
     llm = LLM(tiny_model_dirs["qwen2"], dtype="bfloat16", kv_cache_memory="8MiB")
     runner = llm.llm_engine.engine_core.model_runner

@@ -49,16 +49,20 @@ def _reference_decode(query, key_cache, value_cache, tables, seq_lens, scale):
     return torch.stack(outs)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
     [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 32, 8), (6, 1, 80, 32)],
     ids=["gqa3-d64", "mha-d128", "gqa4-d32-generic", "mqa-d80-generic"],
 )
-def test_paged_decode_matches_sdpa(paged, num_heads, num_kv_heads, head_dim, block_size):
+def test_paged_decode_matches_sdpa(
+    paged, num_heads, num_kv_heads, head_dim, block_size, cache_dtype
+):
     generator = torch.Generator().manual_seed(0)
     num_blocks = 400
-    key_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=generator)
-    value_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=generator)
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(cache_dtype)
+    value_cache = torch.randn(shape, generator=generator).to(cache_dtype)
     # Lengths on and around block edges, a single token, and long ones.
     seq_lens = torch.tensor(
         [1, block_size - 1, block_size, block_size + 1, 7, 8, 9, 5 * block_size + 3, 300]
@@ -77,7 +81,10 @@ def test_paged_decode_matches_sdpa(paged, num_heads, num_kv_heads, head_dim, blo
     scale = head_dim**-0.5
     out = torch.full((num_tokens, num_heads, head_dim), float("nan"))
     paged.decode(out, query, rows, key_cache, value_cache, tables, seq_lens, scale)
-    expected = _reference_decode(query[rows], key_cache, value_cache, tables, seq_lens, scale)
+    # The reference reads the cache's very values, widened to float32.
+    expected = _reference_decode(
+        query[rows], key_cache.float(), value_cache.float(), tables, seq_lens, scale
+    )
     torch.testing.assert_close(out[rows], expected, rtol=1e-5, atol=1e-5)
     assert out[0::2].isnan().all()  # rows that are not decode rows are left alone
 
@@ -93,6 +100,27 @@ def test_paged_decode_refuses_wrong_inputs(paged):
         paged.decode(query.clone(), query, rows, cache, cache, table.int(), lens, 1.0)
     with pytest.raises(ValueError, match="disagree"):
         paged.decode(query.clone(), query, rows, cache, cache, table, torch.ones(2).long(), 1.0)
+
+
+def test_write_kv_rounds_to_bfloat16_as_torch_does(paged):
+    generator = torch.Generator().manual_seed(6)
+    tokens, kv_heads, dim, block_size = 20, 2, 64, 8
+    key = torch.randn(tokens, kv_heads, dim, generator=generator) * 100
+    key[0, 0, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1.00390625])
+    value = torch.randn(tokens, kv_heads, dim, generator=generator)
+    slots = torch.randperm(4 * block_size, generator=generator)[:tokens]
+    key_cache = torch.zeros(4, kv_heads, block_size, dim, dtype=torch.bfloat16)
+    value_cache = torch.zeros_like(key_cache)
+    paged.write_kv(key_cache, value_cache, key, value, slots)
+    # Bit for bit what torch's conversion gives (a tie, 1 + 2^-8, rounds to even: 1.0);
+    # a NaN stays a NaN (torch's bit pattern for it may differ).
+    written = _by_slot(key_cache)[slots]
+    assert written[0, 0, 2].isnan() and float(written[0, 0, 3]) == 1.0
+    written[0, 0, 2] = key[0, 0, 2] = 0.0
+    assert torch.equal(written.view(torch.int16), key.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(_by_slot(value_cache)[slots], value.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        paged.write_kv(key_cache.half(), value_cache.half(), key, value, slots)
 
 
 def test_write_kv_from_fused_qkv_views(paged):
@@ -166,9 +194,10 @@ def test_rotary_in_place_on_fused_qkv_views(ops):
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], untouched)  # values stay as they were
 
 
-def test_backend_same_output_with_and_without_kernels(paged):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_backend_same_output_with_and_without_kernels(paged, cache_dtype):
     """One step mixing decode rows, a first prefill chunk and a chunk continuing a cached
-    context: the kernel path and the pure-torch path agree."""
+    context: the kernel path and the pure-torch path agree (writes bit for bit)."""
     generator = torch.Generator().manual_seed(4)
     heads, kv_heads, dim, block_size, num_blocks = 6, 2, 64, 16, 64
     # Request 0: decode at 40 tokens; 1: a 20-token first chunk; 2: decode at 1 token;
@@ -188,8 +217,8 @@ def test_backend_same_output_with_and_without_kernels(paged):
     query, key, value = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     query = query.view(num_tokens, heads, dim)
     key, value = key.view(num_tokens, kv_heads, dim), value.view(num_tokens, kv_heads, dim)
-    base_k = torch.randn(num_blocks, kv_heads, block_size, dim, generator=generator)
-    base_v = torch.randn(num_blocks, kv_heads, block_size, dim, generator=generator)
+    base_k = torch.randn(num_blocks, kv_heads, block_size, dim, generator=generator).to(cache_dtype)
+    base_v = torch.randn(num_blocks, kv_heads, block_size, dim, generator=generator).to(cache_dtype)
 
     outputs, caches = [], []
     for backend in (TorchSDPABackend(use_kernels=True), TorchSDPABackend(use_kernels=False)):

@@ -16,7 +16,10 @@ in `prepare`.
 
 Each layer's cache is K and V apart, [num_blocks, num_kv_heads, block_size, head_dim]: a
 kv head's keys within a block are contiguous, which is what the decode kernel streams. A
-token's slot is block * block_size + offset; a gather indexes [blocks, :, offsets].
+token's slot is block * block_size + offset; a gather indexes [blocks, :, offsets]. The
+cache may hold a narrower dtype than the model (--kv-cache-dtype bfloat16): keys and values
+are rounded as they are written and widened as they are read; a chunk's own new keys and
+values are attended as computed.
 """
 
 from __future__ import annotations
@@ -125,15 +128,16 @@ class TorchSDPABackend(AttentionBackend):
             self.ops.write_kv(key_cache, value_cache, key, value, metadata.slot_mapping)
         else:
             blocks, offsets = data["write_index"]
-            key_cache[blocks, :, offsets] = key
-            value_cache[blocks, :, offsets] = value
+            key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
+            value_cache[blocks, :, offsets] = value.to(value_cache.dtype)
 
         output = torch.empty_like(query)
         for start, end, context, mask in data["prefills"]:
             if context is None:
                 k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
             else:
-                k, v = _gather_context(key_cache, *context), _gather_context(value_cache, *context)
+                k = _gather_context(key_cache, *context).to(query.dtype)
+                v = _gather_context(value_cache, *context).to(query.dtype)
             # [1, heads, tokens, head_dim]: the 4-D form is what PyTorch's CPU flash kernel takes.
             out = F.scaled_dot_product_attention(
                 query[start:end].transpose(0, 1).unsqueeze(0),
@@ -163,8 +167,9 @@ class TorchSDPABackend(AttentionBackend):
             return output
         blocks, offsets = data["decode_context"]
         q = query[rows].unsqueeze(2)  # [batch, heads, 1, head_dim]
-        k = key_cache[blocks, :, offsets].transpose(1, 2)  # [batch, kv_heads, max_len, head_dim]
-        v = value_cache[blocks, :, offsets].transpose(1, 2)
+        # [batch, kv_heads, max_len, head_dim]
+        k = key_cache[blocks, :, offsets].transpose(1, 2).to(query.dtype)
+        v = value_cache[blocks, :, offsets].transpose(1, 2).to(query.dtype)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=data["decode_mask"], scale=scale, enable_gqa=True
         )

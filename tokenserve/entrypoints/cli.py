@@ -7,7 +7,7 @@ import logging
 import sys
 
 from tokenserve.config import PREFILL_ORDERS
-from tokenserve.engine.engine_args import EngineArgs, parse_memory
+from tokenserve.engine.engine_args import KV_CACHE_DTYPES, EngineArgs, parse_memory
 
 MODEL_HELP = "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)."
 
@@ -34,6 +34,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                         help="Tokens per KV cache block.")
     parser.add_argument("--kv-cache-memory", default=None,
                         help="KV cache size: bytes or e.g. '4GiB' (default 4GiB on CPU).")
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES),
+                        default=defaults.kv_cache_dtype,
+                        help="What the KV cache stores: 'auto' (the model's dtype) or "
+                             "'bfloat16' (half a float32 cache's bytes: twice the tokens in "
+                             "--kv-cache-memory and less to read each decode step; keys and "
+                             "values rounded to 8 significant bits).")
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="Number of KV cache blocks (overrides --kv-cache-memory).")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,

@@ -118,13 +118,14 @@ class PagedAttentionOps:
     """The kernels of paged_attention.c over torch tensors (see there for layouts)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._decode = library.ts_paged_decode_f32
+        self._decode = library.ts_paged_decode
         self._decode.restype = ctypes.c_int
         self._decode.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr,
-                                 _i64, _i64, _i64, _i64, _i64, ctypes.c_float]
-        self._write_kv = library.ts_write_kv_f32
+                                 _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64]
+        self._write_kv = library.ts_write_kv
         self._write_kv.restype = None
-        self._write_kv.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64]
+        self._write_kv.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
+                                   _i64]
 
     def decode(
         self,
@@ -138,8 +139,9 @@ class PagedAttentionOps:
         scale: float,
     ) -> None:
         """Attend query rows `rows` of query [tokens, heads, dim] (a view into a fused QKV
-        tensor is fine) over their contexts; write the same rows of out [tokens, heads, dim]."""
-        _check_f32(key_cache, value_cache)
+        tensor is fine) over their contexts; write the same rows of out [tokens, heads, dim].
+        The caches are float32 or bfloat16."""
+        bf16 = _check_caches(key_cache, value_cache)
         _check_rows(out, query)
         _check_i64(rows, block_tables, seq_lens)
         if not len(rows) == len(seq_lens) == block_tables.shape[0]:
@@ -150,7 +152,7 @@ class PagedAttentionOps:
             out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0), rows.data_ptr(),
             key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), len(rows), num_heads, num_kv_heads,
-            head_dim, block_size, scale,
+            head_dim, block_size, scale, bf16,
         )
         if status != 0:
             raise MemoryError("paged decode could not allocate its scratch buffers.")
@@ -164,8 +166,9 @@ class PagedAttentionOps:
         slots: torch.Tensor,
     ) -> None:
         """key/value [tokens, kv_heads, dim] (views into a fused QKV tensor are fine) into
-        slots [tokens] of the caches [blocks, kv_heads, block_size, dim]."""
-        _check_f32(key_cache, value_cache)
+        slots [tokens] of the caches [blocks, kv_heads, block_size, dim] (float32, or
+        bfloat16: rounded to nearest even)."""
+        bf16 = _check_caches(key_cache, value_cache)
         _check_rows(key, value)
         _check_i64(slots)
         if key.stride(0) != value.stride(0) and len(slots) > 1:
@@ -176,6 +179,7 @@ class PagedAttentionOps:
         self._write_kv(
             key_cache.data_ptr(), value_cache.data_ptr(), key.data_ptr(), value.data_ptr(),
             key.stride(0), slots.data_ptr(), len(slots), num_kv_heads, block_size, head_dim,
+            bf16,
         )
 
 
@@ -270,6 +274,17 @@ def _check_f32(*tensors: torch.Tensor) -> None:
     for tensor in tensors:
         if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.device.type != "cpu":
             raise ValueError("C kernels need contiguous float32 CPU tensors.")
+
+
+def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
+    """1 for bfloat16 caches, 0 for float32; anything else is refused."""
+    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in (torch.float32,
+                                                                       torch.bfloat16):
+        raise ValueError("C kernels need float32 or bfloat16 KV caches, both the same.")
+    for cache in (key_cache, value_cache):
+        if not cache.is_contiguous() or cache.device.type != "cpu":
+            raise ValueError("C kernels need contiguous CPU KV caches.")
+    return int(key_cache.dtype == torch.bfloat16)
 
 
 @functools.cache

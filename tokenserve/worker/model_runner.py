@@ -92,8 +92,8 @@ class ModelRunner:
         # Zeroed, not empty: padded gathers read unused slots, which must hold finite values.
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=model_config.dtype, device=self.device),
-                torch.zeros(shape, dtype=model_config.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.config.cache_config.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.config.cache_config.dtype, device=self.device),
             )
             for _ in range(model_config.num_layers)
         ]

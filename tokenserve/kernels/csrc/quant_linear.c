@@ -50,22 +50,7 @@ static inline v8i widen_s8(const int8_t *p) {
     memcpy(&out, &v, sizeof out);
     return out;
 }
-/* acc + a * b in one rounding. Only the sums use it: the weights are expanded unfused. */
-static inline v8f fma8(v8f a, v8f b, v8f acc) {
-#if defined(__FMA__)
-    __m256 a_, b_, acc_;
-    memcpy(&a_, &a, sizeof a_);
-    memcpy(&b_, &b, sizeof b_);
-    memcpy(&acc_, &acc, sizeof acc_);
-    acc_ = _mm256_fmadd_ps(a_, b_, acc_);
-    memcpy(&acc, &acc_, sizeof acc);
-    return acc;
 #else
-    return acc + a * b;
-#endif
-}
-#else
-static inline v8f fma8(v8f a, v8f b, v8f acc) { return acc + a * b; }
 static inline v8i widen_u8(const uint8_t *p) {
     return (v8i){p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
 }
@@ -73,6 +58,7 @@ static inline v8i widen_s8(const int8_t *p) {
     return (v8i){p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
 }
 #endif
+/* (fma8, from vec8.h, only for the sums: the weights are expanded unfused.) */
 
 /* Weights 8c..8c+7 of a Q4_1 block (c = 0..3). */
 static inline v8f q4_1_chunk(const uint8_t *qs, float d, float m, int c) {

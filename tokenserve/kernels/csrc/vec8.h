@@ -21,6 +21,23 @@ static inline void store8(float *p, v8f v) { memcpy(p, &v, sizeof v); }
 
 static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
 
+/* acc + a * b in one rounding where the CPU has fused multiply-add (the kernels are
+ * compiled as ISO C, so a plain a * b + c stays two roundings). */
+#if defined(__FMA__)
+#include <immintrin.h>
+static inline v8f fma8(v8f a, v8f b, v8f acc) {
+    __m256 a_, b_, acc_;
+    memcpy(&a_, &a, sizeof a_);
+    memcpy(&b_, &b, sizeof b_);
+    memcpy(&acc_, &acc, sizeof acc_);
+    acc_ = _mm256_fmadd_ps(a_, b_, acc_);
+    memcpy(&acc, &acc_, sizeof acc);
+    return acc;
+}
+#else
+static inline v8f fma8(v8f a, v8f b, v8f acc) { return acc + a * b; }
+#endif
+
 /* The lane sums of eight vectors, as one vector: out[i] = sum of a[i]'s lanes. A tree of
  * shuffles and adds, 14 + 7 instructions for all eight instead of ~8 each. */
 static inline v8f hsum8x8(const v8f a[8]) {
