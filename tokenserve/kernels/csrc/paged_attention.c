@@ -22,7 +22,7 @@
  *   key/value      [num_blocks, num_kv_heads, block_size, head_dim]: within a block, each
  *                  kv head's keys (values) are contiguous, so a work item streams whole
  *                  runs of block_size * head_dim (benchmarks/paged_decode.py, 64 rows:
- *                  5-15 % less time than with the heads interleaved per token)
+ *                  4-15 % less time than with the heads interleaved per token)
  *   block_tables   [num_rows, block_table_stride] int64; row r uses the first
  *                  ceil(seq_lens[r] / block_size) entries
  *   seq_lens       [num_rows] int64, each >= 1
