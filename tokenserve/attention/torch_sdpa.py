@@ -18,8 +18,9 @@ Each layer's cache is K and V apart, [num_blocks, num_kv_heads, block_size, head
 kv head's keys within a block are contiguous, which is what the decode kernel streams. A
 token's slot is block * block_size + offset; a gather indexes [blocks, :, offsets]. The
 cache may hold a narrower dtype than the model (--kv-cache-dtype bfloat16): keys and values
-are rounded as they are written and widened as they are read; a chunk's own new keys and
-values are attended as computed.
+are rounded as they are written and widened as they are read. A first chunk attends to its
+keys and values as computed; a chunk that continues a context reads all of it from the
+cache, its own new tokens included.
 """
 
 from __future__ import annotations
