@@ -65,7 +65,7 @@ static inline uint16_t to_bf16(float x) {
 static inline __attribute__((always_inline)) void attend_item(
     float *o, const float *q, const void *key_cache, const void *value_cache,
     const int64_t *table, int64_t seq_len, int64_t group, const int64_t head_dim,
-    int64_t token_stride, int64_t block_stride, int64_t block_size, int64_t kv_offset,
+    int64_t block_stride, int64_t block_size, int64_t kv_offset,
     float scale, float *scores, int bf16) {
     const int64_t chunks = head_dim / 8;
     const int64_t element = bf16 ? 2 : 4;
@@ -82,7 +82,7 @@ static inline __attribute__((always_inline)) void attend_item(
                 seq_len - start - block_size < block_size ? seq_len - start - block_size
                                                           : block_size;
             /* The kv head's run in the next block: next_count tokens, contiguous. */
-            const int64_t bytes = next_count * token_stride * element;
+            const int64_t bytes = next_count * head_dim * element;
             for (int64_t b = 0; b < bytes; b += 64) {
                 __builtin_prefetch((const char *)key_cache + next * element + b, 0, 3);
                 __builtin_prefetch((const char *)value_cache + next * element + b, 0, 2);
@@ -98,7 +98,7 @@ static inline __attribute__((always_inline)) void attend_item(
                     const v8f qv = load8(qg + 8 * c);
                     for (int t = 0; t < 8; ++t)
                         acc[t] = fma8(qv,
-                                      kv_load8(key_cache, block + (i + t) * token_stride + 8 * c,
+                                      kv_load8(key_cache, block + (i + t) * head_dim + 8 * c,
                                                bf16),
                                       acc[t]);
                 }
@@ -108,7 +108,7 @@ static inline __attribute__((always_inline)) void attend_item(
                 v8f acc = {0};
                 for (int64_t c = 0; c < chunks; ++c)
                     acc = fma8(load8(qg + 8 * c),
-                               kv_load8(key_cache, block + i * token_stride + 8 * c, bf16), acc);
+                               kv_load8(key_cache, block + i * head_dim + 8 * c, bf16), acc);
                 s[i] = hsum8(acc) * scale;
             }
         }
@@ -135,7 +135,7 @@ static inline __attribute__((always_inline)) void attend_item(
             const int64_t count = seq_len - start < block_size ? seq_len - start : block_size;
             for (int64_t i = 0; i < count; ++i) {
                 const v8f p = splat8(s[start + i]);
-                const int64_t v = block + i * token_stride;
+                const int64_t v = block + i * head_dim;
                 for (int64_t c = 0; c < chunks; ++c)
                     acc[c] = fma8(p, kv_load8(value_cache, v + 8 * c, bf16), acc[c]);
             }
@@ -147,11 +147,11 @@ static inline __attribute__((always_inline)) void attend_item(
 
 static void attend_item_generic(float *o, const float *q, const void *key_cache,
                                 const void *value_cache, const int64_t *table, int64_t seq_len,
-                                int64_t group, int64_t head_dim, int64_t token_stride,
+                                int64_t group, int64_t head_dim,
                                 int64_t block_stride, int64_t block_size, int64_t kv_offset,
                                 float scale, float *scores, int bf16) {
     for (int64_t t = 0; t < seq_len; ++t) {
-        const int64_t k = table[t / block_size] * block_stride + (t % block_size) * token_stride +
+        const int64_t k = table[t / block_size] * block_stride + (t % block_size) * head_dim +
                           kv_offset;
         for (int64_t g = 0; g < group; ++g) {
             float dot = 0.0f;
@@ -173,7 +173,7 @@ static void attend_item_generic(float *o, const float *q, const void *key_cache,
         for (int64_t d = 0; d < head_dim; ++d) og[d] = 0.0f;
         for (int64_t t = 0; t < seq_len; ++t) {
             const int64_t v = table[t / block_size] * block_stride +
-                              (t % block_size) * token_stride + kv_offset;
+                              (t % block_size) * head_dim + kv_offset;
             for (int64_t d = 0; d < head_dim; ++d)
                 og[d] += s[t] * kv_load1(value_cache, v + d, bf16);
         }
@@ -192,7 +192,6 @@ int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t 
                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                     int64_t kv_bf16) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t token_stride = head_dim;
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     const int64_t num_items = num_rows * num_kv_heads;
     int failed = 0;
@@ -213,8 +212,8 @@ int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t 
         const int64_t kv_offset = kv_head * block_size * head_dim;
         /* Head size and element type constants in each call, for the compiler. */
 #define ATTEND(dim, bf16)                                                                     \
-    attend_item(o, q, key_cache, value_cache, table, seq_len, group, dim, token_stride,       \
-                block_stride, block_size, kv_offset, scale, scores, bf16)
+    attend_item(o, q, key_cache, value_cache, table, seq_len, group, dim, block_stride,        \
+                block_size, kv_offset, scale, scores, bf16)
         if (head_dim == 64 && kv_bf16)
             ATTEND(64, 1);
         else if (head_dim == 64)
@@ -225,7 +224,7 @@ int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t 
             ATTEND(128, 0);
         else
             attend_item_generic(o, q, key_cache, value_cache, table, seq_len, group, head_dim,
-                                token_stride, block_stride, block_size, kv_offset, scale,
+                                block_stride, block_size, kv_offset, scale,
                                 scores, kv_bf16 != 0);
 #undef ATTEND
         free(scores);
