@@ -52,8 +52,12 @@ def _reference_decode(query, key_cache, value_cache, tables, seq_lens, scale):
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size"),
-    [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 32, 8), (6, 1, 80, 32)],
-    ids=["gqa3-d64", "mha-d128", "gqa4-d32-generic", "mqa-d80-generic"],
+    [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 128, 32), (16, 2, 64, 16), (8, 2, 32, 8),
+     (6, 1, 80, 32)],
+    # 3, 1, 4 and 8 query heads per kv head on the specialised head sizes, then the plain
+    # loop.
+    ids=["gqa3-d64", "mha-d128", "gqa4-d128-b32", "gqa8-d64", "gqa4-d32-generic",
+         "mqa-d80-generic"],
 )
 def test_paged_decode_matches_sdpa(
     paged, num_heads, num_kv_heads, head_dim, block_size, cache_dtype

@@ -336,6 +336,8 @@ class QuantLinearOps:
             out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], num_out, qs.data_ptr(),
             scales.data_ptr(),
         )
+        if status == 2:
+            raise MemoryError("quantized linear could not allocate its scratch buffer.")
         if status != 0:
             raise ValueError(
                 f"quantized linear needs a multiple of {self.PANEL} output rows."
