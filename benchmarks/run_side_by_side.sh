@@ -12,6 +12,8 @@
 #                                   multiplies by in float32 (the Q4_1 blocks are expanded in
 #                                   registers for decode); TS_MODEL=$MODEL_DIR gives it the
 #                                   export instead, as vLLM gets
+#   TS_FLAGS=""                     more tokenserve server flags, for every session (an A/B of
+#                                   one option: e.g. TS_FLAGS=--disable-cascade-attn)
 #   MODEL_DIR=$OUT/m0_hf            M0 as a HF directory (benchmarks/export_hf.py writes it
 #                                   once; both engines load this very directory)
 #   PEERS=<repo>/../shared/peers/vllm_cpu.sh   its `install` phase builds the vLLM venv
@@ -39,6 +41,7 @@ ENGINES=${ENGINES:-tokenserve,vllm,transformers}
 PHASES=${PHASES:-export,install,w1,w2,w3,w4,w5}
 MODEL_DIR=${MODEL_DIR:-$OUT/m0_hf}
 PYTHON=${PYTHON:-python3}
+TS_FLAGS=${TS_FLAGS:-}
 TS_MODEL=${TS_MODEL:-$("$PYTHON" -c "from tokenserve.model.loader import default_model_path; print(default_model_path())")}
 PEERS=${PEERS:-$REPO/../shared/peers/vllm_cpu.sh}
 export VENV=${VENV:-/tmp/peers/vllm}
@@ -91,10 +94,11 @@ PLOT=1
 exec 9>"$LOCK"
 log "waiting for $LOCK"
 flock -w "$LOCK_WAIT" 9 || { log "could not take $LOCK in $LOCK_WAIT s"; exit 1; }
-"$PYTHON" - "$OUT/meta.json" "$ENGINES" "$QUICK" "$MODEL_DIR" "$TS_MODEL" <<'EOF'
+"$PYTHON" - "$OUT/meta.json" "$ENGINES" "$QUICK" "$MODEL_DIR" "$TS_MODEL" "$TS_FLAGS" <<'EOF'
 import json, os, subprocess, sys, time
 meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "engines": sys.argv[2],
         "quick": sys.argv[3] == "1", "model_dir": sys.argv[4], "tokenserve_model": sys.argv[5],
+        "tokenserve_flags": sys.argv[6],
         "nproc": os.cpu_count(),
         "loadavg_start": os.getloadavg(),
         "tokenserve_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
@@ -166,7 +170,7 @@ session() {  # $1 name, $2 tokenserve flags, $3 vLLM flags, $4 benchmark functio
   shift 4
   for engine in tokenserve vllm; do
     runs "$engine" || continue
-    flags=$ts_flags
+    flags="$ts_flags $TS_FLAGS"
     [ "$engine" = vllm ] && flags=$vllm_flags
     # shellcheck disable=SC2086  # the flags are word lists
     start_server "$engine" "$name" $flags || continue
@@ -202,9 +206,10 @@ if has w1; then
   N1=$(prompts 64)
   if runs tokenserve; then
     log "W1 tokenserve: bench throughput, $N1 x (256 in, 128 out)"
+    # shellcheck disable=SC2086  # TS_FLAGS is a word list
     timeout "$RUN_TIMEOUT" "${TOKENSERVE[@]}" bench throughput --model "$TS_MODEL" \
         --max-model-len "$MAX_MODEL_LEN" --num-prompts "$N1" --input-len 256 --output-len 128 \
-        --output-json "$OUT/w1_tokenserve.json" > "$OUT/logs/w1_tokenserve.log" 2>&1 \
+        --output-json "$OUT/w1_tokenserve.json" $TS_FLAGS > "$OUT/logs/w1_tokenserve.log" 2>&1 \
       || log "W1 tokenserve failed, see logs/w1_tokenserve.log"
     grep -E "^Throughput" "$OUT/logs/w1_tokenserve.log" | sed "s/^/    /"
   fi

@@ -24,6 +24,9 @@ class ModelConfig:
     tokenizer: str | None = None
     seed: int = 0
     max_logprobs: int = 20
+    # Prefill chunks sharing a long cached prefix attend to it in one call
+    # (attention/torch_sdpa.py); True turns that off.
+    disable_cascade_attn: bool = False
 
     @property
     def num_layers(self) -> int:

@@ -139,3 +139,27 @@ def test_unreachable_server_is_a_clear_error(tiny_tokenizer_dir, capsys):
 
     assert main(argv) == 2
     assert "Cannot reach the server" in capsys.readouterr().err
+
+
+def test_sse_lines_end_only_at_cr_and_lf():
+    """The client splits a stream where SSE does (CR LF, LF, CR), not at the Unicode line
+    breaks str.splitlines knows, which a server may leave raw in an event's JSON."""
+    import asyncio
+
+    import httpx
+
+    from tokenserve.benchmarks.openai_client import sse_lines
+
+    event = 'data: {"text": "a\u2028b\x85c"}'
+    chunks = [event[:12], event[12:] + "\r", "\n\ndata: [DONE]\r", "\r\n"]
+
+    async def body():
+        for chunk in chunks:
+            yield chunk.encode()
+
+    async def read() -> list[str]:
+        response = httpx.Response(200, content=body())
+        return [line async for line in sse_lines(response)]
+
+    lines = [line for line in asyncio.run(read()) if line]
+    assert lines == [event, "data: [DONE]"]

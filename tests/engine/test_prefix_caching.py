@@ -66,3 +66,39 @@ def test_prefix_caching_disabled_reports_no_hits(tiny_model_dirs):
     run_one(llm, "a", prompt)
     output, computed = run_one(llm, "b", prompt)
     assert output.num_cached_tokens == 0 and computed == 100 + 3
+
+
+def test_chunks_on_a_cached_prefix_take_cascade_attention(tiny_model_dirs, monkeypatch):
+    """Requests arriving together on a cached 1,024-token prefix: their chunks attend to it
+    in one call (cascade attention), with the greedy tokens and logprobs of attending chunk
+    by chunk (--disable-cascade-attn)."""
+    from tokenserve.attention.torch_sdpa import TorchSDPABackend
+
+    calls = []
+    attend = TorchSDPABackend._attend_cascade
+
+    def counted(self, output, query, key_cache, value_cache, cascade, scale):
+        calls.append(len(cascade.rows))
+        return attend(self, output, query, key_cache, value_cache, cascade, scale)
+
+    monkeypatch.setattr(TorchSDPABackend, "_attend_cascade", counted)
+    rng = random.Random(2)
+    prefix = [rng.randrange(3, 400) for _ in range(1024)]
+    prompts = [prefix + [rng.randrange(3, 400) for _ in range(20 + 3 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    results = {}
+    for disable in (False, True):
+        llm = LLM(tiny_model_dirs["llama"], kv_cache_memory="64MiB", disable_cascade_attn=disable)
+        run_one(llm, "prefix", prefix + [5])  # caches the prefix's blocks
+        calls.clear()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results[disable] = outputs
+        # The 4 chunks (20, 23, 26 and 29 tokens) in one step: one cascade per layer (2).
+        assert calls == ([] if disable else [20 + 23 + 26 + 29] * 2)
+    for cascaded, plain in zip(results[False], results[True]):
+        assert cascaded.num_cached_tokens == plain.num_cached_tokens == 1024
+        assert cascaded.outputs[0].token_ids == plain.outputs[0].token_ids
+        for mine, theirs in zip(cascaded.outputs[0].logprobs, plain.outputs[0].logprobs):
+            assert mine.keys() == theirs.keys()
+            for token, logprob in mine.items():
+                assert abs(logprob.logprob - theirs[token].logprob) < 1e-4

@@ -64,10 +64,12 @@ class AttentionBackend(ABC):
         """Write key/value into their slots, then attend causally over each request's context."""
 
 
-def get_attention_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+def get_attention_backend(
+    device: torch.device, dtype: torch.dtype, cascade: bool = True
+) -> AttentionBackend:
     if device.type == "cpu":
         from tokenserve.attention.torch_sdpa import TorchSDPABackend
 
         # The C decode kernel is fp32; other dtypes take the pure-torch path.
-        return TorchSDPABackend(use_kernels=dtype == torch.float32)
+        return TorchSDPABackend(use_kernels=dtype == torch.float32, cascade=cascade)
     raise ValueError(f"No attention backend for device type {device.type!r} yet (only 'cpu').")

@@ -6,6 +6,15 @@ included). A chunk with nothing cached before it attends over its own new keys a
 directly; a chunk that continues a context gathers that context once per layer and uses a
 causal mask offset by the tokens already cached.
 
+Cascade attention: chunks of a step that continue contexts sharing their first blocks
+(a common system prompt, a prefix-cache hit) attend to that shared prefix in one call for
+all of them: the prefix is gathered once and lies before every query, so no mask is
+needed and the query heads of each kv head can all be rows of one call (no GQA copy).
+Each chunk then attends to the rest of its context (the suffix) as above, and the two
+parts merge by their log-sum-exps. It applies where at least two chunks share at least
+CASCADE_MIN_PREFIX_TOKENS tokens (measured in docs/BENCHMARKS.md: at 512 tokens the
+single call was not faster); `--disable-cascade-attn` turns it off.
+
 Decode rows (one query token) of all requests go to the paged-decode C kernel
 (kernels.paged_attention), which reads each query in place from the fused QKV tensor and
 each context in place from its blocks, and writes its rows of the output; a second
@@ -25,12 +34,17 @@ cache, its own new tokens included.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from tokenserve import kernels
 from tokenserve.attention.backend import AttentionBackend, AttentionMetadata
+
+# The shortest shared prefix that cascade attention takes (see the module docstring).
+CASCADE_MIN_PREFIX_TOKENS = 768
 
 
 def _context_index(
@@ -49,17 +63,67 @@ def _gather_context(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> 
     return gathered.reshape(num_kv_heads, -1, head_dim)[:, :seq_len]
 
 
+@dataclass
+class _SuffixGroup:
+    """Cascade chunks of one shape: query_len queries over suffix_len suffix keys each."""
+
+    rows: torch.Tensor  # [chunks * query_len]: the chunks' rows among the cascade's rows
+    blocks: list[torch.Tensor]  # per chunk, the blocks holding its suffix
+    query_len: int
+    suffix_len: int
+    mask: torch.Tensor  # [query_len, suffix_len] bool: query j sees suffix key i
+
+
+@dataclass
+class _Cascade:
+    """Prefill chunks whose contexts share their first `prefix_len` tokens."""
+
+    prefix_blocks: torch.Tensor
+    prefix_len: int
+    rows: torch.Tensor  # the chunks' rows of the step, chunk by chunk
+    groups: list[_SuffixGroup]
+    # Float masks with each query row repeated for the query heads of a kv head, by
+    # (group index, heads per kv head); built by the first layer, reused by the rest.
+    masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+
+def _flash_with_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's CPU flash kernel on [batch, heads, len, dim] (the same number of query and
+    kv heads): the output and each query's log-sum-exp of its scaled scores."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, attn_mask=mask, scale=scale
+    )
+    return out, lse
+
+
+def _shared_blocks(tables: list[list[int]], limit: int) -> int:
+    """How many leading blocks all the tables share, at most limit."""
+    leading = np.array([table[:limit] for table in tables], dtype=np.int64)
+    same = (leading == leading[0]).all(axis=0)
+    return int(limit if same.all() else same.argmin())
+
+
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
 
-    def __init__(self, use_kernels: bool = True) -> None:
+    def __init__(self, use_kernels: bool = True, cascade: bool = True) -> None:
         self.ops = kernels.paged_attention() if use_kernels else None
+        self.cascade = cascade and hasattr(
+            torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"
+        )
 
     def prepare(self, metadata: AttentionMetadata, device: torch.device) -> None:
         decode_rows: list[int] = []
         decode_reqs: list[int] = []
         # (first row, end row, the context's (blocks, length) if it continues one, mask)
         prefills: list[tuple[int, int, tuple[torch.Tensor, int] | None, torch.Tensor | None]] = []
+        prefill_requests: list[int] = []  # the request of each chunk in prefills
         for i in range(metadata.num_reqs):
             start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
             if end - start == 1:
@@ -68,6 +132,7 @@ class TorchSDPABackend(AttentionBackend):
                 continue
             seq_len = metadata.seq_lens[i]
             query_len = end - start
+            prefill_requests.append(i)
             if seq_len == query_len:
                 # Nothing cached before this chunk: its own keys are the whole context.
                 prefills.append((start, end, None, None))
@@ -79,7 +144,12 @@ class TorchSDPABackend(AttentionBackend):
             mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
             prefills.append((start, end, (blocks, seq_len), mask))
 
-        data: dict = {"prefills": prefills, "decode_rows": None}
+        cascades = (
+            self._plan_cascades(metadata, prefills, prefill_requests, device)
+            if self.cascade
+            else []
+        )
+        data: dict = {"prefills": prefills, "cascades": cascades, "decode_rows": None}
         if self.ops is None:
             slots = metadata.slot_mapping
             data["write_index"] = (slots // metadata.block_size, slots % metadata.block_size)
@@ -113,6 +183,136 @@ class TorchSDPABackend(AttentionBackend):
                     torch.arange(max_len, device=device)[None, :] < lengths[:, None]
                 )[:, None, None, :]
         metadata.backend_data = data
+
+    def _plan_cascades(
+        self,
+        metadata: AttentionMetadata,
+        prefills: list,
+        prefill_requests: list[int],
+        device: torch.device,
+    ) -> list[_Cascade]:
+        """Takes out of `prefills` the chunks that cascade attention serves: continuing
+        chunks grouped by their context's first block, a group taken if at least two share
+        CASCADE_MIN_PREFIX_TOKENS tokens or more, all cached before any of its queries."""
+        block_size = metadata.block_size
+        by_first_block: dict[int, list[int]] = {}
+        for index, (chunk, request) in enumerate(zip(prefills, prefill_requests)):
+            if chunk[2] is not None:
+                by_first_block.setdefault(metadata.block_tables[request][0], []).append(index)
+        cascades, taken = [], set()
+        for indices in by_first_block.values():
+            if len(indices) < 2:
+                continue
+            requests = [prefill_requests[i] for i in indices]
+            # Only blocks wholly before a chunk's first query can be shared: its queries
+            # see all of them, so the shared part needs no mask.
+            cached = min(metadata.seq_lens[r] - metadata.query_len(r) for r in requests)
+            tables = [metadata.block_tables[r] for r in requests]
+            num_shared = _shared_blocks(tables, cached // block_size)
+            prefix_len = num_shared * block_size
+            if prefix_len < CASCADE_MIN_PREFIX_TOKENS:
+                continue
+            rows, offset = [], 0
+            shapes: dict[tuple[int, int], list[tuple[int, int, torch.Tensor]]] = {}
+            for index in indices:
+                start, end, (blocks, seq_len), _ = prefills[index]
+                rows.append(torch.arange(start, end))
+                shape = (end - start, seq_len - prefix_len)
+                shapes.setdefault(shape, []).append((offset, end - start, blocks[num_shared:]))
+                offset += end - start
+            groups = []
+            for (query_len, suffix_len), chunks in shapes.items():
+                # Query j sits at suffix position suffix_len - query_len + j.
+                query_pos = torch.arange(suffix_len - query_len, suffix_len, device=device)
+                mask = torch.arange(suffix_len, device=device)[None, :] <= query_pos[:, None]
+                groups.append(
+                    _SuffixGroup(
+                        rows=torch.cat([torch.arange(o, o + n) for o, n, _ in chunks]).to(device),
+                        blocks=[blocks for _, _, blocks in chunks],
+                        query_len=query_len,
+                        suffix_len=suffix_len,
+                        mask=mask,
+                    )
+                )
+            cascades.append(
+                _Cascade(
+                    prefix_blocks=prefills[indices[0]][2][0][:num_shared],
+                    prefix_len=prefix_len,
+                    rows=torch.cat(rows).to(device),
+                    groups=groups,
+                )
+            )
+            taken.update(indices)
+        prefills[:] = [chunk for index, chunk in enumerate(prefills) if index not in taken]
+        prefill_requests[:] = [r for index, r in enumerate(prefill_requests) if index not in taken]
+        return cascades
+
+    def _attend_cascade(
+        self,
+        output: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        cascade: _Cascade,
+        scale: float,
+    ) -> None:
+        """Writes the cascade's rows of output: the shared prefix in one call for all its
+        queries, each chunk's suffix by shape group, merged by log-sum-exp."""
+        num_rows = len(cascade.rows)
+        _, num_heads, head_dim = query.shape
+        num_kv_heads = key_cache.shape[1]
+        group = num_heads // num_kv_heads
+        # [rows, kv_heads, group, dim]: the query heads of kv head h are h*group...
+        q = query.index_select(0, cascade.rows).view(num_rows, num_kv_heads, group, head_dim)
+        k = _gather_context(key_cache, cascade.prefix_blocks, cascade.prefix_len)
+        v = _gather_context(value_cache, cascade.prefix_blocks, cascade.prefix_len)
+        # Every query sees the whole prefix: per kv head, its queries are rows of one call.
+        prefix_out, prefix_lse = _flash_with_lse(
+            q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_rows * group, head_dim),
+            k.to(query.dtype).unsqueeze(0),
+            v.to(query.dtype).unsqueeze(0),
+            scale,
+        )
+        prefix_out = prefix_out.reshape(num_kv_heads, num_rows, group, head_dim).transpose(0, 1)
+        prefix_lse = prefix_lse.reshape(num_kv_heads, num_rows, group).transpose(0, 1)
+        suffix_out = torch.empty_like(prefix_out)
+        suffix_lse = torch.empty_like(prefix_lse)
+        for index, chunks in enumerate(cascade.groups):
+            num_chunks, query_len = len(chunks.blocks), chunks.query_len
+            mask = cascade.masks.get((index, group))
+            if mask is None:
+                # Rows query_j * group + g, as the queries are laid out below.
+                mask = torch.zeros(chunks.mask.shape, dtype=query.dtype)
+                mask.masked_fill_(~chunks.mask, float("-inf"))
+                mask = cascade.masks[index, group] = mask.repeat_interleave(group, 0)
+            k = torch.stack([_gather_context(key_cache, b, chunks.suffix_len) for b in chunks.blocks])
+            v = torch.stack(
+                [_gather_context(value_cache, b, chunks.suffix_len) for b in chunks.blocks]
+            )
+            q_chunks = q.index_select(0, chunks.rows).view(
+                num_chunks, query_len, num_kv_heads, group, head_dim
+            )
+            out, lse = _flash_with_lse(
+                q_chunks.permute(0, 2, 1, 3, 4).reshape(
+                    num_chunks, num_kv_heads, query_len * group, head_dim
+                ),
+                k.to(query.dtype),
+                v.to(query.dtype),
+                scale,
+                mask,
+            )
+            out = out.reshape(num_chunks, num_kv_heads, query_len, group, head_dim)
+            lse = lse.reshape(num_chunks, num_kv_heads, query_len, group)
+            suffix_out[chunks.rows] = out.permute(0, 2, 1, 3, 4).reshape(-1, num_kv_heads, group, head_dim)
+            suffix_lse[chunks.rows] = lse.permute(0, 2, 1, 3).reshape(-1, num_kv_heads, group)
+        # softmax over both parts = each part's softmax weighted by its share of the sum.
+        top = torch.maximum(prefix_lse, suffix_lse)
+        prefix_weight = (prefix_lse - top).exp_()
+        suffix_weight = (suffix_lse - top).exp_()
+        total = prefix_weight + suffix_weight
+        merged = prefix_out * (prefix_weight / total).unsqueeze(-1)
+        merged.add_(suffix_out * (suffix_weight / total).unsqueeze(-1))
+        output.index_copy_(0, cascade.rows, merged.reshape(num_rows, num_heads, head_dim))
 
     def forward(
         self,
@@ -150,6 +350,8 @@ class TorchSDPABackend(AttentionBackend):
                 enable_gqa=True,
             )
             output[start:end] = out[0].transpose(0, 1)
+        for cascade in data["cascades"]:
+            self._attend_cascade(output, query, key_cache, value_cache, cascade, scale)
 
         rows = data["decode_rows"]
         if rows is None:

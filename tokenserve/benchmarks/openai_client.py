@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,7 +105,7 @@ async def send_streaming(
                 detail = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {detail[:500]}"
                 return result
-            async for line in response.aiter_lines():
+            async for line in sse_lines(response):
                 data = _sse_data(line)
                 if data is None:
                     continue
@@ -201,6 +202,23 @@ async def server_counters(
             except ValueError:
                 continue
     return counters or None
+
+
+_SSE_LINE_END = re.compile(r"\r\n|\n|\r")
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """A streamed response's lines as server-sent events define them: ended by CR LF, LF
+    or CR only. (httpx's aiter_lines also ends a line at U+2028, U+0085 and the like, which
+    a server may leave raw inside an event's JSON.) A CR LF split across two chunks reads
+    as an extra empty line, which carries no data."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = _SSE_LINE_END.split(pending + text)
+        for line in lines:
+            yield line
+    if pending:
+        yield pending
 
 
 def _sse_data(line: str) -> str | None:

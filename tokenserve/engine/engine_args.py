@@ -92,6 +92,9 @@ class EngineArgs:
     target_step_ms: float | None = None
     # The most logprobs / prompt_logprobs a request may ask for (vLLM's default).
     max_logprobs: int = 20
+    # Prefill chunks that share a long cached prefix attend to it in one call (cascade
+    # attention); True: each chunk attends to its whole context alone.
+    disable_cascade_attn: bool = False
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -112,6 +115,7 @@ class EngineArgs:
             tokenizer=self.tokenizer,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
+            disable_cascade_attn=self.disable_cascade_attn,
         )
 
         cache_dtype = self._resolve_kv_cache_dtype(model_config.dtype)

@@ -49,6 +49,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                         help="Split long prompts across steps.")
     parser.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
                         help="Most logprobs (and prompt logprobs) a request may ask for.")
+    parser.add_argument("--disable-cascade-attn", action="store_true",
+                        default=defaults.disable_cascade_attn,
+                        help="Attend each prefill chunk over its whole context alone, instead "
+                             "of a long prefix shared by several chunks once for all of them.")
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
                         default=defaults.scheduling_policy, help="Order of admission and preemption.")
     parser.add_argument("--prefill-order", choices=list(PREFILL_ORDERS),

@@ -52,7 +52,10 @@ class ModelRunner:
         self.config = config
         self.device = device or torch.device("cpu")
         self.block_size = config.cache_config.block_size
-        self.attention = get_attention_backend(self.device, config.model_config.dtype)
+        model_config = config.model_config
+        self.attention = get_attention_backend(
+            self.device, model_config.dtype, cascade=not model_config.disable_cascade_attn
+        )
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
         # Per-request generators outlive preemption: a resumed request keeps drawing

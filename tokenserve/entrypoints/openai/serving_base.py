@@ -148,11 +148,20 @@ def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
     )
 
 
+# Characters that JSON may leave raw in a string but that line readers built on
+# str.splitlines (httpx's aiter_lines among them) take for line breaks, cutting an event in
+# two: written as escapes (the same JSON), an event stays one line whatever text it carries.
+_LINE_BREAKS_TO_ESCAPES = str.maketrans(
+    {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+)
+
+
 def sse(payload: Any) -> str:
     """One server-sent event carrying a pydantic model or a plain JSON value."""
     if hasattr(payload, "model_dump_json"):
-        return f"data: {payload.model_dump_json(exclude_none=False)}\n\n"
-    return f"data: {json.dumps(payload)}\n\n"
+        data = payload.model_dump_json(exclude_none=False).translate(_LINE_BREAKS_TO_ESCAPES)
+        return f"data: {data}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"  # ASCII: every non-ASCII character escaped
 
 
 def sse_error(error: BaseException) -> str:
