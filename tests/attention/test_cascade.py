@@ -12,7 +12,7 @@ from tokenserve.attention.backend import AttentionMetadata
 from tokenserve.attention.torch_sdpa import TorchSDPABackend
 
 BLOCK_SIZE = 16
-PREFIX_BLOCKS = 50  # 800 tokens: over CASCADE_MIN_PREFIX_TOKENS
+PREFIX_BLOCKS = 66  # 1,056 tokens: over CASCADE_MIN_PREFIX_TOKENS
 
 
 def _step(requests, heads=6, kv_heads=2, dim=64, cache_dtype=torch.float32, seed=0):
@@ -58,15 +58,15 @@ def test_cascade_matches_attention_chunk_by_chunk(use_kernels, cache_dtype):
     prefix = list(range(PREFIX_BLOCKS))
     prefix_len = PREFIX_BLOCKS * BLOCK_SIZE
     requests = [
-        (1, 900, [*prefix, 100, 101, 102, 103, 104, 105, 106]),  # a decode row
+        (1, 1200, [*prefix, *range(100, 110)]),  # a decode row
         (20, prefix_len + 20, [*prefix, 110, 111]),  # chunk: exactly the prefix cached
         (20, prefix_len + 20, [*prefix, 112, 113]),  # the same shape
         (7, prefix_len + 40, [*prefix, 114, 115, 116]),  # 33 more tokens cached past it
         (30, 30, [120, 121]),  # a first chunk: nothing cached, not in the cascade
-        # Its own first blocks: a second cascade of two chunks, sharing 60 blocks, of which
-        # the second chunk's queries start inside block 60 (so 60, not 61, are shared).
-        (16, 61 * BLOCK_SIZE + 16, [*range(200, 261), 300, 301]),
-        (9, 60 * BLOCK_SIZE + 12, [*range(200, 261)]),
+        # Its own first blocks: a second cascade of two chunks, sharing 70 blocks, of which
+        # the second chunk's queries start inside block 70 (so 70, not 71, are shared).
+        (16, 71 * BLOCK_SIZE + 16, [*range(200, 271), 300, 301]),
+        (9, 70 * BLOCK_SIZE + 12, [*range(200, 271)]),
         (5, 40, [400, 401, 402]),  # a continuing chunk that shares nothing
     ]
     pieces = _step(requests, cache_dtype=cache_dtype)
@@ -77,7 +77,7 @@ def test_cascade_matches_attention_chunk_by_chunk(use_kernels, cache_dtype):
     assert plain_data["cascades"] == []
     assert [(c.prefix_len, len(c.rows)) for c in data["cascades"]] == [
         (prefix_len, 20 + 20 + 7),
-        (60 * BLOCK_SIZE, 16 + 9),
+        (70 * BLOCK_SIZE, 16 + 9),
     ]
     # Left per chunk: the first chunk and the chunk that shares nothing.
     assert [(start, end) for start, end, _, _ in data["prefills"]] == [(48, 78), (103, 108)]

@@ -12,8 +12,9 @@ all of them: the prefix is gathered once and lies before every query, so no mask
 needed and the query heads of each kv head can all be rows of one call (no GQA copy).
 Each chunk then attends to the rest of its context (the suffix) as above, and the two
 parts merge by their log-sum-exps. It applies where at least two chunks share at least
-CASCADE_MIN_PREFIX_TOKENS tokens (measured in docs/BENCHMARKS.md: at 512 tokens the
-single call was not faster); `--disable-cascade-attn` turns it off.
+CASCADE_MIN_PREFIX_TOKENS tokens (benchmarks/cascade_attention.py, docs/BENCHMARKS.md:
+from 1,024 tokens on it was faster at every chunk count measured, at 768 only from ~8
+chunks); `--disable-cascade-attn` turns it off.
 
 Decode rows (one query token) of all requests go to the paged-decode C kernel
 (kernels.paged_attention), which reads each query in place from the fused QKV tensor and
@@ -44,7 +45,7 @@ from tokenserve import kernels
 from tokenserve.attention.backend import AttentionBackend, AttentionMetadata
 
 # The shortest shared prefix that cascade attention takes (see the module docstring).
-CASCADE_MIN_PREFIX_TOKENS = 768
+CASCADE_MIN_PREFIX_TOKENS = 1024
 
 
 def _context_index(
