@@ -278,19 +278,19 @@ class TorchSDPABackend(AttentionBackend):
         prefix_lse = prefix_lse.reshape(num_kv_heads, num_rows, group).transpose(0, 1)
         suffix_out = torch.empty_like(prefix_out)
         suffix_lse = torch.empty_like(prefix_lse)
-        for index, chunks in enumerate(cascade.groups):
-            num_chunks, query_len = len(chunks.blocks), chunks.query_len
+        for index, suffix in enumerate(cascade.groups):
+            num_chunks, query_len = len(suffix.blocks), suffix.query_len
             mask = cascade.masks.get((index, group))
             if mask is None:
                 # Rows query_j * group + g, as the queries are laid out below.
-                mask = torch.zeros(chunks.mask.shape, dtype=query.dtype)
-                mask.masked_fill_(~chunks.mask, float("-inf"))
+                mask = torch.zeros(suffix.mask.shape, dtype=query.dtype)
+                mask.masked_fill_(~suffix.mask, float("-inf"))
                 mask = cascade.masks[index, group] = mask.repeat_interleave(group, 0)
-            k = torch.stack([_gather_context(key_cache, b, chunks.suffix_len) for b in chunks.blocks])
-            v = torch.stack(
-                [_gather_context(value_cache, b, chunks.suffix_len) for b in chunks.blocks]
+            k, v = (
+                torch.stack([_gather_context(cache, b, suffix.suffix_len) for b in suffix.blocks])
+                for cache in (key_cache, value_cache)
             )
-            q_chunks = q.index_select(0, chunks.rows).view(
+            q_chunks = q.index_select(0, suffix.rows).view(
                 num_chunks, query_len, num_kv_heads, group, head_dim
             )
             out, lse = _flash_with_lse(
@@ -304,8 +304,9 @@ class TorchSDPABackend(AttentionBackend):
             )
             out = out.reshape(num_chunks, num_kv_heads, query_len, group, head_dim)
             lse = lse.reshape(num_chunks, num_kv_heads, query_len, group)
-            suffix_out[chunks.rows] = out.permute(0, 2, 1, 3, 4).reshape(-1, num_kv_heads, group, head_dim)
-            suffix_lse[chunks.rows] = lse.permute(0, 2, 1, 3).reshape(-1, num_kv_heads, group)
+            # Back to [rows, kv_heads, group, ...], the chunks' rows in order.
+            suffix_out[suffix.rows] = out.permute(0, 2, 1, 3, 4).flatten(0, 1)
+            suffix_lse[suffix.rows] = lse.permute(0, 2, 1, 3).flatten(0, 1)
         # softmax over both parts = each part's softmax weighted by its share of the sum.
         top = torch.maximum(prefix_lse, suffix_lse)
         prefix_weight = (prefix_lse - top).exp_()
