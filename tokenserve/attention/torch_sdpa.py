@@ -103,6 +103,13 @@ def _flash_with_lse(
     return out, lse
 
 
+def _offset_causal_mask(context_len: int, query_len: int, device: torch.device) -> torch.Tensor:
+    """[query_len, context_len] bool: the queries are the context's last query_len
+    positions, and query j (at context_len - query_len + j) sees the keys up to it."""
+    query_pos = torch.arange(context_len - query_len, context_len, device=device)
+    return torch.arange(context_len, device=device)[None, :] <= query_pos[:, None]
+
+
 def _shared_blocks(tables: list[list[int]], limit: int) -> int:
     """How many leading blocks all the tables share, at most limit."""
     leading = np.array([table[:limit] for table in tables], dtype=np.int64)
@@ -124,32 +131,28 @@ class TorchSDPABackend(AttentionBackend):
         decode_reqs: list[int] = []
         # (first row, end row, the context's (blocks, length) if it continues one, mask)
         prefills: list[tuple[int, int, tuple[torch.Tensor, int] | None, torch.Tensor | None]] = []
-        prefill_requests: list[int] = []  # the request of each chunk in prefills
+        continuing: list[int] = []  # requests whose chunk continues a cached context
         for i in range(metadata.num_reqs):
             start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
             if end - start == 1:
                 decode_rows.append(start)
                 decode_reqs.append(i)
-                continue
-            seq_len = metadata.seq_lens[i]
-            query_len = end - start
-            prefill_requests.append(i)
-            if seq_len == query_len:
+            elif metadata.seq_lens[i] == end - start:
                 # Nothing cached before this chunk: its own keys are the whole context.
                 prefills.append((start, end, None, None))
-                continue
+            else:
+                continuing.append(i)
+        cascades, alone = (
+            self._plan_cascades(metadata, continuing, device) if self.cascade else ([], continuing)
+        )
+        for i in alone:
+            start, end = metadata.query_start_loc[i], metadata.query_start_loc[i + 1]
+            seq_len = metadata.seq_lens[i]
             num_blocks = -(-seq_len // metadata.block_size)
             blocks = torch.tensor(metadata.block_tables[i][:num_blocks], device=device)
-            # Query j sits at position seq_len - query_len + j and sees keys up to it.
-            query_pos = torch.arange(seq_len - query_len, seq_len, device=device)
-            mask = torch.arange(seq_len, device=device)[None, :] <= query_pos[:, None]
+            mask = _offset_causal_mask(seq_len, end - start, device)
             prefills.append((start, end, (blocks, seq_len), mask))
 
-        cascades = (
-            self._plan_cascades(metadata, prefills, prefill_requests, device)
-            if self.cascade
-            else []
-        )
         data: dict = {"prefills": prefills, "cascades": cascades, "decode_rows": None}
         if self.ops is None:
             slots = metadata.slot_mapping
@@ -186,25 +189,20 @@ class TorchSDPABackend(AttentionBackend):
         metadata.backend_data = data
 
     def _plan_cascades(
-        self,
-        metadata: AttentionMetadata,
-        prefills: list,
-        prefill_requests: list[int],
-        device: torch.device,
-    ) -> list[_Cascade]:
-        """Takes out of `prefills` the chunks that cascade attention serves: continuing
-        chunks grouped by their context's first block, a group taken if at least two share
-        CASCADE_MIN_PREFIX_TOKENS tokens or more, all cached before any of its queries."""
+        self, metadata: AttentionMetadata, continuing: list[int], device: torch.device
+    ) -> tuple[list[_Cascade], list[int]]:
+        """Cascades for the requests whose chunks continue a context, and the requests left
+        to attend alone. Chunks are grouped by their context's first block; a group is a
+        cascade if at least two share CASCADE_MIN_PREFIX_TOKENS tokens or more, all cached
+        before any of its queries."""
         block_size = metadata.block_size
         by_first_block: dict[int, list[int]] = {}
-        for index, (chunk, request) in enumerate(zip(prefills, prefill_requests)):
-            if chunk[2] is not None:
-                by_first_block.setdefault(metadata.block_tables[request][0], []).append(index)
+        for request in continuing:
+            by_first_block.setdefault(metadata.block_tables[request][0], []).append(request)
         cascades, taken = [], set()
-        for indices in by_first_block.values():
-            if len(indices) < 2:
+        for requests in by_first_block.values():
+            if len(requests) < 2:
                 continue
-            requests = [prefill_requests[i] for i in indices]
             # Only blocks wholly before a chunk's first query can be shared: its queries
             # see all of them, so the shared part needs no mask.
             cached = min(metadata.seq_lens[r] - metadata.query_len(r) for r in requests)
@@ -215,38 +213,36 @@ class TorchSDPABackend(AttentionBackend):
                 continue
             rows, offset = [], 0
             shapes: dict[tuple[int, int], list[tuple[int, int, torch.Tensor]]] = {}
-            for index in indices:
-                start, end, (blocks, seq_len), _ = prefills[index]
+            for request in requests:
+                start, end = metadata.query_start_loc[request : request + 2]
+                seq_len = metadata.seq_lens[request]
+                used = -(-seq_len // block_size)
+                suffix_blocks = metadata.block_tables[request][num_shared:used]
                 rows.append(torch.arange(start, end))
-                shape = (end - start, seq_len - prefix_len)
-                shapes.setdefault(shape, []).append((offset, end - start, blocks[num_shared:]))
-                offset += end - start
-            groups = []
-            for (query_len, suffix_len), chunks in shapes.items():
-                # Query j sits at suffix position suffix_len - query_len + j.
-                query_pos = torch.arange(suffix_len - query_len, suffix_len, device=device)
-                mask = torch.arange(suffix_len, device=device)[None, :] <= query_pos[:, None]
-                groups.append(
-                    _SuffixGroup(
-                        rows=torch.cat([torch.arange(o, o + n) for o, n, _ in chunks]).to(device),
-                        blocks=[blocks for _, _, blocks in chunks],
-                        query_len=query_len,
-                        suffix_len=suffix_len,
-                        mask=mask,
-                    )
+                shapes.setdefault((end - start, seq_len - prefix_len), []).append(
+                    (offset, end - start, torch.tensor(suffix_blocks, device=device))
                 )
+                offset += end - start
+            groups = [
+                _SuffixGroup(
+                    rows=torch.cat([torch.arange(o, o + n) for o, n, _ in chunks]).to(device),
+                    blocks=[blocks for _, _, blocks in chunks],
+                    query_len=query_len,
+                    suffix_len=suffix_len,
+                    mask=_offset_causal_mask(suffix_len, query_len, device),
+                )
+                for (query_len, suffix_len), chunks in shapes.items()
+            ]
             cascades.append(
                 _Cascade(
-                    prefix_blocks=prefills[indices[0]][2][0][:num_shared],
+                    prefix_blocks=torch.tensor(tables[0][:num_shared], device=device),
                     prefix_len=prefix_len,
                     rows=torch.cat(rows).to(device),
                     groups=groups,
                 )
             )
-            taken.update(indices)
-        prefills[:] = [chunk for index, chunk in enumerate(prefills) if index not in taken]
-        prefill_requests[:] = [r for index, r in enumerate(prefill_requests) if index not in taken]
-        return cascades
+            taken.update(requests)
+        return cascades, [request for request in continuing if request not in taken]
 
     def _attend_cascade(
         self,

@@ -224,8 +224,8 @@ static inline __attribute__((always_inline)) void panel_tile(
  * build up in sums [M][PANEL] (contiguous, cache-resident) and go to y's PANEL columns at
  * the end: y's rows are N floats apart (for the wide outputs a multiple of 4 KiB, so the
  * rows of a tile share L1 sets), and were read back and written at every slice
- * (benchmarks/quantized_linear.py's shapes in a C driver, the two builds taking turns:
- * 3-6 % less time at 32-128 rows). */
+ * (the model's 121 weights in a C driver, the two builds taking turns: 3-6 % less time at
+ * 32-128 rows; docs/BENCHMARKS.md). */
 static inline __attribute__((always_inline)) void gemm_panel(
     float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *qs,
     const float *scales, int64_t slice, float *panel, float *sums, int q4_1) {
