@@ -38,7 +38,7 @@ def test_blocks_hold_exactly_gguf_dequantized_weights(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 8, 17])
-@pytest.mark.parametrize("out_features,in_features", [(2, 32), (6, 96), (64, 160)])
+@pytest.mark.parametrize("out_features,in_features", [(2, 32), (3, 64), (6, 96), (64, 160)])
 def test_kernel_equals_float_product(kind, num_rows, out_features, in_features):
     weight, reference = _quantized(kind, out_features, in_features, seed=num_rows)
     x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(1))
@@ -53,9 +53,11 @@ def test_kernel_reads_a_non_contiguous_input():
 
 
 def test_kernel_refuses_mismatched_shapes():
-    weight, _ = _quantized("Q4_1", 3, 64)  # an odd number of output rows
-    with pytest.raises(ValueError, match="even number of output rows"):
-        weight.matmul(torch.randn(2, 64))
+    weight, _ = _quantized("Q4_1", 4, 64)
+    with pytest.raises(ValueError, match="match x's width"):
+        weight.matmul(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="float32"):
+        weight.matmul(torch.randn(2, 64, dtype=torch.float64))
     weight, _ = _quantized("Q8_0", 4, 64)
     with pytest.raises(ValueError, match="match x's width"):
         weight.matmul(torch.randn(2, 96))
@@ -85,11 +87,12 @@ def test_many_row_kernel_equals_float_product(kind, in_features, num_rows):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_many_row_kernel_expands_exactly_gguf_dequantized_weights(kind):
+@pytest.mark.parametrize("panels", [False, True])
+def test_kernels_expand_exactly_gguf_dequantized_weights(kind, panels):
     # x = I picks W's columns: each output is 1 * w plus exact zeros, so any difference in
-    # the expanded panel (arithmetic or layout) shows.
+    # the expanded weights (arithmetic or layout) shows.
     weight, reference = _quantized(kind, 48, 576)
-    assert torch.equal(weight.matmul(torch.eye(576), panels=True), reference.T)
+    assert torch.equal(weight.matmul(torch.eye(576), panels=panels), reference.T)
 
 
 def test_many_row_kernel_refuses_output_rows_off_its_panels():
@@ -110,13 +113,18 @@ def test_linear_routes_by_rows_to_each_kernel_then_onednn(monkeypatch):
     bias = torch.randn(16)
     ops = kernels.quant_linear()
     kernels_run: list[bool] = []
-    original = ops.q8_0
+    original = ops.bind
 
-    def recording_q8_0(x, qs, d, panels=False):
-        kernels_run.append(panels)
-        return original(x, qs, d, panels)
+    def recording_bind(kind, qs, scales):
+        bound = original(kind, qs, scales)
 
-    monkeypatch.setattr(ops, "q8_0", recording_q8_0)
+        def run(x, panels=False):
+            kernels_run.append(panels)
+            return bound(x, panels)
+
+        return run
+
+    monkeypatch.setattr(ops, "bind", recording_bind)
     for num_rows, expected_weight, expected_kernels in [
         (4, reference, [False]),  # the few-row kernel
         (5, reference, [True]),  # the many-row kernel

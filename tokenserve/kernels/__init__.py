@@ -327,22 +327,53 @@ class QuantLinearOps:
         _check_linear(x, qs, d, qs.shape[0], torch.int8, x.shape[1])
         return self._run("Q8_0", panels, x, qs, d)
 
+    def bind(self, kind: str, qs: torch.Tensor, scales: torch.Tensor) -> BoundQuantLinear:
+        """Both kernels of one weight, the weight checked once: a decode step makes ~120 of
+        these products, each a few tens of µs, so per-call checks of the weight would be a
+        sizeable share of them."""
+        width = scales.shape[1] * 32
+        _check_linear(torch.empty(0, width), qs, scales, qs.shape[0],
+                      torch.uint8 if kind == "Q4_1" else torch.int8,
+                      width // 2 if kind == "Q4_1" else width)
+        return BoundQuantLinear(self._kernels[kind, False], self._kernels[kind, True], qs, scales)
+
     def _run(
         self, kind: str, panels: bool, x: torch.Tensor, qs: torch.Tensor, scales: torch.Tensor
     ) -> torch.Tensor:
-        num_out = qs.shape[0]
-        out = torch.empty((x.shape[0], num_out), dtype=torch.float32)
-        status = self._kernels[kind, panels](
-            out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], num_out, qs.data_ptr(),
-            scales.data_ptr(),
+        return BoundQuantLinear(self._kernels[kind, False], self._kernels[kind, True], qs,
+                                scales)(x, panels)
+
+
+class BoundQuantLinear:
+    """y = x · Wᵀ for one checked weight (`QuantLinearOps.bind`): each call checks only x."""
+
+    __slots__ = ("_few", "_many", "_qs", "_scales", "_num_out", "_width")
+
+    def __init__(self, few, many, qs: torch.Tensor, scales: torch.Tensor) -> None:
+        self._few, self._many = few, many
+        # The tensors are held so that their memory outlives the pointers passed to C.
+        self._qs, self._scales = qs, scales
+        self._num_out, self._width = qs.shape[0], scales.shape[1] * 32
+
+    def __call__(self, x: torch.Tensor, panels: bool = False) -> torch.Tensor:
+        """x [M, K] float32, contiguous → [M, N]; `panels` picks the many-row kernel."""
+        if x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous():
+            raise ValueError("C kernels need contiguous float32 CPU tensors.")
+        if x.dim() != 2 or x.shape[1] != self._width:
+            raise ValueError(
+                f"quantized linear: the weight blocks do not match x's width (x is "
+                f"{tuple(x.shape)}, the weight takes [rows, {self._width}])."
+            )
+        out = torch.empty((x.shape[0], self._num_out), dtype=torch.float32)
+        status = (self._many if panels else self._few)(
+            out.data_ptr(), x.data_ptr(), x.shape[0], self._width, self._num_out,
+            self._qs.data_ptr(), self._scales.data_ptr(),
         )
         if status == 2:
             raise MemoryError("quantized linear could not allocate its scratch buffer.")
         if status != 0:
-            raise ValueError(
-                f"quantized linear needs a multiple of {self.PANEL} output rows."
-                if panels else "quantized linear needs an even number of output rows."
-            )
+            raise ValueError(f"quantized linear needs a multiple of {QuantLinearOps.PANEL} "
+                             "output rows.")
         return out
 
 

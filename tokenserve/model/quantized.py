@@ -19,13 +19,14 @@ off, both 0 the path.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from tokenserve.kernels import QuantLinearOps, quant_linear
+from tokenserve.kernels import BoundQuantLinear, QuantLinearOps, quant_linear
 
 MAX_ROWS_ENV = "TOKENSERVE_QUANTIZED_MAX_ROWS"
 GEMM_MAX_ROWS_ENV = "TOKENSERVE_QUANTIZED_GEMM_MAX_ROWS"
@@ -133,15 +134,18 @@ class QuantizedWeight:
     def matmul(self, x: torch.Tensor, panels: bool | None = None) -> torch.Tensor:
         """x [rows, in] float32 → x · Wᵀ [rows, out]. `panels` picks the kernel; by
         default the many-row one for more than max_rows rows, where it applies."""
+        if panels is None:
+            panels = x.shape[0] > self.max_rows and self._fits_panels
+        return self._kernels(x.contiguous(), panels)
+
+    @functools.cached_property
+    def _kernels(self) -> BoundQuantLinear:
+        """The kernels bound to this weight (checked once; qs and scales are not reassigned:
+        map_rows and concat make new weights)."""
         ops = quant_linear()
         if ops is None:
             raise RuntimeError("the quantized linear kernel is unavailable")
-        x = x.contiguous()
-        if panels is None:
-            panels = x.shape[0] > self.max_rows and self._fits_panels
-        if self.kind == "Q4_1":
-            return ops.q4_1(x, self.qs, self.scales, panels)
-        return ops.q8_0(x, self.qs, self.scales, panels)
+        return ops.bind(self.kind, self.qs, self.scales)
 
 
 def kernels_available() -> bool:
@@ -151,4 +155,4 @@ def kernels_available() -> bool:
 def usable_for(weight: QuantizedWeight, shape: tuple[int, ...]) -> bool:
     """Whether the kernels can stand in for a float32 weight of `shape` with this copy."""
     rows, width = weight.shape
-    return tuple(shape) == (rows, width) and rows % 2 == 0 and width % BLOCK == 0
+    return tuple(shape) == (rows, width) and width % BLOCK == 0

@@ -31,10 +31,10 @@
 #include "vec8.h"
 
 #define BLOCK 32
-/* Tile shape: x rows times weight rows. Measured best of 8x1, 6x2, 5x2, 4x2 and 3x4 on
- * AVX2: 4 x 2 keeps 8 accumulators, 2 weight vectors and an x vector in registers. */
+/* The few-row kernel's tile: up to ROWS rows of x times one weight row (see tile()). */
 #define ROWS 4
-#define COLS 2
+/* How many weight rows ahead the few-row kernel fetches into L2. */
+#define PREFETCH_ROWS 4
 
 /* Eight bytes widened to eight int32 lanes. GCC's generic vector conversion does this one
  * byte at a time, so x86 gets the one-instruction form. */
@@ -62,11 +62,15 @@ static inline v8i widen_s8(const int8_t *p) {
 #endif
 /* (fma8, from vec8.h, only for the sums: the weights are expanded unfused.) */
 
+/* Eight 4-bit values q to Q4_1 weights d * q + m. */
+static inline v8f q4_1_expand(v8i q, float d, float m) {
+    return __builtin_convertvector(q, v8f) * splat8(d) + splat8(m);
+}
+
 /* Weights 8c..8c+7 of a Q4_1 block (c = 0..3). */
 static inline v8f q4_1_chunk(const uint8_t *qs, float d, float m, int c) {
     const v8i bytes = widen_u8(qs + (c & 1) * 8);
-    const v8i q = (c < 2) ? (bytes & 0x0F) : (bytes >> 4);
-    return __builtin_convertvector(q, v8f) * splat8(d) + splat8(m);
+    return q4_1_expand((c < 2) ? (bytes & 0x0F) : (bytes >> 4), d, m);
 }
 
 static inline v8f q8_0_chunk(const int8_t *qs, float d, int c) {
@@ -84,34 +88,46 @@ static inline v8f weight_chunk(int q4_1, const uint8_t *qs, const float *scales,
     return q8_0_chunk((const int8_t *)qs + j * K + b * BLOCK, scales[j * blocks + b], c);
 }
 
-/* One tile: `rows` (1..ROWS) rows of x times COLS weight rows. `rows` and `q4_1` are
- * constants after inlining, so the accumulators stay in registers. */
+/* One tile: `rows` (1..ROWS) rows of x times one weight row. Each 32-weight block is
+ * expanded once (its four chunks of 8) and multiplied into every row, the even chunks into
+ * one accumulator per row and the odd ones into another: with 4 rows that is 8 independent
+ * sums, as many as the FMA units' latency times their throughput asks for, and with the
+ * block's scales and bytes they fit the 16 AVX2 registers. (The earlier tile of 4 rows x 2
+ * weight rows, one accumulator each, needed more registers than there are, and GCC's spills
+ * and reloads sat in the sums' dependency chains: the model's 121 weights at 4 rows took
+ * 1.25-1.30x as long; docs/BENCHMARKS.md.) `rows` and `q4_1` are constants after inlining. */
 static inline __attribute__((always_inline)) void tile(
     float *y, int64_t y_stride, const float *x, int64_t K, const uint8_t *qs,
     const float *scales, int q4_1, int rows) {
-    v8f acc[ROWS][COLS];
+    v8f even[ROWS], odd[ROWS];
 #pragma GCC unroll 4
-    for (int i = 0; i < ROWS; ++i)
-#pragma GCC unroll 4
-        for (int j = 0; j < COLS; ++j) acc[i][j] = splat8(0.0f);
+    for (int i = 0; i < ROWS; ++i) even[i] = odd[i] = splat8(0.0f);
     for (int64_t b = 0; b < K / BLOCK; ++b) {
+        v8f w[4];
+        if (q4_1) {
+            /* Chunks 0 and 2 are the low and high nibbles of bytes 0-7, 1 and 3 of 8-15. */
+            const v8i low = widen_u8(qs + b * 16), high = widen_u8(qs + b * 16 + 8);
+            const float d = scales[2 * b], m = scales[2 * b + 1];
+            w[0] = q4_1_expand(low & 0x0F, d, m);
+            w[1] = q4_1_expand(high & 0x0F, d, m);
+            w[2] = q4_1_expand(low >> 4, d, m);
+            w[3] = q4_1_expand(high >> 4, d, m);
+        } else {
 #pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) {
-            v8f w[COLS];
-#pragma GCC unroll 4
-            for (int j = 0; j < COLS; ++j) w[j] = weight_chunk(q4_1, qs, scales, K, j, b, c);
+            for (int c = 0; c < 4; ++c)
+                w[c] = q8_0_chunk((const int8_t *)qs + b * BLOCK, scales[b], c);
+        }
+        const float *xb = x + b * BLOCK;
+#pragma GCC unroll 2
+        for (int c = 0; c < 4; c += 2)
 #pragma GCC unroll 4
             for (int i = 0; i < rows; ++i) {
-                const v8f xv = load8(x + i * K + b * BLOCK + c * 8);
-#pragma GCC unroll 4
-                for (int j = 0; j < COLS; ++j) acc[i][j] = fma8(xv, w[j], acc[i][j]);
+                even[i] = fma8(load8(xb + i * K + c * 8), w[c], even[i]);
+                odd[i] = fma8(load8(xb + i * K + c * 8 + 8), w[c + 1], odd[i]);
             }
-        }
     }
 #pragma GCC unroll 4
-    for (int i = 0; i < rows; ++i)
-#pragma GCC unroll 4
-        for (int j = 0; j < COLS; ++j) y[i * y_stride + j] = hsum8(acc[i][j]);
+    for (int i = 0; i < rows; ++i) y[i * y_stride] = hsum8(even[i] + odd[i]);
 }
 
 /* The tile functions with the row count (1..max, max at most 6) as a constant, so the
@@ -126,24 +142,22 @@ static inline __attribute__((always_inline)) void tile(
     default: tile(__VA_ARGS__, max); break;                      \
     }
 
-/* y = x · Wᵀ, split over tiles of COLS weight rows; q4_1 picks the format (a constant). */
+/* y = x · Wᵀ, split over weight rows; q4_1 picks the format (a constant). */
 static inline __attribute__((always_inline)) int quant_linear(
     float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *qs,
     const float *scales, int q4_1) {
-    if (K % BLOCK != 0 || N % COLS != 0) return 1;
+    if (K % BLOCK != 0) return 1;
     const int64_t row_bytes = q4_1 ? K / 2 : K;
     const int64_t row_scales = q4_1 ? K / BLOCK * 2 : K / BLOCK;
 #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < N / COLS; ++t) {
-        const int64_t n = t * COLS;
-        /* The weight rows two tiles ahead, fetched into L2 meanwhile: with so little work
+    for (int64_t n = 0; n < N; ++n) {
+        /* The weight row PREFETCH_ROWS ahead, fetched into L2 meanwhile: with so little work
          * per byte the hardware prefetcher alone leaves the loads waiting (measured 1.4x at
          * 1 and 4 rows; past the end of the weight this is harmless, prefetches do not fault). */
-        const uint8_t *next_qs = qs + (n + 2 * COLS) * row_bytes;
-        const float *next_scales = scales + (n + 2 * COLS) * row_scales;
-        for (int64_t i = 0; i < COLS * row_bytes; i += 64) __builtin_prefetch(next_qs + i, 0, 2);
-        for (int64_t i = 0; i < COLS * row_scales; i += 16)
-            __builtin_prefetch(next_scales + i, 0, 2);
+        const uint8_t *next_qs = qs + (n + PREFETCH_ROWS) * row_bytes;
+        const float *next_scales = scales + (n + PREFETCH_ROWS) * row_scales;
+        for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(next_qs + i, 0, 2);
+        for (int64_t i = 0; i < row_scales; i += 16) __builtin_prefetch(next_scales + i, 0, 2);
         for (int64_t m = 0; m < M; m += ROWS) {
             const int rows = M - m < ROWS ? (int)(M - m) : ROWS;
             DISPATCH_ROWS(tile, rows, ROWS, y + m * N + n, N, x + m * K, K, qs + n * row_bytes,
@@ -153,7 +167,7 @@ static inline __attribute__((always_inline)) int quant_linear(
     return 0;
 }
 
-/* Many rows: the 4-row tiles above expand each weight again for every 4 rows of x, so from
+/* Many rows: the few-row tiles above expand each weight again for every 4 rows of x, so from
  * ~8 rows on they are bound by the expansion. Here each thread expands a panel of PANEL
  * weight rows once per K slice into a float32 buffer laid out [k][PANEL] (in L1), and a
  * register-blocked micro-kernel multiplies it into all M rows, PANEL_ROWS at a time:
