@@ -166,8 +166,11 @@ class TorchSDPABackend(AttentionBackend):
                 for row, i in enumerate(decode_reqs):
                     used = -(-seq_lens[row] // metadata.block_size)
                     tables[row, :used] = metadata.block_tables[i][:used]
-                data["decode_block_tables"] = torch.from_numpy(tables).to(device)
-                data["decode_seq_lens"] = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+                data["decode_batch"] = kernels.DecodeRows(
+                    data["decode_rows"],
+                    torch.from_numpy(tables).to(device),
+                    torch.tensor(seq_lens, dtype=torch.int64, device=device),
+                )
             else:
                 max_len = max(seq_lens)
                 # Pad every context to max_len with block 0's first slot; the mask hides the
@@ -355,15 +358,8 @@ class TorchSDPABackend(AttentionBackend):
         if rows is None:
             return output
         if self.ops is not None:
-            self.ops.decode(
-                output,
-                query,
-                rows,
-                key_cache,
-                value_cache,
-                data["decode_block_tables"],
-                data["decode_seq_lens"],
-                scale,
+            self.ops.decode_prepared(
+                output, query, key_cache, value_cache, data["decode_batch"], scale
             )
             return output
         blocks, offsets = data["decode_context"]

@@ -141,17 +141,29 @@ class PagedAttentionOps:
         """Attend query rows `rows` of query [tokens, heads, dim] (a view into a fused QKV
         tensor is fine) over their contexts; write the same rows of out [tokens, heads, dim].
         The caches are float32 or bfloat16."""
+        self.decode_prepared(out, query, key_cache, value_cache,
+                             DecodeRows(rows, block_tables, seq_lens), scale)
+
+    def decode_prepared(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        decode_rows: DecodeRows,
+        scale: float,
+    ) -> None:
+        """decode() with the step's rows, block tables and lengths checked beforehand, once
+        for all layers."""
         bf16 = _check_caches(key_cache, value_cache)
         _check_rows(out, query)
-        _check_i64(rows, block_tables, seq_lens)
-        if not len(rows) == len(seq_lens) == block_tables.shape[0]:
-            raise ValueError("paged decode: rows, seq_lens and block_tables disagree in length.")
         _, num_heads, head_dim = query.shape
         _, num_kv_heads, block_size, _ = key_cache.shape
         status = self._decode(
-            out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0), rows.data_ptr(),
-            key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-            block_tables.stride(0), seq_lens.data_ptr(), len(rows), num_heads, num_kv_heads,
+            out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
+            decode_rows.rows.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+            decode_rows.block_tables.data_ptr(), decode_rows.block_tables.stride(0),
+            decode_rows.seq_lens.data_ptr(), decode_rows.num_rows, num_heads, num_kv_heads,
             head_dim, block_size, scale, bf16,
         )
         if status != 0:
@@ -183,13 +195,29 @@ class PagedAttentionOps:
         )
 
 
+class DecodeRows:
+    """A step's decode rows for the paged decode kernel: the rows' indices in the step's
+    tokens, their block tables [rows, stride] and context lengths, all int64, checked once
+    and then used by every layer."""
+
+    __slots__ = ("rows", "block_tables", "seq_lens", "num_rows")
+
+    def __init__(self, rows: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor) -> None:
+        _check_i64(rows, block_tables, seq_lens)
+        if not rows.shape[0] == seq_lens.shape[0] == block_tables.shape[0]:
+            raise ValueError("paged decode: rows, seq_lens and block_tables disagree in length.")
+        self.rows, self.block_tables, self.seq_lens = rows, block_tables, seq_lens
+        self.num_rows = rows.shape[0]
+
+
 def _check_rows(*tensors: torch.Tensor) -> None:
     """[rows, heads, dim] float32 with rows at any stride and each row's heads contiguous."""
     for tensor in tensors:
         rows, heads, dim = tensor.shape
         if (
             tensor.dtype != torch.float32
-            or tensor.device.type != "cpu"
+            or not tensor.is_cpu
             or tensor.stride(2) != 1
             or (heads > 1 and tensor.stride(1) != dim)
         ):
@@ -198,8 +226,8 @@ def _check_rows(*tensors: torch.Tensor) -> None:
 
 def _check_i64(*tensors: torch.Tensor) -> None:
     for tensor in tensors:
-        if tensor.dtype != torch.int64 or not tensor.is_contiguous():
-            raise ValueError("C kernels need contiguous int64 index tensors.")
+        if tensor.dtype != torch.int64 or not tensor.is_contiguous() or not tensor.is_cpu:
+            raise ValueError("C kernels need contiguous int64 CPU index tensors.")
 
 
 @functools.cache
@@ -272,7 +300,7 @@ class LayerOps:
 
 def _check_f32(*tensors: torch.Tensor) -> None:
     for tensor in tensors:
-        if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.device.type != "cpu":
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous() or not tensor.is_cpu:
             raise ValueError("C kernels need contiguous float32 CPU tensors.")
 
 
@@ -282,7 +310,7 @@ def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
                                                                        torch.bfloat16):
         raise ValueError("C kernels need float32 or bfloat16 KV caches, both the same.")
     for cache in (key_cache, value_cache):
-        if not cache.is_contiguous() or cache.device.type != "cpu":
+        if not cache.is_contiguous() or not cache.is_cpu:
             raise ValueError("C kernels need contiguous CPU KV caches.")
     return int(key_cache.dtype == torch.bfloat16)
 

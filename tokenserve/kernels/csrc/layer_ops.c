@@ -4,20 +4,25 @@
  * Each replaces a chain of PyTorch operators that would otherwise read and write the
  * whole activation several times (RMSNorm: pow, mean, rsqrt, two multiplies; rotary:
  * gather, negate, concatenate, four multiplies, two adds; SwiGLU: silu, multiply). Rows
- * (tokens) are spread over the process's OpenMP threads. All tensors are fp32 and
- * contiguous.
+ * (tokens) are spread over the process's OpenMP threads, when there are enough of them:
+ * a decode step of a few rows has a few microseconds of work per operator, less than
+ * waking the other threads and joining them again costs, so below PARALLEL_MIN values
+ * the calling thread does it alone. All tensors are fp32 and contiguous.
  */
 #include <math.h>
 #include <stdint.h>
 
 #include "vec8.h"
 
+/* Values (rows x row width) from which an operator is split over the threads. */
+#define PARALLEL_MIN 16384
+
 /* out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight, for rows of `hidden` values. If
  * `residual` is not NULL, x[r] is first added into residual[r] and the norm is taken of
  * the sum (the residual stream of the next sub-layer). `out` may be `x`. */
 void ts_rms_norm_f32(float *out, float *x, float *residual, const float *weight,
                      int64_t num_rows, int64_t hidden, float eps) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (num_rows * hidden >= PARALLEL_MIN)
     for (int64_t r = 0; r < num_rows; ++r) {
         float *xr = x + r * hidden;
         float *or_ = out + r * hidden;
@@ -39,7 +44,7 @@ void ts_rms_norm_f32(float *out, float *x, float *residual, const float *weight,
 
 /* out[r] = silu(gate_up[r, :d]) * gate_up[r, d:] for rows of 2d values. */
 void ts_silu_and_mul_f32(float *out, const float *gate_up, int64_t num_rows, int64_t d) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (num_rows * d >= PARALLEL_MIN)
     for (int64_t r = 0; r < num_rows; ++r) {
         const float *gate = gate_up + r * 2 * d;
         const float *up = gate + d;
@@ -63,7 +68,8 @@ void ts_rotary_f32(float *query, float *key, int64_t token_stride, const int64_t
                    const float *cos, const float *sin, int64_t num_tokens, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim) {
     const int64_t half = head_dim / 2;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) \
+    if (num_tokens * (num_heads + num_kv_heads) * head_dim >= PARALLEL_MIN)
     for (int64_t t = 0; t < num_tokens; ++t) {
         const float *c = cos + positions[t] * head_dim;
         const float *s = sin + positions[t] * head_dim;
