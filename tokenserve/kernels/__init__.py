@@ -1,8 +1,9 @@
 """Small C kernels for the CPU path, compiled on the machine that runs them.
 
 The C sources are in csrc/ beside this file: paged decode attention (paged_attention.c),
-the fused element-wise operators of a layer (layer_ops.c) and products with GGUF-quantized
-weights (quant_linear.c). The first use compiles each one with the system C
+the fused element-wise operators of a layer (layer_ops.c), products with GGUF-quantized
+weights (quant_linear.c), and a whole decoder layer of a few-row decode step built from those
+three (decode_layer.c). The first use compiles each one with the system C
 compiler (`$CC`, else `cc`) into the cache directory, keyed by the source, the flags, the
 compiler and the CPU, so a changed source, compiler or machine gets a fresh build;
 `scripts/install.sh` builds them ahead of time (`python -m tokenserve.kernels`).
@@ -11,7 +12,7 @@ OpenMP runtime torch has already loaded (libgomp is shared by soname), so they r
 same threads as torch's own operators.
 
 Without a compiler, or with `TOKENSERVE_DISABLE_C_KERNELS=1`, `paged_attention()`,
-`layer_ops()` and `quant_linear()` return None and callers fall back to pure-torch code (slower, same results
+`layer_ops()`, `quant_linear()` and `decode_layer()` return None and callers fall back to pure-torch code (slower, same results
 up to float rounding).
 """
 
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "TOKENSERVE_DISABLE_C_KERNELS"
 _SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-KERNELS = ("paged_attention", "layer_ops", "quant_linear")
+KERNELS = ("paged_attention", "layer_ops", "quant_linear", "decode_layer")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 
@@ -63,9 +64,9 @@ def build(name: str) -> str:
     if compiler is None:
         raise KernelBuildError(f"no C compiler found (looked for {os.environ.get('CC', 'cc')!r})")
     source_path = os.path.join(_SOURCE_DIR, f"{name}.c")
-    sources = []  # the kernel and every header it may include
+    sources = []  # every source the kernel may include (decode_layer.c includes the others)
     for file_name in sorted(os.listdir(_SOURCE_DIR)):
-        if file_name == f"{name}.c" or file_name.endswith(".h"):
+        if file_name.endswith((".c", ".h")):
             with open(os.path.join(_SOURCE_DIR, file_name), "rb") as file:
                 sources.append(file_name.encode() + b"\0" + file.read())
     version = subprocess.run(
@@ -430,3 +431,122 @@ def _check_linear(
 def quant_linear() -> QuantLinearOps | None:
     library = _load("quant_linear")
     return None if library is None else QuantLinearOps(library)
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("qs", _ptr), ("scales", _ptr), ("bias", _ptr), ("out", _i64), ("inp", _i64),
+                ("q4_1", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Projection), ("o", _Projection), ("gate_up", _Projection),
+                ("down", _Projection), ("input_norm", _ptr), ("post_norm", _ptr),
+                ("key_cache", _ptr), ("value_cache", _ptr)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        *((name, _i64) for name in (
+            "num_rows", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
+            "block_size", "kv_bf16", "block_table_stride", "max_seq_len")),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        *((name, _ptr) for name in (
+            "positions", "slots", "block_tables", "seq_lens", "cos", "sin", "normed", "qkv",
+            "attn", "o", "gate_up", "act")),
+    ]
+
+
+class DecodeLayerOps:
+    """decode_layer.c: a whole Llama decoder layer of a decode step of few rows in one call.
+    `layer()` checks and binds a layer's tensors once; `step()` a step's shared tensors (and
+    allocates its scratch buffers) once for all layers; `run()` then only passes pointers."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._run = library.ts_decode_layer
+        self._run.restype = ctypes.c_int
+        self._run.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _ptr, _ptr, _i64,
+                              _ptr]
+
+    def layer(
+        self,
+        projections: dict[str, tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+        input_norm: torch.Tensor,
+        post_norm: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> tuple[_Layer, tuple]:
+        """projections: "qkv", "o", "gate_up", "down" → (GGUF kind, qs, scales, bias or
+        None), in quant_linear.c's layouts. Returns the bound layer and the tensors it points
+        into (keep them alive as long as the layer)."""
+        _check_caches(key_cache, value_cache)
+        _check_f32(input_norm, post_norm)
+        parts = {}
+        for name, (kind, qs, scales, bias) in projections.items():
+            width = scales.shape[1] * 32
+            _check_linear(torch.empty(0, width), qs, scales, qs.shape[0],
+                          torch.uint8 if kind == "Q4_1" else torch.int8,
+                          width // 2 if kind == "Q4_1" else width)
+            if bias is not None:
+                _check_f32(bias)
+            parts[name] = _Projection(qs.data_ptr(), scales.data_ptr(),
+                                      None if bias is None else bias.data_ptr(), qs.shape[0],
+                                      width, int(kind == "Q4_1"))
+        bound = _Layer(parts["qkv"], parts["o"], parts["gate_up"], parts["down"],
+                       input_norm.data_ptr(), post_norm.data_ptr(), key_cache.data_ptr(),
+                       value_cache.data_ptr())
+        return bound, (projections, input_norm, post_norm, key_cache, value_cache)
+
+    def step(
+        self,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        hidden: int,
+        intermediate: int,
+        eps: float,
+        scale: float,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        decode_rows: DecodeRows,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        block_size: int,
+        kv_bf16: bool,
+    ) -> tuple[_Step, tuple]:
+        """The step's shared arguments; decode row r must be token r of the step. Returns the
+        bound step and the tensors it points into (keep them alive for the step)."""
+        rows = decode_rows.num_rows
+        _check_i64(positions, slots)
+        _check_f32(cos, sin)
+        if positions.shape[0] != rows or slots.shape[0] != rows:
+            raise ValueError("decode layer: positions and slots need one entry per row.")
+        scratch = [torch.empty(rows, width) for width in (
+            hidden, (num_heads + 2 * num_kv_heads) * head_dim, num_heads * head_dim, hidden,
+            2 * intermediate, intermediate)]
+        bound = _Step(
+            rows, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size,
+            int(kv_bf16), decode_rows.block_tables.stride(0),
+            int(decode_rows.seq_lens.max()), eps, scale, positions.data_ptr(),
+            slots.data_ptr(), decode_rows.block_tables.data_ptr(),
+            decode_rows.seq_lens.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            *(buffer.data_ptr() for buffer in scratch),
+        )
+        return bound, (positions, slots, decode_rows, cos, sin, scratch)
+
+    def run(self, layer: _Layer, step: _Step, hidden: torch.Tensor, residual: torch.Tensor,
+            add_input: bool, out: torch.Tensor) -> None:
+        """out = the layer on hidden (all [rows, hidden_size], contiguous float32; residual
+        updated in place; for the first layer add_input=False and residual is hidden)."""
+        status = self._run(ctypes.byref(layer), ctypes.byref(step), hidden.data_ptr(),
+                           residual.data_ptr(), int(add_input), out.data_ptr())
+        if status == 1:
+            raise ValueError("decode layer: the weights' shapes do not fit the step's.")
+        if status != 0:
+            raise MemoryError("decode layer could not allocate its scratch buffers.")
+
+
+@functools.cache
+def decode_layer() -> DecodeLayerOps | None:
+    library = _load("decode_layer")
+    return None if library is None else DecodeLayerOps(library)

@@ -6,7 +6,8 @@ Q/K/V and gate/up projections are fused at load time (one matmul each instead of
 three and two). On CPU, `pack_weights()` then moves every projection (and the logits
 matrix) to oneDNN's prepacked layout (model/linear.py); for a GGUF model,
 `load_quantized_weights()` first keeps their Q4_1 / Q8_0 blocks too, which decode's
-few-row products read instead (model/quantized.py).
+few-row products read instead (model/quantized.py), and a decode-only step of few rows then
+runs each layer as one C call (model/fused_decode.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 
 from tokenserve.attention.backend import AttentionBackend, AttentionMetadata
 from tokenserve.kernels import layer_ops
+from tokenserve.model.fused_decode import FusedDecode
 from tokenserve.model.linear import linear, pack_weight
 from tokenserve.model.quantized import QuantizedWeight, gemm_max_rows, max_rows, usable_for
 from tokenserve.model.rotary import RotaryEmbedding
@@ -180,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(hf_config, head_dim, max_position, dtype)
         self.packed_logits: torch.Tensor | None = None
         self.quantized_logits: QuantizedWeight | None = None
+        self._fused_decode: FusedDecode | None = None
 
     def pack_weights(self) -> None:
         """Prepack the projections and the logits matrix for oneDNN (CPU only; a no-op
@@ -201,6 +204,13 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden_states = F.embedding(input_ids, self.embed_tokens)
+        if self._fused_decode is None:
+            self._fused_decode = FusedDecode(self)  # the weights are final by the first step
+        if self._fused_decode.takes(hidden_states.shape[0], metadata):
+            hidden_states, residual = self._fused_decode.forward(
+                hidden_states, positions, kv_caches, metadata
+            )
+            return self.norm(hidden_states, residual)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden_states, residual = layer(

@@ -17,45 +17,48 @@
 /* Values (rows x row width) from which an operator is split over the threads. */
 #define PARALLEL_MIN 16384
 
-/* out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight, for rows of `hidden` values. If
- * `residual` is not NULL, x[r] is first added into residual[r] and the norm is taken of
- * the sum (the residual stream of the next sub-layer). `out` may be `x`. */
+/* out = x * rsqrt(mean(x^2) + eps) * weight for one row of `hidden` values. If `residual`
+ * is not NULL, x is first added into residual and the norm is taken of the sum (the
+ * residual stream of the next sub-layer). `out` may be `x`. */
+static inline void rms_norm_row(float *out, float *x, float *residual, const float *weight,
+                                int64_t hidden, float eps) {
+    const float *src = x;
+    if (residual != NULL) {
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) residual[i] += x[i];
+        src = residual;
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < hidden; ++i) sum += src[i] * src[i];
+    const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; ++i) out[i] = weight[i] * (src[i] * inv);
+}
+
+/* rms_norm_row for each of num_rows rows (residual, if not NULL, [num_rows, hidden] too). */
 void ts_rms_norm_f32(float *out, float *x, float *residual, const float *weight,
                      int64_t num_rows, int64_t hidden, float eps) {
 #pragma omp parallel for schedule(static) if (num_rows * hidden >= PARALLEL_MIN)
-    for (int64_t r = 0; r < num_rows; ++r) {
-        float *xr = x + r * hidden;
-        float *or_ = out + r * hidden;
-        const float *src = xr;
-        if (residual != NULL) {
-            float *rr = residual + r * hidden;
-#pragma omp simd
-            for (int64_t i = 0; i < hidden; ++i) rr[i] += xr[i];
-            src = rr;
-        }
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < hidden; ++i) sum += src[i] * src[i];
-        const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
-#pragma omp simd
-        for (int64_t i = 0; i < hidden; ++i) or_[i] = weight[i] * (src[i] * inv);
-    }
+    for (int64_t r = 0; r < num_rows; ++r)
+        rms_norm_row(out + r * hidden, x + r * hidden,
+                     residual == NULL ? NULL : residual + r * hidden, weight, hidden, eps);
 }
 
-/* out[r] = silu(gate_up[r, :d]) * gate_up[r, d:] for rows of 2d values. */
+/* out = silu(gate_up[:d]) * gate_up[d:] for one row of 2d values. */
+static inline void silu_and_mul_row(float *out, const float *gate_up, int64_t d) {
+    const float *gate = gate_up, *up = gate_up + d;
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) {
+        const v8f g = load8(gate + i);
+        store8(out + i, g / (splat8(1.0f) + exp8(-g)) * load8(up + i));
+    }
+    for (; i < d; ++i) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
 void ts_silu_and_mul_f32(float *out, const float *gate_up, int64_t num_rows, int64_t d) {
 #pragma omp parallel for schedule(static) if (num_rows * d >= PARALLEL_MIN)
-    for (int64_t r = 0; r < num_rows; ++r) {
-        const float *gate = gate_up + r * 2 * d;
-        const float *up = gate + d;
-        float *o = out + r * d;
-        int64_t i = 0;
-        for (; i + 8 <= d; i += 8) {
-            const v8f g = load8(gate + i);
-            store8(o + i, g / (splat8(1.0f) + exp8(-g)) * load8(up + i));
-        }
-        for (; i < d; ++i) o[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-    }
+    for (int64_t r = 0; r < num_rows; ++r) silu_and_mul_row(out + r * d, gate_up + r * 2 * d, d);
 }
 
 /* Rotary embedding in place, "rotate half" (GPT-NeoX) layout, as HF Llama does it:
@@ -64,24 +67,30 @@ void ts_silu_and_mul_f32(float *out, const float *gate_up, int64_t num_rows, int
  * token's position. Token t's query heads start at query + t * token_stride, its key
  * heads at key + t * token_stride (both may be views into one fused QKV row), each head
  * head_dim contiguous values. */
+/* One token's query and key heads, rotated for `position`. */
+static inline void rotary_token(float *query, float *key, int64_t position, const float *cos,
+                                const float *sin, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    const float *c = cos + position * head_dim;
+    const float *s = sin + position * head_dim;
+    for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        float *x = h < num_heads ? query + h * head_dim : key + (h - num_heads) * head_dim;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+            const float x1 = x[i], x2 = x[i + half];
+            x[i] = x1 * c[i] - x2 * s[i];
+            x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+        }
+    }
+}
+
 void ts_rotary_f32(float *query, float *key, int64_t token_stride, const int64_t *positions,
                    const float *cos, const float *sin, int64_t num_tokens, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim) {
-    const int64_t half = head_dim / 2;
 #pragma omp parallel for schedule(static) \
     if (num_tokens * (num_heads + num_kv_heads) * head_dim >= PARALLEL_MIN)
-    for (int64_t t = 0; t < num_tokens; ++t) {
-        const float *c = cos + positions[t] * head_dim;
-        const float *s = sin + positions[t] * head_dim;
-        for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
-            float *x = h < num_heads ? query + t * token_stride + h * head_dim
-                                     : key + t * token_stride + (h - num_heads) * head_dim;
-#pragma omp simd
-            for (int64_t i = 0; i < half; ++i) {
-                const float x1 = x[i], x2 = x[i + half];
-                x[i] = x1 * c[i] - x2 * s[i];
-                x[i + half] = x2 * c[i + half] + x1 * s[i + half];
-            }
-        }
-    }
+    for (int64_t t = 0; t < num_tokens; ++t)
+        rotary_token(query + t * token_stride, key + t * token_stride, positions[t], cos, sin,
+                     num_heads, num_kv_heads, head_dim);
 }

@@ -181,6 +181,37 @@ static void attend_item_generic(float *o, const float *q, const void *key_cache,
     }
 }
 
+/* Work item (row, kv_head) of a decode step: the group of query heads sharing kv_head, for
+ * decode row `row` (its query at q, its output at o), over the row's seq_len positions;
+ * `scores` holds group * seq_len floats. */
+static void decode_item(float *o, const float *q, const void *key_cache,
+                        const void *value_cache, const int64_t *table, int64_t seq_len,
+                        int64_t kv_head, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, float *scores,
+                        int64_t kv_bf16) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t block_stride = num_kv_heads * block_size * head_dim;
+    const int64_t kv_offset = kv_head * block_size * head_dim;
+    o += kv_head * group * head_dim;
+    q += kv_head * group * head_dim;
+    /* Head size and element type constants in each call, for the compiler. */
+#define ATTEND(dim, bf16)                                                                     \
+    attend_item(o, q, key_cache, value_cache, table, seq_len, group, dim, block_stride,        \
+                block_size, kv_offset, scale, scores, bf16)
+    if (head_dim == 64 && kv_bf16)
+        ATTEND(64, 1);
+    else if (head_dim == 64)
+        ATTEND(64, 0);
+    else if (head_dim == 128 && kv_bf16)
+        ATTEND(128, 1);
+    else if (head_dim == 128)
+        ATTEND(128, 0);
+    else
+        attend_item_generic(o, q, key_cache, value_cache, table, seq_len, group, head_dim,
+                            block_stride, block_size, kv_offset, scale, scores, kv_bf16 != 0);
+#undef ATTEND
+}
+
 /* Returns 0, or -1 if a scratch buffer could not be allocated. Decode row r reads its
  * query at query + rows[r] * query_stride and writes out + rows[r] * out_stride (rows index
  * the step's flat token dimension; query may be a view into a fused QKV tensor). The
@@ -192,72 +223,59 @@ int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t 
                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                     int64_t kv_bf16) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t block_stride = num_kv_heads * block_size * head_dim;
     const int64_t num_items = num_rows * num_kv_heads;
     int failed = 0;
-
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
         const int64_t row = item / num_kv_heads;
-        const int64_t kv_head = item % num_kv_heads;
         const int64_t seq_len = seq_lens[row];
-        const int64_t *table = block_tables + row * block_table_stride;
         float *scores = (float *)malloc(sizeof(float) * (size_t)(group * seq_len));
         if (scores == NULL) {
             failed = 1;
             continue;
         }
-        float *o = out + rows[row] * out_stride + kv_head * group * head_dim;
-        const float *q = query + rows[row] * query_stride + kv_head * group * head_dim;
-        const int64_t kv_offset = kv_head * block_size * head_dim;
-        /* Head size and element type constants in each call, for the compiler. */
-#define ATTEND(dim, bf16)                                                                     \
-    attend_item(o, q, key_cache, value_cache, table, seq_len, group, dim, block_stride,        \
-                block_size, kv_offset, scale, scores, bf16)
-        if (head_dim == 64 && kv_bf16)
-            ATTEND(64, 1);
-        else if (head_dim == 64)
-            ATTEND(64, 0);
-        else if (head_dim == 128 && kv_bf16)
-            ATTEND(128, 1);
-        else if (head_dim == 128)
-            ATTEND(128, 0);
-        else
-            attend_item_generic(o, q, key_cache, value_cache, table, seq_len, group, head_dim,
-                                block_stride, block_size, kv_offset, scale,
-                                scores, kv_bf16 != 0);
-#undef ATTEND
+        decode_item(out + rows[row] * out_stride, query + rows[row] * query_stride, key_cache,
+                    value_cache, block_tables + row * block_table_stride, seq_len,
+                    item % num_kv_heads, num_heads, num_kv_heads, head_dim, block_size, scale,
+                    scores, kv_bf16);
         free(scores);
     }
     return failed ? -1 : 0;
 }
 
-/* Writes the step's new keys and values into their cache slots: token t's K/V heads
- * (num_kv_heads * head_dim contiguous float32 values at key + t * src_stride, value + t *
- * src_stride: views into a fused QKV tensor) go to slot slots[t], i.e. offset
- * slots[t] % block_size of block slots[t] / block_size, one head_dim run per kv head;
- * rounded to bfloat16 if kv_bf16. */
+/* One token's keys and values (num_kv_heads * head_dim contiguous float32 values at key and
+ * value) into cache slot `slot`, i.e. offset slot % block_size of block slot / block_size,
+ * one head_dim run per kv head; rounded to bfloat16 if kv_bf16. */
+static inline void write_kv_token(void *key_cache, void *value_cache, const float *key,
+                                  const float *value, int64_t slot, int64_t num_kv_heads,
+                                  int64_t block_size, int64_t head_dim, int64_t kv_bf16) {
+    const int64_t head_stride = block_size * head_dim;
+    const int64_t base =
+        slot / block_size * num_kv_heads * head_stride + slot % block_size * head_dim;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const float *k = key + h * head_dim;
+        const float *v = value + h * head_dim;
+        const int64_t at = base + h * head_stride;
+        if (kv_bf16) {
+            for (int64_t d = 0; d < head_dim; ++d) {
+                ((uint16_t *)key_cache)[at + d] = to_bf16(k[d]);
+                ((uint16_t *)value_cache)[at + d] = to_bf16(v[d]);
+            }
+        } else {
+            memcpy((float *)key_cache + at, k, sizeof(float) * (size_t)head_dim);
+            memcpy((float *)value_cache + at, v, sizeof(float) * (size_t)head_dim);
+        }
+    }
+}
+
+/* Writes the step's new keys and values into their cache slots: token t's K/V heads at
+ * key + t * src_stride, value + t * src_stride (views into a fused QKV tensor) go to slot
+ * slots[t] (write_kv_token). */
 void ts_write_kv(void *key_cache, void *value_cache, const float *key, const float *value,
                  int64_t src_stride, const int64_t *slots, int64_t num_tokens,
                  int64_t num_kv_heads, int64_t block_size, int64_t head_dim, int64_t kv_bf16) {
-    const int64_t head_stride = block_size * head_dim;
-    const int64_t block_stride = num_kv_heads * head_stride;
 #pragma omp parallel for schedule(static) if (num_tokens > 64)
-    for (int64_t t = 0; t < num_tokens; ++t) {
-        const int64_t base = slots[t] / block_size * block_stride + slots[t] % block_size * head_dim;
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-            const float *k = key + t * src_stride + h * head_dim;
-            const float *v = value + t * src_stride + h * head_dim;
-            const int64_t at = base + h * head_stride;
-            if (kv_bf16) {
-                for (int64_t d = 0; d < head_dim; ++d) {
-                    ((uint16_t *)key_cache)[at + d] = to_bf16(k[d]);
-                    ((uint16_t *)value_cache)[at + d] = to_bf16(v[d]);
-                }
-            } else {
-                memcpy((float *)key_cache + at, k, sizeof(float) * (size_t)head_dim);
-                memcpy((float *)value_cache + at, v, sizeof(float) * (size_t)head_dim);
-            }
-        }
-    }
+    for (int64_t t = 0; t < num_tokens; ++t)
+        write_kv_token(key_cache, value_cache, key + t * src_stride, value + t * src_stride,
+                       slots[t], num_kv_heads, block_size, head_dim, kv_bf16);
 }

@@ -1,0 +1,124 @@
+/*
+ * One Llama decoder layer of a decode step with few rows, in one call.
+ *
+ * A decode step of a few requests has little work per operator: at 4 rows a projection
+ * takes ~0.1 ms and a norm a few microseconds. Called one by one from Python, each of a
+ * layer's ten operators pays for the call, its checks and a fork and join of the OpenMP
+ * threads, and in the engine that overhead was a quarter of such a step. Here the whole
+ * layer runs in one parallel region: the operators are the very functions of layer_ops.c,
+ * paged_attention.c and quant_linear.c (included below, so the arithmetic and its order are
+ * the same and the results identical to calling them one by one), separated by the
+ * barriers of their `omp for` loops.
+ *
+ * The layer: x = rms_norm(hidden (+ residual)); qkv = x · Wqkvᵀ (+ bias); rotary on q and
+ * k; k and v into their cache slots; paged decode attention; o = attn · Woᵀ;
+ * x = rms_norm(o + residual); gate_up = x · Wguᵀ; out = silu_and_mul(gate_up) · Wdownᵀ.
+ * The four projections are in GGUF blocks (quant_linear.c's layouts). Decode row r is token r
+ * of the step: one new token per request.
+ */
+#include "layer_ops.c"
+#include "paged_attention.c"
+#include "quant_linear.c"
+
+/* A projection: [out, in] in Q4_1 (q4_1 = 1) or Q8_0 blocks, and an optional bias [out]. */
+typedef struct {
+    const uint8_t *qs;
+    const float *scales;
+    const float *bias;
+    int64_t out, in, q4_1;
+} ts_projection;
+
+/* What a layer holds. */
+typedef struct {
+    ts_projection qkv, o, gate_up, down;
+    const float *input_norm, *post_norm; /* RMSNorm weights [hidden] */
+    void *key_cache, *value_cache;       /* [blocks, kv_heads, block_size, head_dim] */
+} ts_layer;
+
+/* What every layer of the step shares: shapes, the rows' positions, cache slots, block
+ * tables and context lengths, the rotary tables, and scratch buffers. */
+typedef struct {
+    int64_t num_rows, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t block_size, kv_bf16, block_table_stride, max_seq_len;
+    float eps, scale;
+    const int64_t *positions, *slots, *block_tables, *seq_lens; /* [num_rows] / tables */
+    const float *cos, *sin;                                     /* [max_position, head_dim] */
+    float *normed;  /* [rows, hidden] */
+    float *qkv;     /* [rows, (heads + 2 kv_heads) * head_dim] */
+    float *attn;    /* [rows, heads * head_dim] */
+    float *o;       /* [rows, hidden] */
+    float *gate_up; /* [rows, 2 intermediate] */
+    float *act;     /* [rows, intermediate] */
+} ts_decode_step;
+
+static void project(float *y, const float *x, int64_t M, const ts_projection *w) {
+    linear_columns(y, x, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1);
+    if (w->bias == NULL) return;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < w->out; ++n) y[m * w->out + n] += w->bias[n];
+}
+
+/* out [rows, hidden] = the layer applied to hidden [rows, hidden]. `residual` [rows, hidden]
+ * is the residual stream before this layer's input is added; add_input = 0 for the first
+ * layer, whose input is the stream itself (pass residual = hidden). Like the operators one
+ * by one, residual ends as the stream before `out` is added. Returns 0, 1 for shapes the
+ * kernels refuse, -1 if a scratch buffer could not be allocated. */
+int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hidden,
+                    float *residual, int64_t add_input, float *out) {
+    const int64_t M = step->num_rows, H = step->hidden, D = step->head_dim;
+    const int64_t q_size = step->num_heads * D, kv_size = step->num_kv_heads * D;
+    const int64_t qkv_width = q_size + 2 * kv_size;
+    const int64_t group = step->num_heads / step->num_kv_heads;
+    if (layer->qkv.in % BLOCK || layer->o.in % BLOCK || layer->gate_up.in % BLOCK ||
+        layer->down.in % BLOCK || layer->qkv.out != qkv_width || layer->o.out != H ||
+        layer->gate_up.out != 2 * step->intermediate || layer->down.out != H)
+        return 1;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * step->max_seq_len));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; ++r)
+            rms_norm_row(step->normed + r * H, add_input ? hidden + r * H : residual + r * H,
+                         add_input ? residual + r * H : NULL, layer->input_norm, H, step->eps);
+        project(step->qkv, step->normed, M, &layer->qkv);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; ++r) {
+            float *q = step->qkv + r * qkv_width;
+            rotary_token(q, q + q_size, step->positions[r], step->cos, step->sin,
+                         step->num_heads, step->num_kv_heads, D);
+            write_kv_token(layer->key_cache, layer->value_cache, q + q_size,
+                           q + q_size + kv_size, step->slots[r], step->num_kv_heads,
+                           step->block_size, D, step->kv_bf16);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < M * step->num_kv_heads; ++item) {
+            const int64_t r = item / step->num_kv_heads;
+            if (scores != NULL)
+                decode_item(step->attn + r * q_size, step->qkv + r * qkv_width,
+                            layer->key_cache, layer->value_cache,
+                            step->block_tables + r * step->block_table_stride,
+                            step->seq_lens[r], item % step->num_kv_heads, step->num_heads,
+                            step->num_kv_heads, D, step->block_size, step->scale, scores,
+                            step->kv_bf16);
+        }
+        project(step->o, step->attn, M, &layer->o);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; ++r)
+            rms_norm_row(step->normed + r * H, step->o + r * H, residual + r * H,
+                         layer->post_norm, H, step->eps);
+        project(step->gate_up, step->normed, M, &layer->gate_up);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; ++r)
+            silu_and_mul_row(step->act + r * step->intermediate,
+                             step->gate_up + r * 2 * step->intermediate, step->intermediate);
+        project(out, step->act, M, &layer->down);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
