@@ -435,7 +435,7 @@ def quant_linear() -> QuantLinearOps | None:
 
 class _Projection(ctypes.Structure):
     _fields_ = [("qs", _ptr), ("scales", _ptr), ("bias", _ptr), ("out", _i64), ("inp", _i64),
-                ("q4_1", _i64)]
+                ("q4_1", _i64), ("few_rows", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -476,12 +476,13 @@ class DecodeLayerOps:
         value_cache: torch.Tensor,
     ) -> tuple[_Layer, tuple]:
         """projections: "qkv", "o", "gate_up", "down" → (GGUF kind, qs, scales, bias or
-        None), in quant_linear.c's layouts. Returns the bound layer and the tensors it points
-        into (keep them alive as long as the layer)."""
+        None, few_rows: the most rows for the few-row kernel, the many-row one above), in
+        quant_linear.c's layouts. Returns the bound layer and the tensors it points into
+        (keep them alive as long as the layer)."""
         _check_caches(key_cache, value_cache)
         _check_f32(input_norm, post_norm)
         parts = {}
-        for name, (kind, qs, scales, bias) in projections.items():
+        for name, (kind, qs, scales, bias, few_rows) in projections.items():
             width = scales.shape[1] * 32
             _check_linear(torch.empty(0, width), qs, scales, qs.shape[0],
                           torch.uint8 if kind == "Q4_1" else torch.int8,
@@ -490,7 +491,7 @@ class DecodeLayerOps:
                 _check_f32(bias)
             parts[name] = _Projection(qs.data_ptr(), scales.data_ptr(),
                                       None if bias is None else bias.data_ptr(), qs.shape[0],
-                                      width, int(kind == "Q4_1"))
+                                      width, int(kind == "Q4_1"), few_rows)
         bound = _Layer(parts["qkv"], parts["o"], parts["gate_up"], parts["down"],
                        input_norm.data_ptr(), post_norm.data_ptr(), key_cache.data_ptr(),
                        value_cache.data_ptr())

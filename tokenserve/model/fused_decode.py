@@ -3,9 +3,9 @@
 A decode step of a few requests does little work per operator, so the ten calls of a layer
 (two norms, four projections, rotary, the cache write, attention, SwiGLU), each checked in
 Python and each forking and joining the OpenMP threads, cost about as much as the work: at 4
-rows, a quarter of the step in the engine. When a step is decode only, has at most as many
-rows as the few-row quantized kernel takes, and every layer's projections have GGUF blocks,
-the model runs each layer as one call instead. The C function calls the same operators in
+rows, a third of the step in the engine. When a step is decode only, has at most as many
+rows as the quantized kernels take (192 by default), and every layer's projections have GGUF
+blocks, the model runs each layer as one call instead. The C function calls the same operators in
 the same order, so the results are identical (tests/model/test_fused_decode.py).
 
 `TOKENSERVE_DISABLE_FUSED_DECODE=1` keeps every step on the operator-by-operator path.
@@ -31,9 +31,12 @@ class FusedDecode:
     def __init__(self, model) -> None:
         self.model = model
         self.ops = kernels.decode_layer()
+        # The most rows every projection's quantized copy takes (QuantizedWeight.takes): the
+        # few-row kernel's limit, or the many-row kernel's where the weight fits its panels.
         self.max_rows = min(
-            (layer.quantized[name].max_rows for layer in model.layers
-             for _, name in _PARTS if name in layer.quantized),
+            (max(weight.max_rows, weight.gemm_max_rows if weight._fits_panels else 0)
+             for layer in model.layers for _, name in _PARTS
+             if (weight := layer.quantized.get(name)) is not None),
             default=0,
         )
         self.usable = (
@@ -105,7 +108,9 @@ class FusedDecode:
         for part, name in _PARTS:
             weight = layer.quantized[name]
             bias = layer.qkv_bias if part == "qkv" else None
-            projections[part] = (weight.kind, weight.qs, weight.scales, bias)
+            # Above max_rows, linear() takes the many-row kernel (when rows ≤ max_rows
+            # passed above, the weight fits its panels).
+            projections[part] = (weight.kind, weight.qs, weight.scales, bias, weight.max_rows)
         bound, keep = self.ops.layer(
             projections, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
             key_cache, value_cache,

@@ -13,19 +13,22 @@
  * The layer: x = rms_norm(hidden (+ residual)); qkv = x · Wqkvᵀ (+ bias); rotary on q and
  * k; k and v into their cache slots; paged decode attention; o = attn · Woᵀ;
  * x = rms_norm(o + residual); gate_up = x · Wguᵀ; out = silu_and_mul(gate_up) · Wdownᵀ.
- * The four projections are in GGUF blocks (quant_linear.c's layouts). Decode row r is token r
- * of the step: one new token per request.
+ * The four projections are in GGUF blocks (quant_linear.c's layouts), each product on the
+ * few-row or the many-row kernel as linear() would pick. Decode row r is token r of the
+ * step: one new token per request.
  */
 #include "layer_ops.c"
 #include "paged_attention.c"
 #include "quant_linear.c"
 
-/* A projection: [out, in] in Q4_1 (q4_1 = 1) or Q8_0 blocks, and an optional bias [out]. */
+/* A projection: [out, in] in Q4_1 (q4_1 = 1) or Q8_0 blocks, and an optional bias [out].
+ * Products of more than few_rows rows take the many-row (panel) kernel, as linear() sends
+ * them (out a multiple of PANEL there). */
 typedef struct {
     const uint8_t *qs;
     const float *scales;
     const float *bias;
-    int64_t out, in, q4_1;
+    int64_t out, in, q4_1, few_rows;
 } ts_projection;
 
 /* What a layer holds. */
@@ -51,8 +54,13 @@ typedef struct {
     float *act;     /* [rows, intermediate] */
 } ts_decode_step;
 
-static void project(float *y, const float *x, int64_t M, const ts_projection *w) {
-    linear_columns(y, x, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1);
+/* `panel` and `sums` (M * PANEL floats) are the calling thread's, for the many-row kernel. */
+static void project(float *y, const float *x, int64_t M, const ts_projection *w, float *panel,
+                    float *sums) {
+    if (M > w->few_rows)
+        gemm_columns(y, x, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1, panel, sums);
+    else
+        linear_columns(y, x, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1);
     if (w->bias == NULL) return;
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m)
@@ -70,15 +78,22 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
     const int64_t q_size = step->num_heads * D, kv_size = step->num_kv_heads * D;
     const int64_t qkv_width = q_size + 2 * kv_size;
     const int64_t group = step->num_heads / step->num_kv_heads;
-    if (layer->qkv.in % BLOCK || layer->o.in % BLOCK || layer->gate_up.in % BLOCK ||
-        layer->down.in % BLOCK || layer->qkv.out != qkv_width || layer->o.out != H ||
+    const ts_projection *projections[] = {&layer->qkv, &layer->o, &layer->gate_up,
+                                          &layer->down};
+    for (int i = 0; i < 4; ++i)
+        if (projections[i]->in % BLOCK || (M > projections[i]->few_rows &&
+                                           projections[i]->out % PANEL))
+            return 1;
+    if (layer->qkv.out != qkv_width || layer->o.out != H ||
         layer->gate_up.out != 2 * step->intermediate || layer->down.out != H)
         return 1;
     int failed = 0;
 #pragma omp parallel
     {
+        _Alignas(64) float panel[PANEL_K * PANEL];
         float *scores = (float *)malloc(sizeof(float) * (size_t)(group * step->max_seq_len));
-        if (scores == NULL) {
+        float *sums = (float *)malloc(sizeof(float) * (size_t)(M * PANEL));
+        if (scores == NULL || sums == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -86,7 +101,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
         for (int64_t r = 0; r < M; ++r)
             rms_norm_row(step->normed + r * H, add_input ? hidden + r * H : residual + r * H,
                          add_input ? residual + r * H : NULL, layer->input_norm, H, step->eps);
-        project(step->qkv, step->normed, M, &layer->qkv);
+        project(step->qkv, step->normed, M, &layer->qkv, panel, sums);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r) {
             float *q = step->qkv + r * qkv_width;
@@ -107,18 +122,19 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                             step->num_kv_heads, D, step->block_size, step->scale, scores,
                             step->kv_bf16);
         }
-        project(step->o, step->attn, M, &layer->o);
+        project(step->o, step->attn, M, &layer->o, panel, sums);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r)
             rms_norm_row(step->normed + r * H, step->o + r * H, residual + r * H,
                          layer->post_norm, H, step->eps);
-        project(step->gate_up, step->normed, M, &layer->gate_up);
+        project(step->gate_up, step->normed, M, &layer->gate_up, panel, sums);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r)
             silu_and_mul_row(step->act + r * step->intermediate,
                              step->gate_up + r * 2 * step->intermediate, step->intermediate);
-        project(out, step->act, M, &layer->down);
+        project(out, step->act, M, &layer->down, panel, sums);
         free(scores);
+        free(sums);
     }
     return failed ? -1 : 0;
 }

@@ -283,33 +283,46 @@ static inline __attribute__((always_inline)) void gemm_panel(
         for (int j = 0; j < PANEL; j += 8) store8(y + m * N + j, load8(sums + m * PANEL + j));
 }
 
-/* y = x · Wᵀ, split over panels of PANEL weight rows; K in slices of at most PANEL_K. */
-static int quant_gemm(float *y, const float *x, int64_t M, int64_t K, int64_t N,
-                      const uint8_t *qs, const float *scales, int q4_1) {
-    if (K % BLOCK != 0 || N % PANEL != 0) return 1;
+/* The panels of y = x · Wᵀ shared out over the threads of the enclosing parallel region (an
+ * orphaned `omp for`, ending in a barrier); K in slices of at most PANEL_K. `panel`
+ * (PANEL_K * PANEL floats) and `sums` (M * PANEL) are the calling thread's; nothing is done
+ * if `sums` is NULL. */
+static void gemm_columns(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                         const uint8_t *qs, const float *scales, int q4_1, float *panel,
+                         float *sums) {
     const int64_t row_bytes = q4_1 ? K / 2 : K;
     const int64_t row_scales = q4_1 ? K / BLOCK * 2 : K / BLOCK;
     /* Equal slices, whole blocks each. */
     const int64_t slices = (K + PANEL_K - 1) / PANEL_K;
     const int64_t slice = (K / BLOCK + slices - 1) / slices * BLOCK;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < N / PANEL; ++t) {
+        const int64_t n = t * PANEL;
+        if (sums == NULL) continue;
+        /* The format a constant in each branch (OpenMP outlines a parallel body once). */
+        if (q4_1)
+            gemm_panel(y + n, x, M, K, N, qs + n * row_bytes, scales + n * row_scales, slice,
+                       panel, sums, 1);
+        else
+            gemm_panel(y + n, x, M, K, N, qs + n * row_bytes, scales + n * row_scales, slice,
+                       panel, sums, 0);
+    }
+}
+
+/* y = x · Wᵀ, split over panels of PANEL weight rows. */
+static int quant_gemm(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                      const uint8_t *qs, const float *scales, int q4_1) {
+    if (K % BLOCK != 0 || N % PANEL != 0) return 1;
     int failed = 0;
 #pragma omp parallel
     {
         _Alignas(64) float panel[PANEL_K * PANEL];
         float *sums = (float *)malloc(sizeof(float) * (size_t)(M * PANEL));
-        if (sums == NULL) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < N / PANEL; ++t) {
-            const int64_t n = t * PANEL;
-            if (sums == NULL) continue;
-            /* The format a constant in each branch (OpenMP outlines this body once). */
-            if (q4_1)
-                gemm_panel(y + n, x, M, K, N, qs + n * row_bytes, scales + n * row_scales,
-                           slice, panel, sums, 1);
-            else
-                gemm_panel(y + n, x, M, K, N, qs + n * row_bytes, scales + n * row_scales,
-                           slice, panel, sums, 0);
+        if (sums == NULL) {
+#pragma omp atomic write
+            failed = 1;
         }
+        gemm_columns(y, x, M, K, N, qs, scales, q4_1, panel, sums);
         free(sums);
     }
     return failed ? 2 : 0;
