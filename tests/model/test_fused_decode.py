@@ -35,7 +35,8 @@ def _generate(llm: LLM, fused: bool, num_prompts: int):
     return [
         (
             list(output.outputs[0].token_ids),
-            [sorted((k, v.logprob) for k, v in step.items()) for step in output.outputs[0].logprobs],
+            [sorted((k, v.logprob) for k, v in step.items())
+             for step in output.outputs[0].logprobs],
         )
         for output in outputs
     ]

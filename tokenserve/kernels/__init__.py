@@ -201,7 +201,7 @@ class DecodeRows:
     tokens, their block tables [rows, stride] and context lengths, all int64, checked once
     and then used by every layer."""
 
-    __slots__ = ("rows", "block_tables", "seq_lens", "num_rows")
+    __slots__ = ("block_tables", "num_rows", "rows", "seq_lens")
 
     def __init__(self, rows: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor) -> None:
@@ -376,7 +376,7 @@ class QuantLinearOps:
 class BoundQuantLinear:
     """y = x · Wᵀ for one checked weight (`QuantLinearOps.bind`): each call checks only x."""
 
-    __slots__ = ("_few", "_many", "_qs", "_scales", "_num_out", "_width")
+    __slots__ = ("_few", "_many", "_num_out", "_qs", "_scales", "_width")
 
     def __init__(self, few, many, qs: torch.Tensor, scales: torch.Tensor) -> None:
         self._few, self._many = few, many
