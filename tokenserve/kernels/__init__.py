@@ -360,10 +360,7 @@ class QuantLinearOps:
         """Both kernels of one weight, the weight checked once: a decode step makes ~120 of
         these products, each a few tens of µs, so per-call checks of the weight would be a
         sizeable share of them."""
-        width = scales.shape[1] * 32
-        _check_linear(torch.empty(0, width), qs, scales, qs.shape[0],
-                      torch.uint8 if kind == "Q4_1" else torch.int8,
-                      width // 2 if kind == "Q4_1" else width)
+        _check_weight(kind, qs, scales)
         return BoundQuantLinear(self._kernels[kind, False], self._kernels[kind, True], qs, scales)
 
     def _run(
@@ -427,6 +424,15 @@ def _check_linear(
         raise ValueError("quantized linear: the weight blocks do not match x's width.")
 
 
+def _check_weight(kind: str, qs: torch.Tensor, scales: torch.Tensor) -> int:
+    """_check_linear for a weight alone (any x of its width); returns that width."""
+    width = scales.shape[1] * 32
+    q4_1 = kind == "Q4_1"
+    _check_linear(torch.empty(0, width), qs, scales, qs.shape[0],
+                  torch.uint8 if q4_1 else torch.int8, width // 2 if q4_1 else width)
+    return width
+
+
 @functools.cache
 def quant_linear() -> QuantLinearOps | None:
     library = _load("quant_linear")
@@ -483,10 +489,7 @@ class DecodeLayerOps:
         _check_f32(input_norm, post_norm)
         parts = {}
         for name, (kind, qs, scales, bias, few_rows) in projections.items():
-            width = scales.shape[1] * 32
-            _check_linear(torch.empty(0, width), qs, scales, qs.shape[0],
-                          torch.uint8 if kind == "Q4_1" else torch.int8,
-                          width // 2 if kind == "Q4_1" else width)
+            width = _check_weight(kind, qs, scales)
             if bias is not None:
                 _check_f32(bias)
             parts[name] = _Projection(qs.data_ptr(), scales.data_ptr(),

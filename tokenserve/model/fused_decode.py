@@ -53,14 +53,9 @@ class FusedDecode:
         """A decode-only step of at most max_rows rows, its attention on the C kernels."""
         if not self.usable or num_tokens > self.max_rows:
             return False
-        data = metadata.backend_data
-        batch = data.get("decode_batch")
-        return (
-            batch is not None
-            and batch.num_rows == num_tokens
-            and not data["prefills"]
-            and not data["cascades"]
-        )
+        # Every token a decode row: no prompt chunk (nor cascade) in the step.
+        batch = metadata.backend_data.get("decode_batch")
+        return batch is not None and batch.num_rows == num_tokens
 
     def forward(
         self,

@@ -63,11 +63,9 @@ void ts_silu_and_mul_f32(float *out, const float *gate_up, int64_t num_rows, int
 
 /* Rotary embedding in place, "rotate half" (GPT-NeoX) layout, as HF Llama does it:
  * x[i] <- x[i] cos[i] - x[i + h] sin[i],  x[i + h] <- x[i + h] cos[i + h] + x[i] sin[i + h]
- * for i < h = head_dim / 2, with cos/sin rows [max_position, head_dim] picked by each
- * token's position. Token t's query heads start at query + t * token_stride, its key
- * heads at key + t * token_stride (both may be views into one fused QKV row), each head
- * head_dim contiguous values. */
-/* One token's query and key heads, rotated for `position`. */
+ * for i < h = head_dim / 2, with cos/sin rows [max_position, head_dim] picked by the
+ * token's position: here for one token's query heads (at query) and key heads (at key),
+ * each head head_dim contiguous values. */
 static inline void rotary_token(float *query, float *key, int64_t position, const float *cos,
                                 const float *sin, int64_t num_heads, int64_t num_kv_heads,
                                 int64_t head_dim) {
@@ -85,6 +83,9 @@ static inline void rotary_token(float *query, float *key, int64_t position, cons
     }
 }
 
+/* rotary_token for num_tokens tokens: token t's query heads start at query + t *
+ * token_stride, its key heads at key + t * token_stride (both may be views into one fused
+ * QKV row). */
 void ts_rotary_f32(float *query, float *key, int64_t token_stride, const int64_t *positions,
                    const float *cos, const float *sin, int64_t num_tokens, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim) {
