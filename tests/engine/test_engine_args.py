@@ -98,7 +98,8 @@ def test_kv_cache_sized_from_memory_budget(tiny_model_dirs):
     config = EngineArgs(model=tiny_model_dirs["llama"], kv_cache_memory="1MiB").create_engine_config()
     # 2 layers x (K + V) x 2 kv heads x 16 head dim x 4 bytes = 512 bytes per token.
     assert config.model_config.kv_bytes_per_token() == 512
-    assert config.cache_config.num_blocks == 1024**2 // (512 * 16)
+    assert config.cache_config.block_size == 128  # the CPU default, as vLLM's
+    assert config.cache_config.num_blocks == 1024**2 // (512 * 128)
     # The model allows 2048 positions but the cache holds only 2048 tokens: it fits exactly.
     assert config.model_config.max_model_len == 2048
 

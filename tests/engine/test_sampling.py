@@ -215,16 +215,16 @@ def test_bad_words_are_never_completed(llm):
 
 
 def test_n_samples_share_one_prompt_computation(llm):
-    prompt = random_prompt(49, seed=9)  # three full blocks of 16, then one token
+    prompt = random_prompt(257, seed=9)  # two full blocks of 128 (the default), then one token
     hits_before = llm.llm_engine.get_stats().prefix_cache_hits
     output = generate_one(
         llm, prompt, SamplingParams(n=4, temperature=1.0, max_tokens=16, ignore_eos=True)
     )
     assert [c.index for c in output.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in output.outputs}) == 4
-    # Children 2..4 reused the 48 prompt tokens child 1 registered in the same step.
-    assert output.num_cached_tokens == 48
-    assert llm.llm_engine.get_stats().prefix_cache_hits - hits_before == 3 * 48
+    # Children 2..4 reused the 256 prompt tokens child 1 registered in the same step.
+    assert output.num_cached_tokens == 256
+    assert llm.llm_engine.get_stats().prefix_cache_hits - hits_before == 3 * 256
 
     seeded = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
     first = [c.token_ids for c in generate_one(llm, prompt, seeded).outputs]

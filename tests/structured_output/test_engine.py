@@ -98,7 +98,11 @@ def test_grammar_state_survives_preemption(tiny_model_dirs, llm):
     # 12 blocks of 16 tokens cannot hold six 57-token prompts growing to 87: preemption
     # (admission lookahead off, or requests would wait instead).
     small = LLM(
-        tiny_model_dirs["llama"], num_kv_blocks=12, max_model_len=128, admission_lookahead_tokens=0
+        tiny_model_dirs["llama"],
+        num_kv_blocks=12,
+        block_size=16,
+        max_model_len=128,
+        admission_lookahead_tokens=0,
     )
     outputs = generate(small, prompts, params)
     assert small.llm_engine.get_stats().num_preemptions > 0

@@ -135,10 +135,7 @@ class Scheduler:
         self.step_cost_model = step_cost_model
         if scheduler_config.target_step_ms is not None and step_cost_model is None:
             self.step_cost_model = StepCostModel()
-        self.min_prefill_tokens = min(
-            max(MIN_PREFILL_TOKENS, cache_config.block_size),
-            scheduler_config.max_num_batched_tokens,
-        )
+        self.min_prefill_tokens = min(MIN_PREFILL_TOKENS, scheduler_config.max_num_batched_tokens)
         self.last_token_budget = scheduler_config.max_num_batched_tokens
         self.last_predicted_step_ms: float | None = None
 

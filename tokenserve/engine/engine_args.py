@@ -60,6 +60,12 @@ def parse_memory(value: int | float | str) -> int:
 # a smaller prefill chunk makes a shorter step, which every running decode waits for.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
+# Tokens per KV block on CPU, as vLLM's CPU backend defaults to: a decode row's context is
+# read in runs of block_size tokens per kv head, and longer runs stream faster from memory
+# (docs/BENCHMARKS.md, "KV blocks of 128 tokens": W1 +9-10 % against 16). Prefix caching
+# reuses whole blocks only; --block-size 16 reuses shorter shared prefixes.
+DEFAULT_BLOCK_SIZE = 128
+
 @dataclass
 class EngineArgs:
     model: str | None = None
@@ -70,7 +76,7 @@ class EngineArgs:
     # None: DEFAULT_MAX_NUM_BATCHED_TOKENS with chunked prefill, else the longest prompt.
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 128
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_memory: int | str | None = None
     # "auto": the model's dtype; "bfloat16": half the bytes of a float32 model's cache
     # (twice the tokens in the same memory, less to read per decode step).

@@ -31,7 +31,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
                         help="Most requests running at once.")
     parser.add_argument("--block-size", type=int, default=defaults.block_size,
-                        help="Tokens per KV cache block.")
+                        help="Tokens per KV cache block (default 128, as vLLM on CPU).")
     parser.add_argument("--kv-cache-memory", default=None,
                         help="KV cache size: bytes or e.g. '4GiB' (default 4GiB on CPU).")
     parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES),
