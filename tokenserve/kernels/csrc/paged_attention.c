@@ -116,15 +116,27 @@ static inline __attribute__((always_inline)) void attend_item(
     /* Softmax per query head, then pass 2: the probability-weighted sum of values. */
     for (int64_t g = 0; g < group; ++g) {
         float *s = scores + g * seq_len;
+        /* The maximum and the sum eight lanes at a time, each reduced once at the end: a
+         * scalar maximum and a horizontal sum per eight scores took 13-16 % more time with
+         * the context in cache. */
         float max = s[0];
-        for (int64_t t = 1; t < seq_len; ++t) max = s[t] > max ? s[t] : max;
-        float sum = 0.0f;
         int64_t t = 0;
-        for (; t + 8 <= seq_len; t += 8) {
+        if (seq_len >= 8) {
+            v8f top = load8(s);
+            for (t = 8; t + 8 <= seq_len; t += 8) {
+                const v8f x = load8(s + t);
+                top = select8(x > top, x, top);
+            }
+            for (int l = 0; l < 8; ++l) max = top[l] > max ? top[l] : max;
+        }
+        for (; t < seq_len; ++t) max = s[t] > max ? s[t] : max;
+        v8f sums = splat8(0.0f);
+        for (t = 0; t + 8 <= seq_len; t += 8) {
             const v8f e = exp8(load8(s + t) - splat8(max));
             store8(s + t, e);
-            sum += hsum8(e);
+            sums += e;
         }
+        float sum = hsum8(sums);
         for (; t < seq_len; ++t) {
             s[t] = expf(s[t] - max);
             sum += s[t];
