@@ -250,8 +250,9 @@ if has w4; then
 fi
 
 # ------------------------------------------------------------------------ W5
-# tokenserve: 128 blocks of 16 tokens = 2,048 tokens of KV cache.
-has w5 && session kv_2048 "--num-kv-blocks 128 --block-size 16 --max-model-len 2048" \
+# tokenserve: 16 blocks of 128 tokens = 2,048 tokens of KV cache, in blocks of the size the
+# unconstrained run has (the default), so that the two runs differ in the cache's size only.
+has w5 && session kv_2048 "--num-kv-blocks 16 --block-size 128 --max-model-len 2048" \
     "$VLLM_W5_ARGS" w5 constrained
 
 "$PYTHON" - "$OUT/meta.json" <<'EOF'
