@@ -12,8 +12,8 @@ OpenMP runtime torch has already loaded (libgomp is shared by soname), so they r
 same threads as torch's own operators.
 
 Without a compiler, or with `TOKENSERVE_DISABLE_C_KERNELS=1`, `paged_attention()`,
-`layer_ops()`, `quant_linear()` and `decode_layer()` return None and callers fall back to pure-torch code (slower, same results
-up to float rounding).
+`layer_ops()`, `quant_linear()` and `decode_layer()` return None and callers fall back to
+pure-torch code (slower, same results up to float rounding).
 """
 
 from __future__ import annotations

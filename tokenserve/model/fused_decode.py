@@ -31,11 +31,9 @@ class FusedDecode:
     def __init__(self, model) -> None:
         self.model = model
         self.ops = kernels.decode_layer()
-        # The most rows every projection's quantized copy takes (QuantizedWeight.takes): the
-        # few-row kernel's limit, or the many-row kernel's where the weight fits its panels.
+        # The most rows every projection's quantized copy takes.
         self.max_rows = min(
-            (max(weight.max_rows, weight.gemm_max_rows if weight._fits_panels else 0)
-             for layer in model.layers for _, name in _PARTS
+            (weight.row_limit for layer in model.layers for _, name in _PARTS
              if (weight := layer.quantized.get(name)) is not None),
             default=0,
         )

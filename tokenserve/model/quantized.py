@@ -127,9 +127,15 @@ class QuantizedWeight:
         """Whether the many-row kernel takes this weight (its output rows in whole panels)."""
         return self.shape[0] % QuantLinearOps.PANEL == 0
 
+    @property
+    def row_limit(self) -> int:
+        """The most rows of a product linear() sends here: the few-row kernel's limit, or
+        the many-row kernel's where the weight fits its panels."""
+        return max(self.max_rows, self.gemm_max_rows if self._fits_panels else 0)
+
     def takes(self, rows: int) -> bool:
         """Whether linear() sends a product of `rows` rows here (else to oneDNN)."""
-        return rows <= self.max_rows or (rows <= self.gemm_max_rows and self._fits_panels)
+        return rows <= self.row_limit
 
     def matmul(self, x: torch.Tensor, panels: bool | None = None) -> torch.Tensor:
         """x [rows, in] float32 → x · Wᵀ [rows, out]. `panels` picks the kernel; by

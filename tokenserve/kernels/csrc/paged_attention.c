@@ -236,20 +236,27 @@ int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t 
                     int64_t kv_bf16) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t num_items = num_rows * num_kv_heads;
+    int64_t max_seq_len = 0;
+    for (int64_t r = 0; r < num_rows; ++r)
+        max_seq_len = seq_lens[r] > max_seq_len ? seq_lens[r] : max_seq_len;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_items; ++item) {
-        const int64_t row = item / num_kv_heads;
-        const int64_t seq_len = seq_lens[row];
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * seq_len));
+#pragma omp parallel
+    {
+        /* Each thread's scores, for the longest context: allocated once, not per item. */
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * max_seq_len));
         if (scores == NULL) {
+#pragma omp atomic write
             failed = 1;
-            continue;
         }
-        decode_item(out + rows[row] * out_stride, query + rows[row] * query_stride, key_cache,
-                    value_cache, block_tables + row * block_table_stride, seq_len,
-                    item % num_kv_heads, num_heads, num_kv_heads, head_dim, block_size, scale,
-                    scores, kv_bf16);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; ++item) {
+            const int64_t row = item / num_kv_heads;
+            if (scores != NULL)
+                decode_item(out + rows[row] * out_stride, query + rows[row] * query_stride,
+                            key_cache, value_cache, block_tables + row * block_table_stride,
+                            seq_lens[row], item % num_kv_heads, num_heads, num_kv_heads,
+                            head_dim, block_size, scale, scores, kv_bf16);
+        }
         free(scores);
     }
     return failed ? -1 : 0;
