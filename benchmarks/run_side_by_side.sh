@@ -22,9 +22,13 @@
 #   VENV=/tmp/peers/vllm  WHEEL_DIR=/tmp/peers/wheels   (passed on to it)
 #   LLAMA_CPP_DIR=/tmp/peers/llama.cpp   llama-server and llama-batched-bench in its bin/
 #                                   (benchmarks/build_llama_cpp.sh builds them there)
-#   LLAMA_GGUF=<the default GGUF>   what llama.cpp loads: M0's own Q4_1 file, which it
-#                                   multiplies in its own way (activations rounded to 8-bit
-#                                   blocks), with its default f16 KV cache: not float32
+#   LLAMA_GGUF=${MODEL_DIR}-f32.gguf   what llama.cpp loads: M0's GGUF with its tensors
+#                                   dequantized to F32 (benchmarks/gguf_to_f32.py, in the
+#                                   export phase), run with a float32 KV cache, so that it
+#                                   computes in float32 as the other engines do (on M0's Q4_1
+#                                   file it rounds activations to 8-bit blocks, and was slower
+#                                   here: W1 141.4 against 198.2 total tok/s)
+#   LLAMA_KV_FLAGS="-ctk f32 -ctv f32"   llama.cpp's KV cache type (its default is f16)
 #   LLAMA_SLOTS=64  LLAMA_SLOT_CTX=2304   llama-server's parallel slots and each one's context
 #                                   (a slot holds one request: W2, W3 and W5 send 64 or 32 at
 #                                   once; W4's long prompts are 2,048 tokens)
@@ -67,7 +71,8 @@ SERVER_LIFETIME=${SERVER_LIFETIME:-7200}
 QUICK=${QUICK:-0}
 VLLM_W5_ARGS=${VLLM_W5_ARGS:---block-size 32 --num-gpu-blocks-override 64 --max-model-len 2016}
 LLAMA_CPP_DIR=${LLAMA_CPP_DIR:-/tmp/peers/llama.cpp}
-LLAMA_GGUF=${LLAMA_GGUF:-$DEFAULT_GGUF}
+LLAMA_GGUF=${LLAMA_GGUF:-${MODEL_DIR%/}-f32.gguf}
+LLAMA_KV_FLAGS=${LLAMA_KV_FLAGS:--ctk f32 -ctv f32}
 LLAMA_SLOTS=${LLAMA_SLOTS:-64}
 LLAMA_SLOT_CTX=${LLAMA_SLOT_CTX:-2304}
 TOKENSERVE=("$PYTHON" -m tokenserve.entrypoints.cli)
@@ -92,6 +97,12 @@ if has export && [ ! -f "$MODEL_DIR/model.safetensors" ]; then
     || { log "export failed, see $OUT/logs/export.log"; exit 1; }
 fi
 [ -f "$MODEL_DIR/config.json" ] || { log "no model at $MODEL_DIR (run the export phase)"; exit 1; }
+if has export && runs llamacpp && [ ! -f "$LLAMA_GGUF" ]; then
+  log "M0 as a float32 GGUF -> $LLAMA_GGUF"
+  timeout 900 "$PYTHON" benchmarks/gguf_to_f32.py "$DEFAULT_GGUF" "$LLAMA_GGUF" \
+      > "$OUT/logs/gguf_to_f32.log" 2>&1 \
+    || { log "conversion failed, see $OUT/logs/gguf_to_f32.log"; exit 1; }
+fi
 
 if has install && runs vllm; then
   [ -f "$PEERS" ] || { log "missing $PEERS (set PEERS=.../vllm_cpu.sh)"; exit 1; }
@@ -150,7 +161,7 @@ start_server() {  # $1 engine, $2 session name, rest: engine flags
     # prompts here, and no faster on W1's shape).
     setsid timeout "$SERVER_LIFETIME" "$LLAMA_CPP_DIR/bin/llama-server" -m "$LLAMA_GGUF" \
         --host 127.0.0.1 --port "$PORT" -a M0 --metrics -np "$LLAMA_SLOTS" \
-        -c $(( LLAMA_SLOTS * LLAMA_SLOT_CTX )) -t "$(nproc)" -tb "$(nproc)" "$@" \
+        -c $(( LLAMA_SLOTS * LLAMA_SLOT_CTX )) -t "$(nproc)" -tb "$(nproc)" $LLAMA_KV_FLAGS "$@" \
         > "$logf" 2>&1 9>&- &
   else
     setsid timeout "$SERVER_LIFETIME" "${VLLM_ENV[@]}" "${VLLM[@]}" serve "$MODEL_DIR" \
@@ -264,7 +275,7 @@ if has w1; then
     # (its own filler tokens, not random ones) decoded together for 128 tokens each.
     log "W1 llama.cpp: llama-batched-bench, $N1 x (256 in, 128 out)"
     timeout "$RUN_TIMEOUT" "$LLAMA_CPP_DIR/bin/llama-batched-bench" -m "$LLAMA_GGUF" \
-        -c $(( N1 * 384 )) -b 2048 -ub 512 -t "$(nproc)" -tb "$(nproc)" \
+        -c $(( N1 * 384 )) -b 2048 -ub 512 -t "$(nproc)" -tb "$(nproc)" $LLAMA_KV_FLAGS \
         -npp 256 -ntg 128 -npl "$N1" --output-format jsonl \
         > "$OUT/logs/w1_llamacpp.jsonl" 2> "$OUT/logs/w1_llamacpp.log" \
       && grep '^{' "$OUT/logs/w1_llamacpp.jsonl" | tail -n 1 > "$OUT/w1_llamacpp.json" \
