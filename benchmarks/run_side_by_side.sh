@@ -36,6 +36,9 @@
 #   LOCK=/tmp/cpu.lock              held from the first benchmark to the last (flock)
 #   LOCK_WAIT=7200  START_TIMEOUT=900  RUN_TIMEOUT=1800  SERVER_LIFETIME=7200   (seconds)
 #   QUICK=1                         an eighth of the requests: checks the plumbing only
+#   SESSIONS=""                     only these server sessions (names as in the logs: main,
+#                                   prefix_cache_off, w4_mbt_256, w4_mbt_512, w4_mbt_2048,
+#                                   kv_2048), e.g. to run again one that failed; empty: all
 #   VLLM_W5_ARGS="--block-size 32 --num-gpu-blocks-override 64 --max-model-len 2016"
 #                                   vLLM's 2,048-token KV cache for W5. vLLM 0.32's CPU
 #                                   attention refused block size 16 (it wants multiples of
@@ -69,6 +72,7 @@ START_TIMEOUT=${START_TIMEOUT:-900}
 RUN_TIMEOUT=${RUN_TIMEOUT:-1800}
 SERVER_LIFETIME=${SERVER_LIFETIME:-7200}
 QUICK=${QUICK:-0}
+SESSIONS=${SESSIONS:-}
 VLLM_W5_ARGS=${VLLM_W5_ARGS:---block-size 32 --num-gpu-blocks-override 64 --max-model-len 2016}
 LLAMA_CPP_DIR=${LLAMA_CPP_DIR:-/tmp/peers/llama.cpp}
 LLAMA_GGUF=${LLAMA_GGUF:-${MODEL_DIR%/}-f32.gguf}
@@ -146,11 +150,19 @@ EOF
 
 # -------------------------------------------------------------------- servers
 SERVER_PID=""
+port_taken() { (exec 3<> "/dev/tcp/127.0.0.1/$PORT") 2> /dev/null; }
+# A server that has stopped answering may still hold its socket for a while as it exits
+# (llama-server freeing a large KV cache did, and the next two servers could not bind).
+wait_port_free() {
+  local _
+  for _ in $(seq 120); do port_taken || return 0; sleep 1; done
+  return 1
+}
 start_server() {  # $1 engine, $2 session name, rest: engine flags
   local engine=$1 session=$2; shift 2
   local logf="$OUT/logs/server_${session}_${engine}.log"
-  if curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; then
-    log "port $PORT already answers /health: another server is running there"; return 1
+  if ! wait_port_free; then
+    log "port $PORT is still taken after 120 s: another server is running there"; return 1
   fi
   if [ "$engine" = tokenserve ]; then
     setsid timeout "$SERVER_LIFETIME" "${TOKENSERVE[@]}" serve "$TS_MODEL" --host 127.0.0.1 \
@@ -187,6 +199,7 @@ stop_server() {
   for _ in $(seq 60); do kill -0 -- "-$SERVER_PID" 2>/dev/null || break; sleep 1; done
   kill -KILL -- "-$SERVER_PID" 2>/dev/null
   SERVER_PID=""
+  wait_port_free || log "port $PORT still taken after its server stopped"
 }
 trap stop_server EXIT
 # bash runs a trap once the foreground command ends (each is bounded by RUN_TIMEOUT).
@@ -213,6 +226,7 @@ session() {  # $1 name, $2 tokenserve flags, $3 vLLM flags, $4 llama.cpp flags (
              # of its), $5 benchmark function, rest: its args
   local name=$1 ts_flags=$2 vllm_flags=$3 llama_flags=$4 body=$5 engine flags
   shift 5
+  [ -z "$SESSIONS" ] || [[ ",$SESSIONS," == *",$name,"* ]] || return 0
   for engine in tokenserve vllm llamacpp; do
     runs "$engine" || continue
     flags="$ts_flags $TS_FLAGS"
