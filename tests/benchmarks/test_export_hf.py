@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 import transformers
 
+from tests.benchmarks.scripts import load_script
 from tests.model.test_loader import _write_gguf
 from tokenserve import LLM, SamplingParams
 
-EXPORT_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "export_hf.py"
-
 
 def load_export_script():
-    spec = importlib.util.spec_from_file_location("export_hf", EXPORT_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("export_hf")
 
 
 def test_exported_gguf_gives_tokenserves_greedy_tokens(tiny_model_dirs, tiny_tokenizer_dir, tmp_path):

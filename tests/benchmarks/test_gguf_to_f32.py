@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import gguf
 import numpy as np
 from gguf.quants import dequantize, quantize
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gguf_to_f32.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gguf_to_f32", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.benchmarks.scripts import load_script
 
 
 def metadata(reader: gguf.GGUFReader) -> dict:
-    script = load_script()
+    script = load_script("gguf_to_f32")
     return {
         name: script._field_value(field)
         for name, field in reader.fields.items()
@@ -56,7 +47,7 @@ def test_tensors_become_their_dequantized_values_and_metadata_stays(tmp_path: Pa
     writer.close()
 
     target = tmp_path / "model-f32.gguf"
-    load_script().convert(str(source), str(target))
+    load_script("gguf_to_f32").convert(str(source), str(target))
 
     before, after = gguf.GGUFReader(str(source)), gguf.GGUFReader(str(target))
     expected = metadata(before)

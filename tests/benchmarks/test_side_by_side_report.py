@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-REPORT_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "side_by_side_report.py"
+from tests.benchmarks.scripts import load_script
 
 
 def load_report_script():
-    spec = importlib.util.spec_from_file_location("side_by_side_report", REPORT_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("side_by_side_report")
 
 
 def serve_result(output_throughput: float, texts: list[str]) -> dict:
