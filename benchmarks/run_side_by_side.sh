@@ -151,8 +151,8 @@ EOF
 # -------------------------------------------------------------------- servers
 SERVER_PID=""
 port_taken() { (exec 3<> "/dev/tcp/127.0.0.1/$PORT") 2> /dev/null; }
-# A server that has stopped answering may still hold its socket for a while as it exits
-# (llama-server freeing a large KV cache did, and the next two servers could not bind).
+# A server that has stopped answering may still hold its socket for a while as it exits (after
+# llama-server sessions with a large KV cache, the next two servers could not bind).
 wait_port_free() {
   local _
   for _ in $(seq 120); do port_taken || return 0; sleep 1; done
