@@ -14,41 +14,27 @@ from __future__ import annotations
 import sys
 
 import gguf
-import numpy as np
-from gguf.quants import dequantize
 
-
-def _field_value(field: gguf.ReaderField):
-    """A metadata field's value as GGUFWriter takes it back."""
-    kind = field.types[0]
-    if kind == gguf.GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    if kind == gguf.GGUFValueType.ARRAY:
-        if field.types[1] == gguf.GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    return field.parts[field.data[0]].tolist()[0]
+from tokenserve.model.gguf_loader import dequantize_tensor
 
 
 def convert(source: str, target: str) -> None:
     reader = gguf.GGUFReader(source)
-    arch_field = reader.fields["general.architecture"]
-    writer = gguf.GGUFWriter(target, _field_value(arch_field))
+    writer = gguf.GGUFWriter(target, reader.fields["general.architecture"].contents())
     for name, field in reader.fields.items():
         # The reader's own header fields, and the architecture GGUFWriter already wrote.
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
         kind = field.types[0]
-        value = _field_value(field)
+        value = field.contents()
         if name == "general.file_type":
             value = int(gguf.LlamaFileType.ALL_F32)
         sub_type = field.types[1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(name, value, kind, sub_type=sub_type)
     for tensor in reader.tensors:
-        data = dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-        # GGUF lists dimensions innermost first; numpy wants them outermost first.
-        shape = [int(n) for n in reversed(tensor.shape)]
-        writer.add_tensor(tensor.name, data.reshape(shape), raw_dtype=gguf.GGMLQuantizationType.F32)
+        # Under its GGUF name and in its stored row order (no un-permuting, as llama.cpp reads it).
+        data = dequantize_tensor(tensor, source).numpy()
+        writer.add_tensor(tensor.name, data, raw_dtype=gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

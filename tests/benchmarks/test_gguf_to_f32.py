@@ -12,9 +12,8 @@ from tests.benchmarks.scripts import load_script
 
 
 def metadata(reader: gguf.GGUFReader) -> dict:
-    script = load_script("gguf_to_f32")
     return {
-        name: script._field_value(field)
+        name: field.contents()
         for name, field in reader.fields.items()
         if not name.startswith("GGUF.")
     }

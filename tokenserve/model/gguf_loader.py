@@ -122,7 +122,7 @@ def iterate_gguf_weights(
                 "have (mixture-of-experts and multimodal GGUFs are not supported)."
             )
         permute = _row_order(hf_name, config)
-        yield hf_name, permute(_dequantize(tensor, path))
+        yield hf_name, permute(dequantize_tensor(tensor, path))
 
 
 def iterate_gguf_quantized_weights(
@@ -252,7 +252,7 @@ def _rope_parameters(reader: GGUFReader, path: str, head_dim: int) -> dict[str, 
                 f"GGUF file {path} has both rope scaling {scaling_type!r} and a "
                 f"{ROPE_FREQS_TENSOR} tensor; this combination is not supported."
             )
-        divisors = _dequantize(freqs_tensor, path).numpy().astype(np.float64)
+        divisors = dequantize_tensor(freqs_tensor, path).numpy().astype(np.float64)
         return _llama3_rope_parameters(divisors, theta, head_dim, path)
     if scaling_type == "none":
         return {"rope_type": "default", "rope_theta": theta}
@@ -323,7 +323,9 @@ def _hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{suffix}"
 
 
-def _dequantize(tensor: ReaderTensor, path: str) -> torch.Tensor:
+def dequantize_tensor(tensor: ReaderTensor, path: str) -> torch.Tensor:
+    """A GGUF tensor as float32 in PyTorch's dimension order (ValueError for a quantization
+    the gguf package cannot expand)."""
     try:
         values = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as error:
