@@ -27,7 +27,7 @@
 #                                   export phase), run with a float32 KV cache, so that it
 #                                   computes in float32 as the other engines do (on M0's Q4_1
 #                                   file it rounds activations to 8-bit blocks, and was slower
-#                                   here: W1 141.4 against 198.2 total tok/s)
+#                                   on W1: docs/BENCHMARKS.md)
 #   LLAMA_KV_FLAGS="-ctk f32 -ctv f32"   llama.cpp's KV cache type (its default is f16)
 #   LLAMA_SLOTS=64  LLAMA_SLOT_CTX=2304   llama-server's parallel slots and each one's context
 #                                   (a slot holds one request: W2, W3 and W5 send 64 or 32 at
@@ -139,6 +139,10 @@ meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "engines": sys.argv[2],
         "quick": sys.argv[3] == "1", "model_dir": sys.argv[4], "tokenserve_model": sys.argv[5],
         "tokenserve_flags": sys.argv[6],
         "nproc": os.cpu_count(),
+        # The CPU's model name and flags: every figure is named by the CPU it ran on.
+        **{key.strip(): value.strip() for key, _, value in (
+            line.partition(":") for line in open("/proc/cpuinfo").read().split("\n\n")[0]
+            .splitlines()) if key.strip() in ("model name", "flags")},
         "loadavg_start": os.getloadavg(),
         "tokenserve_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                             text=True).stdout.strip(),
@@ -169,8 +173,7 @@ start_server() {  # $1 engine, $2 session name, rest: engine flags
         --port "$PORT" --served-model-name M0 --max-model-len "$MAX_MODEL_LEN" \
         --disable-log-stats --uvicorn-log-level warning "$@" > "$logf" 2>&1 9>&- &
   elif [ "$engine" = llamacpp ]; then
-    # Its defaults otherwise (flash attention off: -fa measured ~10 % slower on 4 x 512-token
-    # prompts here, and no faster on W1's shape).
+    # Its defaults otherwise (flash attention off: -fa was slower here; docs/BENCHMARKS.md).
     setsid timeout "$SERVER_LIFETIME" "$LLAMA_CPP_DIR/bin/llama-server" -m "$LLAMA_GGUF" \
         --host 127.0.0.1 --port "$PORT" -a M0 --metrics -np "$LLAMA_SLOTS" \
         -c $(( LLAMA_SLOTS * LLAMA_SLOT_CTX )) -t "$(nproc)" -tb "$(nproc)" $LLAMA_KV_FLAGS "$@" \

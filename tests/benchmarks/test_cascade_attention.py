@@ -1,7 +1,12 @@
-"""benchmarks/cascade_attention.py: cascade and chunk-by-chunk attention timed side by side."""
+"""benchmarks/cascade_attention.py: cascade and chunk-by-chunk attention timed side by side.
+
+Timings depend on the host, so only their shape is checked (finite, non-negative numbers);
+the outputs of the two ways must agree.
+"""
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -22,6 +27,7 @@ def test_cascade_attention_times_both_ways_with_the_same_outputs():
         result.stdout, re.MULTILINE,
     )
     assert [(prefix, chunks) for prefix, chunks, *_ in rows] == [("800", "2"), ("800", "3")]
-    for *_, plain, cascade, _, difference in rows:
-        assert float(plain) > 0 and float(cascade) > 0
+    for *_, plain, cascade, ratio, difference in rows:
+        for value in (float(plain), float(cascade), float(ratio)):
+            assert math.isfinite(value) and value >= 0, result.stdout
         assert float(difference) < 1e-5

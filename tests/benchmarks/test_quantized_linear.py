@@ -1,7 +1,11 @@
-"""benchmarks/quantized_linear.py on the default model: all three paths over every weight."""
+"""benchmarks/quantized_linear.py on the default model: all three paths over every weight.
+
+Timings depend on the host, so only their shape is checked: finite, non-negative numbers.
+"""
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -27,7 +31,8 @@ def test_quantized_linear_times_all_paths_over_the_default_model():
     assert [int(row[0]) for row in rows] == [1, 3]
     # The few-row kernel only up to --few-rows-up-to rows.
     assert [row[1] == "-" for row in rows] == [False, True]
-    assert all(float(value) > 0 for row in rows for value in row[1:] if value != "-")
+    figures = [float(value) for row in rows for value in row[1:] if value != "-"]
+    assert all(math.isfinite(value) and value >= 0 for value in figures), result.stdout
 
 
 def test_quantized_linear_refuses_a_model_without_blocks(tiny_model_dirs):

@@ -4,6 +4,8 @@ slow consumers get merged deltas; closing a generator aborts its request."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -14,7 +16,14 @@ from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.outputs import CompletionOutput, RequestOutput
 from tokenserve.sampling_params import RequestOutputKind, SamplingParams
 
+if TYPE_CHECKING:
+    from tokenserve.messages.engine_core import SchedulerStats
+    from tokenserve.metrics.stats import IterationStats
+
 PROMPTS = ["Hello, world!", "The capital of France is", "Once upon a time there was"]
+# Only a stuck engine takes this long: the wait ends as soon as the stats say so.
+STATS_TIMEOUT_S = 60.0
+LONG_GENERATION = 2000  # as long as max_model_len (2048) allows
 
 
 def sampling_params(kind: RequestOutputKind) -> SamplingParams:
@@ -58,6 +67,33 @@ def test_collector_keeps_an_error_over_later_outputs():
         asyncio.run(run())
 
 
+class SchedulerStatsWatch:
+    """A stat logger that lets a test await the engine core's stats meeting a condition, and
+    counts the tokens the engine core has scheduled."""
+
+    def __init__(self) -> None:
+        self.latest: SchedulerStats | None = None
+        self.num_scheduled_tokens = 0
+        self.changed = asyncio.Event()
+
+    def record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats
+    ) -> None:
+        self.num_scheduled_tokens += iteration_stats.num_scheduled_tokens
+        if scheduler_stats is not None:
+            self.latest = scheduler_stats
+            self.changed.set()
+
+    def log(self) -> None:
+        pass
+
+    async def wait_until(self, condition: Callable[[SchedulerStats], bool]) -> None:
+        async with asyncio.timeout(STATS_TIMEOUT_S):
+            while self.latest is None or not condition(self.latest):
+                self.changed.clear()
+                await self.changed.wait()
+
+
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dirs) -> str:
     return tiny_model_dirs["llama"]
@@ -69,8 +105,11 @@ def test_async_llm_equals_the_in_process_engine(model_dir):
         PROMPTS, sampling_params(RequestOutputKind.FINAL_ONLY), use_tqdm=False
     )
 
-    async def run() -> tuple[list[dict[int, list[int]]], list[list[float]], float]:
-        engine = AsyncLLM.from_engine_args(EngineArgs(model=model_dir, kv_cache_memory="64MiB"))
+    async def run() -> tuple[list[dict[int, list[int]]], list[list[float]]]:
+        stats = SchedulerStatsWatch()
+        engine = AsyncLLM.from_engine_args(
+            EngineArgs(model=model_dir, kv_cache_memory="64MiB"), stat_loggers=[stats]
+        )
         try:
 
             async def one(index: int, prompt: str) -> tuple[dict[int, list[int]], list[float]]:
@@ -86,25 +125,26 @@ def test_async_llm_equals_the_in_process_engine(model_dir):
 
             results = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
 
-            # A request closed early is aborted: its blocks are freed in the engine core.
+            # A request closed early is aborted: its blocks are freed in the engine core. Its
+            # first output means it runs and holds blocks; then the engine core's stats are
+            # awaited until they show them free, and it must not have run to its end.
             params = SamplingParams(
-                max_tokens=500, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+                max_tokens=LONG_GENERATION, ignore_eos=True, output_kind=RequestOutputKind.DELTA
             )
             outputs = engine.generate("Hello", params, "aborted")
             await outputs.__anext__()
             await outputs.aclose()
-            usage = 1.0
-            for _ in range(100):
-                await asyncio.sleep(0.05)
-                stats = engine.scheduler_stats
-                usage = stats.kv_cache_usage if stats is not None else 1.0
-                if usage == 0.0:
-                    break
-            return [r[0] for r in results], [r[1] for r in results], usage
+            scheduled_before = stats.num_scheduled_tokens
+            await stats.wait_until(
+                lambda latest: latest.num_running_reqs == 0 and latest.kv_cache_usage == 0.0
+            )
+            # Stopped well before its end (running to it would compute ~LONG_GENERATION).
+            assert stats.num_scheduled_tokens - scheduled_before < LONG_GENERATION // 2
+            return [r[0] for r in results], [r[1] for r in results]
         finally:
             engine.shutdown()
 
-    tokens, logprobs, usage = asyncio.run(run())
+    tokens, logprobs = asyncio.run(run())
     for output, got_tokens, got_logprobs in zip(expected, tokens, logprobs):
         want = {c.index: c.token_ids for c in output.outputs}
         assert got_tokens == want
@@ -114,4 +154,3 @@ def test_async_llm_equals_the_in_process_engine(model_dir):
             for token_id, position in zip(c.token_ids, c.logprobs)
         ]
         assert sorted(got_logprobs) == pytest.approx(sorted(want_logprobs), abs=1e-5)
-    assert usage == 0.0

@@ -217,9 +217,13 @@ def test_bad_words_are_never_completed(llm):
 def test_n_samples_share_one_prompt_computation(llm):
     prompt = random_prompt(257, seed=9)  # two full blocks of 128 (the default), then one token
     hits_before = llm.llm_engine.get_stats().prefix_cache_hits
-    output = generate_one(
-        llm, prompt, SamplingParams(n=4, temperature=1.0, max_tokens=16, ignore_eos=True)
-    )
+    # Unseeded samples draw from torch's global generator: seeded here, so that the four
+    # are the same every run whatever ran before.
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        output = generate_one(
+            llm, prompt, SamplingParams(n=4, temperature=1.0, max_tokens=16, ignore_eos=True)
+        )
     assert [c.index for c in output.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in output.outputs}) == 4
     # Children 2..4 reused the 256 prompt tokens child 1 registered in the same step.

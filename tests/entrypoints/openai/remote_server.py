@@ -1,11 +1,15 @@
 """A real `tokenserve serve` process on 127.0.0.1, for tests to drive over HTTP.
 
 `RemoteServer` starts the command, waits (bounded) until /health answers 200, and stops
-the process by its PID. The server's log goes to a file, shown on failure.
+the process by its PID. The server's log goes to a file, shown on failure. A test can
+pause the engine core (SIGSTOP) so that no request progresses while it acts, instead of
+racing generation speed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -13,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -33,6 +39,7 @@ class RemoteServer:
     def __init__(self, model: str | None, *args: str, api_key: str | None = None) -> None:
         self.port = free_port()
         self.api_key = api_key
+        self._engine_core_pid: int | None = None
         command = [sys.executable, "-m", "tokenserve.entrypoints.cli", "serve"]
         command += [model] if model is not None else []
         command += ["--port", str(self.port), "--disable-log-stats", *args]
@@ -82,6 +89,11 @@ class RemoteServer:
 
     def engine_core_pid(self) -> int:
         """The PID of the engine-core process (the server's multiprocessing child)."""
+        if self._engine_core_pid is None:
+            self._engine_core_pid = self._find_engine_core_pid()
+        return self._engine_core_pid
+
+    def _find_engine_core_pid(self) -> int:
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -96,6 +108,22 @@ class RemoteServer:
                 return int(entry)
         raise RuntimeError("The engine core process was not found.")
 
+    @contextlib.contextmanager
+    def engine_paused(self) -> Iterator[None]:
+        """The engine core stopped (SIGSTOP) for the block, then continued.
+
+        No step runs meanwhile, so no request gains a token or finishes, while the API
+        process goes on answering: what the test does inside (a client leaving, a probe
+        request) cannot race generation, however fast or loaded the host is.
+        """
+        pid = self.engine_core_pid()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # gone: nothing to continue
+                os.kill(pid, signal.SIGCONT)
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -105,6 +133,42 @@ class RemoteServer:
                 self.process.kill()
                 self.process.wait()
         self.log.close()
+
+
+def open_stream_once_admitted(
+    http: httpx.Client, body: dict[str, Any], timeout_s: float = 60.0
+) -> httpx.Response:
+    """POST the streaming completion `body` until it is not refused with 503; its open response.
+
+    A request for as many sequences as the server may hold is admitted only once the API
+    process holds no other request: how a test sees that requests were let go (their
+    clients left) without racing anything. The headers come at admission, so this works
+    while the engine is paused. The caller closes the response.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
+        if response.status_code != 503:
+            return response
+        response.close()
+        assert time.monotonic() < deadline, "the server never let go of its other requests"
+        time.sleep(0.05)
+
+
+def data_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    """The data events of a server-sent event stream, parsed, as they come until [DONE].
+
+    Take one iterator per response and draw from it (`itertools.islice` for the next few):
+    an error event, or a stream that closes without [DONE], fails.
+    """
+    for line in response.iter_lines():
+        if line == "data: [DONE]":
+            return
+        if line.startswith("data: "):
+            event = json.loads(line[len("data: ") :])
+            assert "error" not in event, event
+            yield event
+    raise AssertionError("the stream closed without [DONE]")
 
 
 def stop_string_inside(text: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -13,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.entrypoints.openai.remote_server import RemoteServer, metric_value
+from tests.entrypoints.openai.remote_server import RemoteServer, data_events, metric_value
 
 OVERRIDE_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 
@@ -35,6 +36,14 @@ def wait_for(condition, timeout_s: float) -> bool:
             return True
         time.sleep(0.1)
     return condition()
+
+
+def accepts_connections(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()
+    except ConnectionRefusedError:
+        return False
+    return True
 
 
 def num_running(http: httpx.Client) -> float:
@@ -67,19 +76,23 @@ def test_sigterm_finishes_in_flight_requests_and_stops_the_engine(tiny_model_dir
                 "max_tokens": 40,
                 "stream": True,
                 "ignore_eos": True,
+                "stream_options": {"include_usage": True},
             }
-            texts = []
             with http.stream("POST", "/v1/completions", json=body) as response:
-                for line in response.iter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    if not texts:
-                        server.process.send_signal(signal.SIGTERM)
-                    if line == "data: [DONE]":
-                        break
-                    texts.append(json.loads(line[len("data: ") :])["choices"][0]["text"])
+                assert response.status_code == 200
+                events = data_events(response)
+                first = next(events)
+                # Paused, the request is still in flight when the server takes the signal: it
+                # stops listening at once, then drains.
+                with server.engine_paused():
+                    server.process.send_signal(signal.SIGTERM)
+                    assert wait_for(lambda: not accepts_connections(server.port), 60)
+                # Counted in tokens, not events: a slow reader gets several tokens per event.
+                rest = list(events)  # to [DONE]
         # The request in flight was answered in full before the server stopped.
-        assert len(texts) >= 2 and response.status_code == 200
+        choices = [choice for event in (first, *rest) for choice in event["choices"]]
+        assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"]
+        assert rest[-1]["usage"]["completion_tokens"] == 40
         assert server.process.wait(timeout=60) == 0
         assert wait_for(lambda: not pid_exists(engine_pid), 10)
         assert "Server stopped." in server.log_text()
@@ -99,18 +112,16 @@ def test_sigterm_cuts_requests_still_running_at_the_shutdown_timeout(tiny_model_
             "ignore_eos": True,
             "stream": True,
         }
-        events = 0
-        with (
-            server.http() as http,
-            http.stream("POST", "/v1/completions", json=body) as response,
-            pytest.raises(httpx.HTTPError),  # the connection closes mid-stream
-        ):
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    events += 1
-                    if events == 1:
-                        server.process.send_signal(signal.SIGTERM)
+        with server.http() as http, http.stream("POST", "/v1/completions", json=body) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            assert next(lines) != "data: [DONE]"
+            events = 1
+            # Paused, the request cannot end before the shutdown cuts it.
+            with server.engine_paused(), pytest.raises(httpx.HTTPError):  # closed mid-stream
+                server.process.send_signal(signal.SIGTERM)
+                for line in lines:
                     assert line != "data: [DONE]"
+                    events += 1
         assert 1 <= events < 2000
         assert server.process.wait(timeout=60) == 0
         assert wait_for(lambda: not pid_exists(engine_pid), 10)

@@ -1,14 +1,27 @@
-"""/metrics: vLLM's metric names under `tokenserve:`, and blocks freed when a client leaves."""
+"""/metrics: vLLM's metric names under `tokenserve:`, and blocks freed when a client leaves.
+
+A client leaves a long request while the engine core is paused, and the test waits until
+the server has let go of it: the request cannot run to its end first, on any host.
+"""
 
 from __future__ import annotations
 
+import itertools
 import json
+import socket
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.entrypoints.openai.remote_server import TINY_MODEL_NAME, metric_value
+from tests.entrypoints.openai.remote_server import (
+    TINY_MODEL_NAME,
+    RemoteServer,
+    data_events,
+    metric_value,
+    open_stream_once_admitted,
+)
 
 METRIC_NAMES = [
     "tokenserve:num_requests_running",
@@ -26,7 +39,15 @@ METRIC_NAMES = [
     "tokenserve:request_queue_time_seconds_count",
     "tokenserve:iteration_tokens_total_count",
 ]
-LONG_GENERATION = 1000  # far more tokens than the test waits for (max_model_len 1024)
+# As long as max_model_len (2048) allows: far more steps than the test takes to act.
+LONG_GENERATION = 2000
+PROBE = {
+    "prompt": "Hello",
+    "max_tokens": 4,
+    "ignore_eos": True,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
 
 
 def read_metrics(server) -> str:
@@ -85,56 +106,104 @@ def test_metrics_follow_requests(tiny_server, tiny_client):
     assert delta("tokenserve:prefix_cache_hits_total") > 0
 
 
-def _generation_state(server) -> tuple[float, float]:
+def _generation_state(server) -> tuple[float, float, float]:
+    """Tokens generated for requests the API process tracks, requests finished, and tokens
+    the engine core computed (whoever they were for)."""
     text = read_metrics(server)
     return (
         metric_value(text, "tokenserve:generation_tokens_total"),
         metric_value(text, "tokenserve:request_success_total"),
+        metric_value(text, "tokenserve:iteration_tokens_total_sum"),
     )
 
 
-def test_client_disconnecting_mid_stream_frees_its_blocks(tiny_server):
-    tokens_before, successes_before = _generation_state(tiny_server)
+@pytest.fixture(scope="module")
+def one_sequence_server(tiny_model_dirs: dict[str, str]) -> Iterator[RemoteServer]:
+    """Room for one sequence (--max-num-seqs 1, --max-waiting-requests 0): a request is
+    refused with 503 until the API process has let go of the one before."""
+    server = RemoteServer(
+        tiny_model_dirs["llama"],
+        "--kv-cache-memory",
+        "64MiB",
+        "--block-size",
+        "8",
+        "--max-num-seqs",
+        "1",
+        "--max-waiting-requests",
+        "0",
+    )
+    yield server
+    server.stop()
+
+
+def leave_and_wait_until_let_go(server: RemoteServer, http: httpx.Client, leave) -> None:
+    """Pause the engine, call `leave` (the client goes), and wait until the server admits a
+    probe request, i.e. has let go of the request left: paused, that request cannot run to
+    its end first, however slowly the server notices. Then the probe runs to its end."""
+    with server.engine_paused():
+        leave()
+        probe = open_stream_once_admitted(http, PROBE)
+    try:
+        events = list(data_events(probe))
+    finally:
+        probe.close()
+    assert events[-1]["usage"]["completion_tokens"] == PROBE["max_tokens"]
+
+
+def assert_aborted_and_freed(server: RemoteServer, before: tuple[float, float, float]) -> None:
+    """Since `before`: all blocks free, the probe finished, and the long request aborted in
+    the API process (not finished) and in the engine core (not computed to its end)."""
+    text = wait_until_idle_and_freed(server)
+    assert metric_value(text, "tokenserve:kv_cache_usage_perc") == 0
+    assert metric_value(text, "tokenserve:num_requests_running") == 0
+    tokens, successes, computed = (a - b for a, b in zip(_generation_state(server), before))
+    assert successes == 1  # the probe, not the request that was left
+    assert 0 < tokens - PROBE["max_tokens"] < LONG_GENERATION
+    assert computed < LONG_GENERATION
+
+
+def test_client_disconnecting_mid_stream_frees_its_blocks(one_sequence_server):
+    server = one_sequence_server
+    before = _generation_state(server)
     body = {
-        "model": TINY_MODEL_NAME,
         "prompt": "Once upon a time",
         "max_tokens": LONG_GENERATION,
         "stream": True,
         "ignore_eos": True,
     }
+    with server.http() as http:
+        response = http.send(http.build_request("POST", "/v1/completions", json=body), stream=True)
+        try:
+            assert response.status_code == 200
+            # Three events in: it is generating and holds blocks, far from its end.
+            assert len(list(itertools.islice(data_events(response), 3))) == 3
+            leave_and_wait_until_let_go(server, http, response.close)
+        finally:
+            response.close()
+    assert_aborted_and_freed(server, before)
+
+
+def test_client_disconnecting_before_a_non_streaming_answer_frees_its_blocks(
+    one_sequence_server,
+):
+    server = one_sequence_server
+    before = _generation_state(server)
+    body = json.dumps(
+        {"prompt": "Once upon a time", "max_tokens": LONG_GENERATION, "ignore_eos": True}
+    ).encode()
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     with (
-        tiny_server.http() as http,
-        http.stream("POST", "/v1/completions", json=body) as response,
+        server.http() as http,
+        socket.create_connection(("127.0.0.1", server.port), timeout=30) as connection,
     ):
-        assert response.status_code == 200
-        events = 0
-        for line in response.iter_lines():
-            if line.startswith("data: "):
-                assert "error" not in json.loads(line[len("data: ") :])
-                events += 1
-            if events == 3:
-                break  # leaving the block closes the connection mid-stream
-    text = wait_until_idle_and_freed(tiny_server)
-    assert metric_value(text, "tokenserve:kv_cache_usage_perc") == 0
-    assert metric_value(text, "tokenserve:num_requests_running") == 0
-    tokens_after, successes_after = _generation_state(tiny_server)
-    # Aborted, not finished: no success counted and far fewer tokens than asked for.
-    assert successes_after == successes_before
-    assert tokens_after - tokens_before < LONG_GENERATION
-
-
-def test_client_disconnecting_before_a_non_streaming_answer_frees_its_blocks(tiny_server):
-    tokens_before, successes_before = _generation_state(tiny_server)
-    body = {
-        "model": TINY_MODEL_NAME,
-        "prompt": "Once upon a time",
-        "max_tokens": LONG_GENERATION,
-        "ignore_eos": True,
-    }
-    with tiny_server.http(timeout=0.3) as http, pytest.raises(httpx.ReadTimeout):
-        http.post("/v1/completions", json=body)
-    text = wait_until_idle_and_freed(tiny_server)
-    assert metric_value(text, "tokenserve:kv_cache_usage_perc") == 0
-    tokens_after, successes_after = _generation_state(tiny_server)
-    assert successes_after == successes_before
-    assert tokens_after - tokens_before < LONG_GENERATION
+        connection.sendall(request)
+        # Tokens counted: it is generating and holds blocks; no answer comes before its end.
+        deadline = time.monotonic() + 60
+        while _generation_state(server)[0] == before[0]:
+            assert time.monotonic() < deadline, "the request never started generating"
+            time.sleep(0.05)
+        leave_and_wait_until_let_go(server, http, connection.close)
+    assert_aborted_and_freed(server, before)

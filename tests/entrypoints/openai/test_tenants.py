@@ -121,18 +121,21 @@ def test_full_server_answers_503_with_retry_after_then_recovers(tenant_server):
             )
             assert response.status_code == 200
         wait_for_metric(tenant_server, "tokenserve:num_requests_waiting", 1)
-        for body in (long_stream, {"prompt": "Hello", "max_tokens": 2}):
-            response = http.post("/v1/completions", json=body)
-            error = assert_error(response, 503)
-            assert error["code"] == "server_overloaded"
-            assert response.headers["Retry-After"].isdigit()
-        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        assert_error(http.post("/v1/chat/completions", json=chat), 503)
-        # More sequences than the server could ever hold is the request's fault: 400.
-        error = assert_error(
-            http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "n": 4}), 400
-        )
-        assert error["param"] == "n"
+        # Paused, the running streams cannot finish and make room while the test asks.
+        with tenant_server.engine_paused():
+            for body in (long_stream, {"prompt": "Hello", "max_tokens": 2}):
+                response = http.post("/v1/completions", json=body)
+                error = assert_error(response, 503)
+                assert error["code"] == "server_overloaded"
+                assert response.headers["Retry-After"].isdigit()
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            assert_error(http.post("/v1/chat/completions", json=chat), 503)
+            # More sequences than the server could ever hold is the request's fault: 400.
+            error = assert_error(
+                http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "n": 4}),
+                400,
+            )
+            assert error["param"] == "n"
     # The streams are closed: their requests are aborted and the server takes work again.
     wait_for_metric(tenant_server, "tokenserve:kv_cache_usage_perc", 0)
     with http_for(tenant_server, KEY_ALPHA) as http:
