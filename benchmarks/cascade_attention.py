@@ -5,7 +5,7 @@ one shared cached prefix (W3's shape: 64-token chunks after a 1,024-token prefix
 For each prefix length and chunk count, the two ways take turns `--repeats` times on the
 same inputs; figures are the median ms per layer, and the largest difference between the
 outputs. The default head shapes are the default model's (9 query heads, 3 kv heads of
-64). This is what CASCADE_MIN_PREFIX_TOKENS was chosen from (docs/BENCHMARKS.md).
+64). This is what CASCADE_MIN_PREFIX_TOKENS was chosen from (docs/benchmarks/cpu-hot-path.md).
 
 usage: python benchmarks/cascade_attention.py [--prefix-lens 256 512 768 1024 2048]
        [--chunks 2 8] [--chunk-len 64] [--repeats 15]
@@ -19,8 +19,7 @@ import time
 
 import torch
 
-from tokenserve.attention import torch_sdpa
-from tokenserve.attention.backend import AttentionMetadata
+from tokenserve.attention.backend import CommonAttentionMetadata
 from tokenserve.attention.torch_sdpa import TorchSDPABackend
 
 
@@ -37,8 +36,10 @@ def main() -> None:
     args = parser.parse_args()
     # Cascade at every prefix length measured, the short ones included: this is where the
     # engine's threshold comes from.
-    torch_sdpa.CASCADE_MIN_PREFIX_TOKENS = 0
-    backends = {"chunk by chunk": TorchSDPABackend(cascade=False), "cascade": TorchSDPABackend()}
+    backends = {
+        "chunk by chunk": TorchSDPABackend(cascade=False),
+        "cascade": TorchSDPABackend(cascade_min_prefix_tokens=0),
+    }
     print(f"{args.chunk_len}-token chunks, {torch.get_num_threads()} threads; median ms per layer")
     print(" prefix  chunks  chunk by chunk  cascade  ratio  max difference")
     for prefix_len in args.prefix_lens:
@@ -46,7 +47,8 @@ def main() -> None:
             times, outputs = time_step(args, backends, prefix_len, num_chunks)
             plain, cascade = (statistics.median(times[name]) for name in backends)
             difference = (outputs["cascade"] - outputs["chunk by chunk"]).abs().max().item()
-            print(f" {prefix_len:6d}  {num_chunks:6d}  {plain * 1e3:14.2f}  {cascade * 1e3:7.2f}"
+            # Microseconds: a short prefix on a fast CPU is not 0.00.
+            print(f" {prefix_len:6d}  {num_chunks:6d}  {plain * 1e3:14.3f}  {cascade * 1e3:7.3f}"
                   f"  {cascade / plain:5.2f}  {difference:.1e}")
 
 
@@ -65,9 +67,8 @@ def time_step(args, backends, prefix_len: int, num_chunks: int):
         starts.append(starts[-1] + chunk_len)
     generator = torch.Generator().manual_seed(0)
     num_blocks = prefix_blocks + num_chunks * suffix_blocks
-    shape = (num_blocks, args.kv_heads, block_size, args.head_dim)
-    key_cache = torch.randn(shape, generator=generator)
-    value_cache = torch.randn(shape, generator=generator)
+    shape = TorchSDPABackend().kv_cache_shape(num_blocks, block_size, args.kv_heads, args.head_dim)
+    kv_cache = torch.randn(shape, generator=generator)
     num_tokens = starts[-1]
     query = torch.randn(num_tokens, args.heads, args.head_dim, generator=generator)
     key = torch.randn(num_tokens, args.kv_heads, args.head_dim, generator=generator)
@@ -75,22 +76,19 @@ def time_step(args, backends, prefix_len: int, num_chunks: int):
     scale = args.head_dim**-0.5
     metadata = {}
     for name, backend in backends.items():
-        metadata[name] = AttentionMetadata(
+        metadata[name] = backend.build_metadata(CommonAttentionMetadata(
             slot_mapping=torch.tensor(slots), query_start_loc=starts,
             seq_lens=[prefix_len + chunk_len] * num_chunks, block_tables=tables,
             block_size=block_size,
-        )
-        backend.prepare(metadata[name], torch.device("cpu"))
-    if len(metadata["cascade"].backend_data["cascades"]) != 1:
+        ))
+    if len(metadata["cascade"].cascades) != 1:
         raise SystemExit("The cascade backend did not plan one cascade for the chunks.")
     times: dict[str, list[float]] = {name: [] for name in backends}
     outputs = {}
     for _ in range(args.repeats + 1):  # the first round warms up
         for name, backend in backends.items():
             started = time.perf_counter()
-            outputs[name] = backend.forward(
-                query, key, value, key_cache, value_cache, metadata[name], scale
-            )
+            outputs[name] = backend.forward(query, key, value, kv_cache, metadata[name], scale)
             times[name].append(time.perf_counter() - started)
     return {name: spent[1:] for name, spent in times.items()}, outputs
 

@@ -2,7 +2,7 @@
 GGUF's blocks through kernels/csrc/quant_linear.c's few-row and many-row (panel) kernels,
 and oneDNN's prepacked float32 GEMM.
 
-This is how `model/quantized.py`'s row limits were chosen: the weights stream from memory,
+This is how the GGUF method's row limits (model/layers/quantization/gguf.py) were chosen: the weights stream from memory,
 as in a decode step (one pass over all layers reads the whole model), so the figures are
 per pass over the model, in wall-clock ms: the fastest of `--repeats` passes, the paths
 taking turns, so that load from other processes on the machine skews them alike and least.
@@ -22,8 +22,7 @@ from collections.abc import Callable
 import torch
 
 from tokenserve import LLM
-from tokenserve.model.linear import linear
-from tokenserve.model.llama import _PROJECTIONS
+from tokenserve.model.layers.quantization import UnquantizedLinearMethod
 
 
 def main() -> None:
@@ -37,15 +36,13 @@ def main() -> None:
     args = parser.parse_args()
 
     llm = LLM(args.model, kv_cache_memory="64MiB")
-    model = llm.llm_engine.engine_core.model_runner.model
+    (model,) = llm.llm_engine.collective_rpc(lambda worker: worker.model_runner.model)
+    # Every linear layer (the projections, then the LM head) with both forms of its weight.
     weights = [
-        (layer.packed[name], layer.quantized[name])
-        for layer in model.layers
-        for name in _PROJECTIONS
-        if name in layer.packed and name in layer.quantized
+        (module, module.blocks)
+        for module in model.modules()
+        if getattr(module, "blocks", None) is not None and module.packed_weight is not None
     ]
-    if model.packed_logits is not None and model.quantized_logits is not None:
-        weights.append((model.packed_logits, model.quantized_logits))
     if not weights:
         raise SystemExit("This model has no weights in a quantized block form (is it a GGUF?).")
     print(
@@ -72,12 +69,15 @@ def main() -> None:
 
 def _pass(weights: list, inputs: dict[int, torch.Tensor], path: str) -> None:
     """One product with every weight, on `path`."""
-    for packed, quantized in weights:
+    for layer, quantized in weights:
         x = inputs[quantized.shape[1]]
         if path == "oneDNN":
-            linear(x, torch.empty(0), packed=packed)
+            _ONEDNN.apply(layer, x)
         else:
             quantized.matmul(x, panels=path == "many-row")
+
+
+_ONEDNN = UnquantizedLinearMethod(use_onednn=True)  # a layer's packed weight alone
 
 
 def _best_ms(functions: list[Callable[[], None]], repeats: int) -> list[float]:

@@ -21,9 +21,8 @@ import time
 
 from tokenserve import SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
+from tokenserve.engine.cli_args import add_engine_arguments, engine_args_from
 from tokenserve.engine.llm_engine import LLMEngine
-from tokenserve.entrypoints.cli import add_engine_arguments, engine_args_from
-from tokenserve.model import llama
 
 
 def main() -> None:
@@ -53,10 +52,10 @@ def main() -> None:
         setattr(owner, name, wrapper)
 
     core = engine.engine_core
-    runner = core.model_runner
-    timed(llama, "linear", "linear")
+    (runner,) = core.collective_rpc(lambda worker: worker.model_runner)
+    timed(runner.model.linear_method, "apply", "linear")
     timed(runner.attention, "forward", "attention")
-    timed(runner.attention, "prepare", "attention prepare")
+    timed(runner.attention, "build_metadata", "attention metadata")
     timed(runner, "_sample", "sample")
     timed(runner.model, "forward", "model_forward")
     timed(runner, "execute_model", "execute_model")

@@ -7,7 +7,7 @@ import pytest
 
 from tokenserve import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tokenserve.core.request import Request
-from tokenserve.engine.messages import EngineCoreRequest, make_encoder, make_request_decoder
+from tokenserve.messages.engine_core import make_encoder, make_request_decoder
 
 
 def test_defaults_follow_vllm():
@@ -130,6 +130,6 @@ def test_structured_outputs_from_a_dict():
 def test_structured_outputs_cross_to_the_engine_core(structured):
     params = SamplingParams(structured_outputs=structured)
     request = Request("r", [1, 2], params, eos_token_id=0)
-    wire = make_encoder().encode(EngineCoreRequest.from_request(request))
-    decoded = make_request_decoder().decode(wire).to_request()
+    wire = make_encoder().encode(request.to_engine_core_request())
+    decoded = Request.from_engine_core_request(make_request_decoder().decode(wire))
     assert decoded.sampling_params == params

@@ -4,6 +4,7 @@ from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.entrypoints.llm import LLM
 from tokenserve.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from tokenserve.version import __version__
 
 __all__ = [
     "LLM",
@@ -14,5 +15,5 @@ __all__ = [
     "CompletionOutput",
     "Logprob",
     "EngineArgs",
+    "__version__",
 ]
-__version__ = "0.1.0"

@@ -1,4 +1,5 @@
-"""Resolved engine configuration: the model, the KV cache and the scheduler.
+"""Resolved engine configuration: the model, the KV cache, the scheduler, the executor and
+the CPU kernels.
 
 `EngineArgs` (engine/engine_args.py) turns user-facing arguments into these; every
 value here is validated and final.
@@ -6,7 +7,7 @@ value here is validated and final.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -91,8 +92,60 @@ class SchedulerConfig:
     admission_lookahead_tokens: int = DEFAULT_LOOKAHEAD_TOKENS
 
 
+# The executors the engine core can run the model with (executor/backends.py): "uni", one
+# worker in the engine core's process.
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni",)
+
+
+@dataclass
+class ParallelConfig:
+    distributed_executor_backend: str = "uni"
+
+    def __post_init__(self) -> None:
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(
+                "distributed_executor_backend must be one of "
+                f"{list(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {self.distributed_executor_backend!r}."
+            )
+
+
+# The most rows of a product that go to a GGUF weight's few-row kernel and its many-row
+# (panel) kernel: where they cross each other and oneDNN's float32 GEMM for SmolLM2-135M's
+# shapes (benchmarks/quantized_linear.py).
+DEFAULT_QUANTIZED_MAX_ROWS = 10
+DEFAULT_QUANTIZED_GEMM_MAX_ROWS = 192
+
+
+@dataclass
+class KernelConfig:
+    """Which CPU fast paths the model's layers and the attention backend take (all on by
+    default); switching one off is for comparison, or for a machine without a C compiler."""
+
+    # The C kernels (kernels/): attention's paged decode and K/V writes, RMSNorm, SwiGLU,
+    # rotary, GGUF block products, the fused decode layer. Off: pure-torch code everywhere.
+    disable_c_kernels: bool = False
+    # oneDNN's prepacked float32 GEMM for the linear layers on CPU. Off: F.linear (MKL).
+    disable_onednn: bool = False
+    # A decode-only step of few rows runs each decoder layer as one C call
+    # (model/fused_decode.py). Off: operator by operator (the same results).
+    disable_fused_decode: bool = False
+    # Products of at most this many rows take a GGUF weight's blocks through the few-row
+    # kernel, and above it up to quantized_gemm_max_rows through the many-row kernel; oneDNN
+    # above both. 0 turns a kernel off, both 0 the GGUF block path.
+    quantized_max_rows: int = DEFAULT_QUANTIZED_MAX_ROWS
+    quantized_gemm_max_rows: int = DEFAULT_QUANTIZED_GEMM_MAX_ROWS
+
+    def __post_init__(self) -> None:
+        for name in ("quantized_max_rows", "quantized_gemm_max_rows"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    kernel_config: KernelConfig = field(default_factory=KernelConfig)

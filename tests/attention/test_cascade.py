@@ -1,4 +1,4 @@
-"""Cascade attention (attention/torch_sdpa.py): prefill chunks that continue contexts
+"""Cascade attention (attention/cascade.py, in attention/torch_sdpa.py): prefill chunks that continue contexts
 sharing their first blocks attend to the shared prefix in one call and to the rest of
 their contexts apart, merged by log-sum-exp. Against the same step without it."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenserve.attention import torch_sdpa
-from tokenserve.attention.backend import AttentionMetadata
+from tokenserve.attention.backend import CommonAttentionMetadata
 from tokenserve.attention.torch_sdpa import TorchSDPABackend
 
 BLOCK_SIZE = 16
@@ -34,22 +34,19 @@ def _step(requests, heads=6, kv_heads=2, dim=64, cache_dtype=torch.float32, seed
         key.view(num_tokens, kv_heads, dim),
         value.view(num_tokens, kv_heads, dim),
     )
-    shape = (num_blocks, kv_heads, BLOCK_SIZE, dim)
-    caches = (torch.randn(shape, generator=generator).to(cache_dtype),
-              torch.randn(shape, generator=generator).to(cache_dtype))
-    return query_start_loc, slots, tensors, caches
+    shape = TorchSDPABackend().kv_cache_shape(num_blocks, BLOCK_SIZE, kv_heads, dim)
+    kv_cache = torch.randn(shape, generator=generator).to(cache_dtype)
+    return query_start_loc, slots, tensors, kv_cache
 
 
-def _run(backend, requests, query_start_loc, slots, tensors, caches):
-    metadata = AttentionMetadata(
+def _run(backend, requests, query_start_loc, slots, tensors, kv_cache):
+    metadata = backend.build_metadata(CommonAttentionMetadata(
         slot_mapping=torch.tensor(slots), query_start_loc=query_start_loc,
         seq_lens=[seq_len for _, seq_len, _ in requests],
         block_tables=[table for _, _, table in requests], block_size=BLOCK_SIZE,
-    )
-    backend.prepare(metadata, torch.device("cpu"))
-    key_cache, value_cache = caches[0].clone(), caches[1].clone()
-    output = backend.forward(*tensors, key_cache, value_cache, metadata, 0.125)
-    return output, metadata.backend_data
+    ))
+    output = backend.forward(*tensors, kv_cache.clone(), metadata, 0.125)
+    return output, metadata
 
 
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "torch"])
@@ -74,13 +71,13 @@ def test_cascade_matches_attention_chunk_by_chunk(use_kernels, cache_dtype):
         TorchSDPABackend(use_kernels=use_kernels, cascade=False), requests, *pieces
     )
     cascaded, data = _run(TorchSDPABackend(use_kernels=use_kernels), requests, *pieces)
-    assert plain_data["cascades"] == []
-    assert [(c.prefix_len, len(c.rows)) for c in data["cascades"]] == [
+    assert plain_data.cascades == []
+    assert [(c.prefix_len, len(c.rows)) for c in data.cascades] == [
         (prefix_len, 20 + 20 + 7),
         (70 * BLOCK_SIZE, 16 + 9),
     ]
     # Left per chunk: the first chunk and the chunk that shares nothing.
-    assert [(start, end) for start, end, _, _ in data["prefills"]] == [(48, 78), (103, 108)]
+    assert [(chunk.start, chunk.end) for chunk in data.prompt_chunks] == [(48, 78), (103, 108)]
     torch.testing.assert_close(cascaded, plain, rtol=1e-5, atol=1e-5)
 
 
@@ -100,5 +97,5 @@ def test_no_cascade_below_the_threshold_or_for_a_single_chunk():
     pieces = _step(requests)
     plain, _ = _run(TorchSDPABackend(cascade=False), requests, *pieces)
     output, data = _run(TorchSDPABackend(), requests, *pieces)
-    assert data["cascades"] == []
+    assert data.cascades == []
     assert torch.equal(output, plain)

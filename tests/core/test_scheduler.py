@@ -5,6 +5,7 @@ from __future__ import annotations
 from tokenserve.config import CacheConfig, SchedulerConfig
 from tokenserve.core.request import Request, RequestStatus
 from tokenserve.core.scheduler import Scheduler
+from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.sampling_params import SamplingParams
 
 from .invariants import check_block_pool_invariants
@@ -38,7 +39,7 @@ def step(scheduler):
         for rid in output.num_scheduled_tokens
         if scheduler.requests[rid].num_computed_tokens == scheduler.requests[rid].num_tokens
     }
-    scheduler.update_from_output(output, sampled)
+    scheduler.update_from_output(output, ModelRunnerOutput(list(sampled), list(sampled.values())))
     check_block_pool_invariants(scheduler.kv_cache_manager)
     return output
 

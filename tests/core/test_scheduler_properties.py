@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tokenserve.config import CacheConfig, SchedulerConfig
 from tokenserve.core.request import Request, RequestStatus
 from tokenserve.core.scheduler import Scheduler
+from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.sampling_params import SamplingParams
 
 from .invariants import check_block_pool_invariants
@@ -54,7 +55,7 @@ def run_step(scheduler: Scheduler, step_index: int) -> None:
         assert request.num_computed_tokens <= request.num_tokens
         if request.num_computed_tokens == request.num_tokens:
             sampled[request_id] = [(step_index + len(request_id)) % VOCAB]
-    scheduler.update_from_output(output, sampled)
+    scheduler.update_from_output(output, ModelRunnerOutput(list(sampled), list(sampled.values())))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

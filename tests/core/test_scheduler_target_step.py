@@ -11,6 +11,7 @@ from tokenserve.config import CacheConfig, SchedulerConfig
 from tokenserve.core.request import Request, RequestStatus
 from tokenserve.core.scheduler import MIN_PREFILL_TOKENS, Scheduler
 from tokenserve.core.step_cost import StepCostModel, StepShape
+from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.sampling_params import SamplingParams
 
 from .invariants import check_block_pool_invariants
@@ -55,7 +56,7 @@ def step(scheduler: Scheduler, speed: float = 1.0):
         for rid in output.num_scheduled_tokens
         if scheduler.requests[rid].num_computed_tokens == scheduler.requests[rid].num_tokens
     }
-    scheduler.update_from_output(output, sampled)
+    scheduler.update_from_output(output, ModelRunnerOutput(list(sampled), list(sampled.values())))
     check_block_pool_invariants(scheduler.kv_cache_manager)
     if scheduler.step_cost_model is not None and not output.is_empty:
         shape = StepShape.of(output)

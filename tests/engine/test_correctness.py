@@ -9,8 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tokenserve import LLM, SamplingParams, kernels
-from tokenserve.model import linear
+from tokenserve import LLM, SamplingParams
 
 MAX_TOKENS = 24
 PROMPT_LENGTHS = (1, 5, 17, 33, 64, 100, 250)
@@ -84,27 +83,16 @@ def test_greedy_matches_transformers(tiny_model_dirs, prompts, references, archi
     assert stats.kv_cache_usage == 0.0
 
 
-@pytest.fixture
-def pure_torch(monkeypatch: pytest.MonkeyPatch):
-    """No C kernels and no oneDNN packing: the fallback path of a machine without them."""
-    monkeypatch.setenv(kernels.DISABLE_ENV, "1")
-    monkeypatch.setenv(linear.DISABLE_ENV, "1")
-    for cached in (kernels._load, kernels.layer_ops, kernels.paged_attention):
-        cached.cache_clear()
-    yield
-    monkeypatch.undo()
-    for cached in (kernels._load, kernels.layer_ops, kernels.paged_attention):
-        cached.cache_clear()
-
-
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-def test_pure_torch_path_matches_transformers(
-    tiny_model_dirs, prompts, references, architecture, pure_torch
-):
-    llm = LLM(tiny_model_dirs[architecture], kv_cache_memory="64MiB", max_num_batched_tokens=64)
-    runner = llm.llm_engine.engine_core.model_runner
+def test_pure_torch_path_matches_transformers(tiny_model_dirs, prompts, references, architecture):
+    """No C kernels and no oneDNN packing: the fallback path of a machine without them."""
+    llm = LLM(tiny_model_dirs[architecture], kv_cache_memory="64MiB", max_num_batched_tokens=64,
+              disable_c_kernels=True, disable_onednn=True)
+    (runner,) = llm.llm_engine.collective_rpc(lambda worker: worker.model_runner)
     assert runner.attention.ops is None
-    assert runner.model.layers[0].packed == {} and runner.model.norm.ops is None
+    layer = runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.packed_weight is None and layer.input_layernorm.ops is None
+    assert layer.self_attn.rotary_emb.ops is None and layer.mlp.act_fn.ops is None
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for output, expected in zip(outputs, references[architecture]):
@@ -114,9 +102,10 @@ def test_pure_torch_path_matches_transformers(
 def test_default_path_uses_the_cpu_kernels(tiny_model_dirs):
     """The test above is about the fallback; the suite's other tests run this path."""
     llm = LLM(tiny_model_dirs["llama"], kv_cache_memory="64MiB")
-    runner = llm.llm_engine.engine_core.model_runner
+    (runner,) = llm.llm_engine.collective_rpc(lambda worker: worker.model_runner)
     assert runner.attention.ops is not None
-    assert set(runner.model.layers[0].packed) == {
-        "qkv_weight", "o_weight", "gate_up_weight", "down_weight"
-    }
-    assert runner.model.norm.ops is not None and runner.model.packed_logits is not None
+    layer = runner.model.model.layers[0]
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+               layer.mlp.down_proj, runner.model.lm_head)
+    assert all(linear.packed_weight is not None for linear in linears)
+    assert runner.model.model.norm.ops is not None and layer.self_attn.rotary_emb.ops is not None

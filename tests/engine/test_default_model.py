@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -9,9 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tokenserve import LLM, SamplingParams
-from tokenserve.attention.backend import AttentionMetadata
+from tokenserve.attention.backend import CommonAttentionMetadata
+from tokenserve.config import KernelConfig
 from tokenserve.model.loader import iterate_quantized_weights, iterate_weights
-from tokenserve.model.registry import build_model
+from tokenserve.model.registry import build_model, process_weights_after_loading
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +33,16 @@ def test_chat_answers_paris(default_llm):
 
 def _logits_for_prompt(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     """Every position's logits from our model, for one prompt written into fresh blocks."""
-    runner = llm.llm_engine.engine_core.model_runner
+    (runner,) = llm.llm_engine.collective_rpc(lambda worker: worker.model_runner)
     block_size = runner.block_size
     num_blocks = -(-len(token_ids) // block_size)
-    metadata = AttentionMetadata(
+    metadata = runner.attention.build_metadata(CommonAttentionMetadata(
         slot_mapping=torch.arange(len(token_ids)),
         query_start_loc=[0, len(token_ids)],
         seq_lens=[len(token_ids)],
         block_tables=[list(range(num_blocks))],
         block_size=block_size,
-    )
-    runner.attention.prepare(metadata, runner.device)
+    ))
     with torch.inference_mode():
         hidden = runner.model(
             torch.tensor(token_ids), torch.arange(len(token_ids)), runner.kv_caches, metadata
@@ -79,22 +80,26 @@ def test_too_long_prompt_is_refused_and_engine_keeps_serving(default_llm):
 def test_gguf_block_copies_hold_the_float_weights(default_llm):
     """The quantized decode path multiplies by the very weights of the float32 path: each
     block copy (fused, q/k rows reordered) dequantizes bit for bit to its float32 weight."""
-    runner = default_llm.llm_engine.engine_core.model_runner
+    (runner,) = default_llm.llm_engine.collective_rpc(lambda worker: worker.model_runner)
     model_config = runner.config.model_config
-    model = build_model(model_config, runner.attention)  # unpacked: the float weights stay
-    model.load_weights(iterate_weights(model_config.files))
-    count = model.load_quantized_weights(iterate_quantized_weights(model_config.files))
-    assert count == 4 * len(model.layers) + 1
-    for layer in (model.layers[0], model.layers[-1]):
-        assert set(layer.quantized) == {"qkv_weight", "o_weight", "gate_up_weight", "down_weight"}
-        for name, weight in layer.quantized.items():
-            assert torch.equal(weight.dequantize(), getattr(layer, name)), name
-    assert torch.equal(model.quantized_logits.dequantize(), model.embed_tokens)
+    # Not packed for oneDNN: the float weights stay.
+    model = build_model(model_config, runner.attention, KernelConfig(disable_onednn=True))
+    files = model_config.files
+    model.load_weights(itertools.chain(iterate_weights(files), iterate_quantized_weights(files)))
+    process_weights_after_loading(model)
+    assert model.linear_method.num_block_weights == 4 * len(model.model.layers) + 1
+    for layer in (model.model.layers[0], model.model.layers[-1]):
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                       layer.mlp.down_proj):
+            assert torch.equal(linear.blocks.dequantize(), linear.weight)
+    assert torch.equal(model.lm_head.blocks.dequantize(), model.model.embed_tokens.weight)
 
 
 def test_greedy_output_same_with_and_without_the_quantized_path(default_llm):
-    model = default_llm.llm_engine.engine_core.model_runner.model
-    copies = [model.quantized_logits, *(w for layer in model.layers for w in layer.quantized.values())]
+    (model,) = default_llm.llm_engine.collective_rpc(lambda worker: worker.model_runner.model)
+    copies = [module.blocks for module in model.modules()
+              if getattr(module, "blocks", None) is not None]
+    assert len(copies) == 4 * len(model.model.layers) + 1
     assert all(copy is not None for copy in copies) and copies[0].max_rows > 0
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
     params = SamplingParams(temperature=0.0, max_tokens=32)
@@ -104,11 +109,14 @@ def test_greedy_output_same_with_and_without_the_quantized_path(default_llm):
 
     with_blocks = greedy()
     limits = [(copy.max_rows, copy.gemm_max_rows) for copy in copies]
+    layer_stack = model.model.layer_stack
     try:
         for copy in copies:
             copy.max_rows = copy.gemm_max_rows = 0  # every product on the float32 weights
+        layer_stack.enabled = False  # the fused layer reads the blocks too
         without_blocks = greedy()
     finally:
         for copy, (limit, gemm_limit) in zip(copies, limits):
             copy.max_rows, copy.gemm_max_rows = limit, gemm_limit
+        layer_stack.enabled = True
     assert with_blocks == without_blocks

@@ -49,7 +49,8 @@ def test_bad_settings_are_refused(tiny_model_dirs, kwargs, message):
     ],
 )
 def test_target_step_ms_flag_reaches_the_scheduler_config(tiny_model_dirs, argv):
-    from tokenserve.entrypoints.cli import build_parser, engine_args_from
+    from tokenserve.engine.cli_args import engine_args_from
+    from tokenserve.entrypoints.cli import build_parser
 
     engine_args = engine_args_from(build_parser().parse_args(argv))
     engine_args.model = tiny_model_dirs["llama"]
@@ -59,7 +60,8 @@ def test_target_step_ms_flag_reaches_the_scheduler_config(tiny_model_dirs, argv)
 
 
 def test_prefill_order_flag_reaches_the_scheduler_config(tiny_model_dirs):
-    from tokenserve.entrypoints.cli import build_parser, engine_args_from
+    from tokenserve.engine.cli_args import engine_args_from
+    from tokenserve.entrypoints.cli import build_parser
 
     parser = build_parser()
     for argv, expected in (
@@ -75,7 +77,8 @@ def test_prefill_order_flag_reaches_the_scheduler_config(tiny_model_dirs):
 
 
 def test_admission_lookahead_flag_reaches_the_scheduler_config(tiny_model_dirs):
-    from tokenserve.entrypoints.cli import build_parser, engine_args_from
+    from tokenserve.engine.cli_args import engine_args_from
+    from tokenserve.entrypoints.cli import build_parser
 
     parser = build_parser()
     for argv, expected in (
@@ -124,7 +127,8 @@ def test_bfloat16_kv_cache_holds_twice_the_tokens_and_rounds_what_it_reads(tiny_
     for kv_cache_dtype in ("auto", "bfloat16"):
         llm = LLM(model, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=16,
                   kv_cache_memory="8MiB")
-        assert llm.llm_engine.engine_core.model_runner.kv_caches[0][0].dtype == (
+        (runner,) = llm.llm_engine.collective_rpc(lambda worker: worker.model_runner)
+        assert runner.kv_caches[0][0].dtype == (
             torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32
         )
         [output] = llm.generate([prompt], params, use_tqdm=False)
@@ -138,7 +142,7 @@ def test_bfloat16_kv_cache_holds_twice_the_tokens_and_rounds_what_it_reads(tiny_
 
 def test_bfloat16_is_selectable(tiny_model_dirs):
     llm = LLM(tiny_model_dirs["qwen2"], dtype="bfloat16", kv_cache_memory="8MiB")
-    runner = llm.llm_engine.engine_core.model_runner
+    (runner,) = llm.llm_engine.collective_rpc(lambda worker: worker.model_runner)
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
     assert next(runner.model.parameters()).dtype == torch.bfloat16
     [output] = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),

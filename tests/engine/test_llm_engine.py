@@ -38,7 +38,7 @@ def engine(tiny_model_dirs) -> LLMEngine:
 
 def stream(engine: LLMEngine, params: SamplingParams) -> list:
     script = engine.tokenizer.encode(EMOJI_CJK_TEXT)
-    runner = engine.engine_core.model_runner
+    (runner,) = engine.collective_rpc(lambda worker: worker.model_runner)
     runner.sampler = ScriptedSampler(runner.sampler, script)
     engine.add_request("r", "The capital of France is", params)
     outputs = []

@@ -8,8 +8,8 @@ import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenserve.core.scheduler import EngineCoreOutput
 from tokenserve.engine.output_processor import OutputProcessor
+from tokenserve.messages.engine_core import EngineCoreOutput
 from tokenserve.sampling_params import RequestOutputKind, SamplingParams
 
 EMOJI_CJK_TEXT = "Hi 😀 你好, 🎉 世界! café ñ 🇫🇷 end"

@@ -1,6 +1,5 @@
-"""The C kernels against plain PyTorch: paged decode attention, RMSNorm (with the fused
-residual add), SwiGLU and rotary embeddings; and the attention backend with and without
-them on one mixed batch."""
+"""The C kernels against plain PyTorch: paged decode attention and K/V writes, RMSNorm (with
+the fused residual add), SwiGLU and rotary embeddings."""
 
 from __future__ import annotations
 
@@ -8,22 +7,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenserve import kernels
-from tokenserve.attention.backend import AttentionMetadata
-from tokenserve.attention.torch_sdpa import TorchSDPABackend
+from tokenserve.kernels import layer_ops, paged_attention
 
 
 @pytest.fixture(scope="module")
-def ops() -> kernels.LayerOps:
+def ops() -> layer_ops.LayerOps:
     # The kernels are the default CPU path: on a machine with a C compiler they must build.
-    layer_ops = kernels.layer_ops()
-    assert layer_ops is not None, "the C kernels did not build (see the warning in the log)"
-    return layer_ops
+    loaded = layer_ops.load()
+    assert loaded is not None, "the C kernels did not build (see the warning in the log)"
+    return loaded
 
 
 @pytest.fixture(scope="module")
-def paged() -> kernels.PagedAttentionOps:
-    paged_ops = kernels.paged_attention()
+def paged() -> paged_attention.PagedAttentionOps:
+    paged_ops = paged_attention.load()
     assert paged_ops is not None, "the C kernels did not build (see the warning in the log)"
     return paged_ops
 
@@ -196,69 +193,3 @@ def test_rotary_in_place_on_fused_qkv_views(ops):
     torch.testing.assert_close(q, expected_q)
     torch.testing.assert_close(k, expected_k)
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], untouched)  # values stay as they were
-
-
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_backend_same_output_with_and_without_kernels(paged, cache_dtype):
-    """One step mixing decode rows, a first prefill chunk and a chunk continuing a cached
-    context: the kernel path and the pure-torch path agree (writes bit for bit)."""
-    generator = torch.Generator().manual_seed(4)
-    heads, kv_heads, dim, block_size, num_blocks = 6, 2, 64, 16, 64
-    # Request 0: decode at 40 tokens; 1: a 20-token first chunk; 2: decode at 1 token;
-    # 3: a 5-token chunk after 30 cached tokens.
-    query_lens, seq_lens = [1, 20, 1, 5], [40, 20, 1, 35]
-    tables = [[3, 9, 4], [10, 11], [20], [30, 31, 32]]
-    query_start_loc = [0]
-    for n in query_lens:
-        query_start_loc.append(query_start_loc[-1] + n)
-    slots = []
-    for n, seq_len, table in zip(query_lens, seq_lens, tables):
-        slots += [table[p // block_size] * block_size + p % block_size
-                  for p in range(seq_len - n, seq_len)]
-    num_tokens = query_start_loc[-1]
-    # Views into one fused QKV tensor, as the model passes them.
-    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim, generator=generator)
-    query, key, value = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-    query = query.view(num_tokens, heads, dim)
-    key, value = key.view(num_tokens, kv_heads, dim), value.view(num_tokens, kv_heads, dim)
-    base_k = torch.randn(num_blocks, kv_heads, block_size, dim, generator=generator).to(cache_dtype)
-    base_v = torch.randn(num_blocks, kv_heads, block_size, dim, generator=generator).to(cache_dtype)
-
-    outputs, caches = [], []
-    for backend in (TorchSDPABackend(use_kernels=True), TorchSDPABackend(use_kernels=False)):
-        metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots), query_start_loc=query_start_loc,
-            seq_lens=seq_lens, block_tables=tables, block_size=block_size,
-        )
-        backend.prepare(metadata, torch.device("cpu"))
-        key_cache, value_cache = base_k.clone(), base_v.clone()
-        outputs.append(backend.forward(query, key, value, key_cache, value_cache, metadata, 0.125))
-        caches.append((key_cache, value_cache))
-    assert TorchSDPABackend(use_kernels=True).ops is not None
-    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
-    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
-
-
-def test_build_is_cached_and_keyed_by_machine(tmp_path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("TOKENSERVE_CACHE_DIR", str(tmp_path))
-    first = kernels.build("layer_ops")
-    assert first.startswith(str(tmp_path)) and first.endswith(".so")
-    modified = (tmp_path / "kernels").stat().st_mtime_ns
-    assert kernels.build("layer_ops") == first  # cached: not rebuilt
-    assert (tmp_path / "kernels").stat().st_mtime_ns == modified
-    monkeypatch.setattr(kernels, "_cpu_identity", lambda: "another machine")
-    assert kernels.build("layer_ops") != first
-
-
-def test_without_a_compiler_the_kernels_are_none(tmp_path, monkeypatch: pytest.MonkeyPatch,
-                                                 caplog: pytest.LogCaptureFixture):
-    monkeypatch.setenv("TOKENSERVE_CACHE_DIR", str(tmp_path))  # nothing built there yet
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    kernels._load.cache_clear()
-    try:
-        with pytest.raises(kernels.KernelBuildError, match="no C compiler"):
-            kernels.build("layer_ops")
-        assert kernels._load("layer_ops") is None
-        assert "pure-torch" in caplog.text
-    finally:
-        kernels._load.cache_clear()

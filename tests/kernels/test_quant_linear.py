@@ -1,4 +1,6 @@
-"""Products with GGUF block-quantized weights (kernels/csrc/quant_linear.c, model/quantized.py)."""
+"""Products with GGUF block-quantized weights (kernels/csrc/quant_linear.c, and the weights' block
+form in model/layers/quantization/gguf.py). How the GGUF method routes a layer's products:
+tests/model/layers/test_quantization.py."""
 
 from __future__ import annotations
 
@@ -8,9 +10,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from tokenserve import kernels
-from tokenserve.model.linear import linear, pack_weight
-from tokenserve.model.quantized import QuantizedWeight
+from tokenserve.kernels import quant_linear
+from tokenserve.model.layers.quantization.gguf import QuantizedWeight
 
 KINDS = ("Q4_1", "Q8_0")
 
@@ -26,7 +27,7 @@ def _quantized(kind: str, rows: int, width: int, seed: int = 0) -> tuple[Quantiz
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
     # The kernels are the default CPU path: on a machine with a C compiler they must build.
-    assert kernels.quant_linear() is not None, "the C kernels did not build (see the log)"
+    assert quant_linear.load() is not None, "the C kernels did not build (see the log)"
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -104,46 +105,10 @@ def test_many_row_kernel_refuses_output_rows_off_its_panels():
     torch.testing.assert_close(weight.matmul(x), x @ reference.T, rtol=1e-5, atol=1e-5)
 
 
-def test_linear_routes_by_rows_to_each_kernel_then_onednn(monkeypatch):
-    # A quantized copy that deliberately differs from the float weight shows which one ran.
-    float_weight = torch.randn(16, 64)
-    quantized, reference = _quantized("Q8_0", 16, 64)
-    quantized.max_rows, quantized.gemm_max_rows = 4, 8
-    packed = pack_weight(float_weight)
-    bias = torch.randn(16)
-    ops = kernels.quant_linear()
-    kernels_run: list[bool] = []
-    original = ops.bind
-
-    def recording_bind(kind, qs, scales):
-        bound = original(kind, qs, scales)
-
-        def run(x, panels=False):
-            kernels_run.append(panels)
-            return bound(x, panels)
-
-        return run
-
-    monkeypatch.setattr(ops, "bind", recording_bind)
-    for num_rows, expected_weight, expected_kernels in [
-        (4, reference, [False]),  # the few-row kernel
-        (5, reference, [True]),  # the many-row kernel
-        (8, reference, [True]),
-        (9, float_weight, []),  # oneDNN
-    ]:
-        kernels_run.clear()
-        x = torch.randn(num_rows, 64)
-        torch.testing.assert_close(
-            linear(x, float_weight, bias, packed, quantized), x @ expected_weight.T + bias,
-            rtol=1e-5, atol=1e-5,
-        )
-        assert kernels_run == expected_kernels, num_rows
-
-    # Output rows off the many-row kernel's panels: oneDNN above max_rows.
-    narrow, _ = _quantized("Q8_0", 8, 64)
-    narrow.max_rows, narrow.gemm_max_rows = 4, 8
-    x = torch.randn(6, 64)
-    torch.testing.assert_close(
-        linear(x, float_weight[:8], None, pack_weight(float_weight[:8]), narrow),
-        x @ float_weight[:8].T, rtol=1e-5, atol=1e-5,
-    )
+def test_narrow_takes_rows_and_whole_blocks_of_columns():
+    for kind in KINDS:
+        weight, reference = _quantized(kind, 8, 128)
+        assert torch.equal(weight.narrow(0, 2, 4).dequantize(), reference[2:6])
+        assert torch.equal(weight.narrow(1, 64, 64).dequantize(), reference[:, 64:])
+        with pytest.raises(ValueError, match="whole 32-weight blocks"):
+            weight.narrow(1, 16, 64)

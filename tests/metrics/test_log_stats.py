@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from tokenserve.core.scheduler import SchedulerStats
+from tokenserve.messages.engine_core import SchedulerStats
 from tokenserve.metrics.log_stats import LoggingStatLogger
 from tokenserve.metrics.stats import IterationStats
 

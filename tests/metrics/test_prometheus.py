@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenserve.core.scheduler import SchedulerStats
+from tokenserve.messages.engine_core import SchedulerStats
 from tokenserve.metrics.prometheus import PrometheusStatLogger
 from tokenserve.metrics.stats import IterationStats
 

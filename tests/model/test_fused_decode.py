@@ -8,17 +8,19 @@ import torch
 
 from tokenserve import LLM, SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
-from tokenserve.model.fused_decode import FusedDecode
-from tokenserve.model.linear import DISABLE_ENV as DISABLE_ONEDNN_ENV
+from tokenserve.config import KernelConfig
+from tokenserve.model.fused_decode import FusedDecodeLayerStack
+
+
+def _model(llm: LLM):
+    (model,) = llm.llm_engine.collective_rpc(lambda worker: worker.model_runner.model)
+    return model
 
 
 def _generate(llm: LLM, fused: bool, num_prompts: int):
     """Greedy tokens and top-2 logprobs for prompts of different lengths; the fused path on
     or off."""
-    model = llm.llm_engine.engine_core.model_runner.model
-    if model._fused_decode is None:
-        model._fused_decode = FusedDecode(model)
-    model._fused_decode.usable = fused
+    _model(llm).model.layer_stack.enabled = fused
     prompts = [
         prompt[: 20 + 9 * index]
         for index, prompt in enumerate(random_token_prompts(num_prompts, 128, 49152, seed=3))
@@ -44,45 +46,58 @@ def _generate(llm: LLM, fused: bool, num_prompts: int):
 
 @pytest.fixture
 def fused_calls(monkeypatch) -> list[int]:
+    """The rows of each step the fused path took."""
     calls: list[int] = []
-    original = FusedDecode.forward
+    original = FusedDecodeLayerStack.__call__
 
-    def counting(self, hidden_states, *args):
-        calls.append(hidden_states.shape[0])
-        return original(self, hidden_states, *args)
+    def counting(self, positions, hidden_states, *args):
+        if self.takes(hidden_states.shape[0], args[-1]):
+            calls.append(hidden_states.shape[0])
+        return original(self, positions, hidden_states, *args)
 
-    monkeypatch.setattr(FusedDecode, "forward", counting)
+    monkeypatch.setattr(FusedDecodeLayerStack, "__call__", counting)
     return calls
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
 def test_fused_layers_equal_operators_one_by_one(kv_cache_dtype, fused_calls):
     llm = LLM(kv_cache_memory="128MiB", kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
-    assert FusedDecode(llm.llm_engine.engine_core.model_runner.model).usable
+    assert _model(llm).model.layer_stack.max_rows == 192
     expected = _generate(llm, fused=False, num_prompts=5)
     assert fused_calls == []
     assert _generate(llm, fused=True, num_prompts=5) == expected
     assert fused_calls and set(fused_calls) <= {1, 2, 3, 4, 5}
 
 
-def test_fused_layers_add_a_qkv_bias_pick_each_kernel_and_leave_large_steps_alone(
-    fused_calls, monkeypatch
-):
-    # Unpacked float32 weights for the prompts' products: oneDNN's packed forms were made
+def test_fused_layers_add_a_qkv_bias_pick_each_kernel_and_leave_large_steps_alone(fused_calls):
+    # Dense float32 weights for the prompts' products: oneDNN's packed forms were made
     # without the bias added below.
-    monkeypatch.setenv(DISABLE_ONEDNN_ENV, "1")
-    llm = LLM(kv_cache_memory="128MiB", enable_prefix_caching=False)
-    model = llm.llm_engine.engine_core.model_runner.model
+    llm = LLM(kv_cache_memory="128MiB", enable_prefix_caching=False, disable_onednn=True)
+    model = _model(llm).model
     generator = torch.Generator().manual_seed(0)
     for layer in model.layers:
-        layer.qkv_bias = 0.1 * torch.randn(layer.qkv_weight.shape[0], generator=generator)
+        qkv_proj = layer.self_attn.qkv_proj
+        qkv_proj.bias = torch.nn.Parameter(
+            0.1 * torch.randn(qkv_proj.weight.shape[0], generator=generator), requires_grad=False
+        )
         # Row limits low enough for 12 requests to step through all three regimes: 1-4 rows
         # on the few-row kernel, 5-8 on the many-row one, 9-12 not fused.
-        for weight in layer.quantized.values():
-            weight.max_rows, weight.gemm_max_rows = 4, 8
-    model._fused_decode = FusedDecode(model)
-    assert model._fused_decode.max_rows == 8
+        for linear in (qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                       layer.mlp.down_proj):
+            linear.blocks.max_rows, linear.blocks.gemm_max_rows = 4, 8
+    model.layer_stack = FusedDecodeLayerStack(model.layers, KernelConfig())
+    assert model.layer_stack.max_rows == 8
     expected = _generate(llm, fused=False, num_prompts=12)
     assert _generate(llm, fused=True, num_prompts=12) == expected
     assert set(fused_calls) & {1, 2, 3, 4} and set(fused_calls) & {5, 6, 7, 8}
     assert max(fused_calls) <= 8
+
+
+def test_the_settings_turn_the_fused_path_off(tiny_model_dirs):
+    default = _model(LLM(kv_cache_memory="64MiB")).model.layer_stack
+    off = _model(LLM(kv_cache_memory="64MiB", disable_fused_decode=True)).model.layer_stack
+    assert default.enabled and default.max_rows == 192
+    assert not off.enabled and off.ops is None
+    # A model without GGUF blocks (a Hugging Face checkpoint) has nothing to fuse.
+    hf_model = _model(LLM(tiny_model_dirs["llama"], kv_cache_memory="64MiB"))
+    assert hf_model.model.layer_stack.max_rows == 0

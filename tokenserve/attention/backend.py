@@ -1,28 +1,29 @@
-"""The attention-backend interface: how a layer writes new K/V into the paged cache
-and attends over each request's blocks.
+"""The attention-backend interface: what the model runner hands a backend each step, what
+the backend hands the model's layers, and how it lays out and allocates the KV cache.
 
-The model runner builds one `AttentionMetadata` per step; every layer of the model
-reuses it. A backend may precompute what it needs from it once per step
-(`prepare`), so that per-layer work is only the attention itself.
+Each step the runner builds one `CommonAttentionMetadata` (the flat batch as every backend
+sees it) and asks the backend to turn it into its own typed `AttentionMetadata` once
+(`build_metadata`), so that per-layer work is only the attention itself. The model passes
+that object and each layer's cache through to `forward` without looking inside either.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 
 @dataclass
-class AttentionMetadata:
-    """The flat batch of one step, as attention needs it.
+class CommonAttentionMetadata:
+    """The flat batch of one step, as the runner builds it for any backend.
 
-    Requests are laid out one after another in the token dimension: request i owns
-    rows query_start_loc[i]:query_start_loc[i+1]. `seq_lens[i]` is its context length
-    once this step's tokens are written (cached + new), so its queries sit at the last
-    query_len positions of that context.
+    Requests are laid out one after another in the token dimension: request i owns rows
+    query_start_loc[i]:query_start_loc[i+1] (any number of them: a prompt chunk, one decode
+    token, or several tokens of a running request). `seq_lens[i]` is its context length once
+    this step's tokens are written (cached + new), so its queries sit at the last query_len
+    positions of that context.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes
@@ -30,25 +31,58 @@ class AttentionMetadata:
     seq_lens: list[int]  # [num_reqs]
     block_tables: list[list[int]]  # per request, its block ids
     block_size: int
-    # Filled by the backend's prepare(): whatever it derives once per step.
-    backend_data: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens)
 
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
     def query_len(self, index: int) -> int:
         return self.query_start_loc[index + 1] - self.query_start_loc[index]
 
 
+@dataclass
+class AttentionMetadata:
+    """A backend's per-step metadata; each backend subclasses it with typed fields."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_tokens: int
+
+
 class AttentionBackend(ABC):
-    """One implementation per device family (CPU, CUDA, ...); one instance per engine."""
+    """One implementation per device family (CPU, CUDA, ...); one instance per engine. It
+    owns the KV cache's layout: the runner allocates through it and the model only passes
+    each layer's cache back to `forward`."""
 
     name: str
 
     @abstractmethod
-    def prepare(self, metadata: AttentionMetadata, device: torch.device) -> None:
-        """Derive per-step data (index tensors, masks) once, before the layers run."""
+    def kv_cache_shape(
+        self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """The shape of one layer's cache (keys and values together)."""
+
+    def allocate_kv_cache(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> list[torch.Tensor]:
+        """One cache per layer. Zeroed, not empty: padded gathers may read unused slots,
+        which must hold finite values."""
+        shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @abstractmethod
+    def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
+        """Derive the step's index tensors, masks and plans once, before the layers run."""
 
     @abstractmethod
     def forward(
@@ -56,20 +90,8 @@ class AttentionBackend(ABC):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
-        value_cache: torch.Tensor,
+        kv_cache: torch.Tensor,  # one layer's, as allocate_kv_cache made it
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write key/value into their slots, then attend causally over each request's context."""
-
-
-def get_attention_backend(
-    device: torch.device, dtype: torch.dtype, cascade: bool = True
-) -> AttentionBackend:
-    if device.type == "cpu":
-        from tokenserve.attention.torch_sdpa import TorchSDPABackend
-
-        # The C decode kernel is fp32; other dtypes take the pure-torch path.
-        return TorchSDPABackend(use_kernels=dtype == torch.float32, cascade=cascade)
-    raise ValueError(f"No attention backend for device type {device.type!r} yet (only 'cpu').")

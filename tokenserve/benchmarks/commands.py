@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import functools
+from collections.abc import Callable
 from typing import Any
 
+from tokenserve.benchmarks import serve, throughput
+from tokenserve.engine.cli_args import add_engine_arguments, engine_args_from
 
-def add_bench_parser(subcommands: Any) -> None:
-    """Add `bench throughput` and `bench serve` to the `tokenserve` subcommands."""
-    # Imported here: cli.py imports this module while it builds its parser.
-    from tokenserve.benchmarks import serve, throughput
-    from tokenserve.entrypoints.cli import add_engine_arguments
 
+def add_bench_parser(subcommands: Any, llm_class: Callable[..., Any]) -> None:
+    """Add `bench throughput` and `bench serve` to the `tokenserve` subcommands.
+
+    `llm_class` is the offline engine `bench throughput` measures: the command line passes
+    its `LLM` (benchmarks sit below the command line and import nothing of entrypoints).
+    """
     bench = subcommands.add_parser("bench", help="Measure throughput and latency.")
     kinds = bench.add_subparsers(dest="bench_command", required=True)
 
@@ -24,7 +29,7 @@ def add_bench_parser(subcommands: Any) -> None:
     )
     throughput.add_arguments(offline)
     add_engine_arguments(offline, positional_model=False)
-    offline.set_defaults(handler=_run_throughput)
+    offline.set_defaults(handler=functools.partial(_run_throughput, llm_class=llm_class))
 
     online = kinds.add_parser(
         "serve",
@@ -37,16 +42,11 @@ def add_bench_parser(subcommands: Any) -> None:
     online.set_defaults(handler=_run_serve_benchmark)
 
 
-def _run_throughput(args: argparse.Namespace) -> int:
-    from tokenserve.benchmarks import throughput
-    from tokenserve.entrypoints.cli import engine_args_from
-
-    throughput.run(args, vars(engine_args_from(args)))
+def _run_throughput(args: argparse.Namespace, llm_class: Callable[..., Any]) -> int:
+    throughput.run(args, vars(engine_args_from(args)), llm_class)
     return 0
 
 
 def _run_serve_benchmark(args: argparse.Namespace) -> int:
-    from tokenserve.benchmarks import serve
-
     report = serve.run(args)
     return 0 if report["summary"]["failed"] == 0 else 1

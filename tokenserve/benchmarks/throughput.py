@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tokenserve.benchmarks.datasets import random_token_prompts
+from tokenserve.sampling_params import SamplingParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,9 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--output-json", default=None, help="Write the result here as JSON.")
 
 
-def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    from tokenserve import LLM, SamplingParams
-
+def run(
+    args: argparse.Namespace, engine_kwargs: dict[str, Any], llm_class: Callable[..., Any]
+) -> dict[str, Any]:
+    """Measure `llm_class(**engine_kwargs).generate` (`LLM`, which the command line passes in)."""
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1.")
@@ -36,7 +39,7 @@ def run(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> dict[str, An
         raise ValueError("--prefix-len must not be negative.")
 
     started = time.perf_counter()
-    llm = LLM(**engine_kwargs)
+    llm = llm_class(**engine_kwargs)
     load_seconds = time.perf_counter() - started
     vocab_size = llm.llm_engine.config.model_config.vocab_size
     prompts = random_token_prompts(

@@ -1,21 +1,26 @@
 """The engine core: schedule → execute → update, one step at a time.
 
 It sees token ids only (never text, never HTTP). The offline LLMEngine drives it in
-process; a server drives the same class in its own process.
+process; a server drives the same class in its own process. It never holds the model:
+an executor (executor/abstract.py) runs it on its workers.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
 from tokenserve.config import EngineConfig
 from tokenserve.core.request import Request, RequestStatus
-from tokenserve.core.scheduler import EngineCoreOutput, Scheduler, SchedulerStats
-from tokenserve.core.scheduler_output import SchedulerOutput
+from tokenserve.core.scheduler import Scheduler
 from tokenserve.core.step_cost import StepCostModel, StepShape
+from tokenserve.executor.abstract import Executor
+from tokenserve.executor.backends import get_executor_class
+from tokenserve.messages.engine_core import EngineCoreOutput, SchedulerStats
+from tokenserve.messages.scheduler_output import SchedulerOutput
 from tokenserve.structured_output.manager import StructuredOutputManager
-from tokenserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -24,13 +29,20 @@ GRAMMAR_WAIT_S = 0.005
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
-        """`tokenizer` (optional) spares structured outputs loading it again."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        load_tokenizer: Callable[[], Any] | None = None,
+        executor_class: type[Executor] | None = None,
+    ) -> None:
+        """`load_tokenizer` returns the tokenizer, for structured outputs (which call it on
+        their first compile); `executor_class` (optional) replaces the one
+        `distributed_executor_backend` names."""
         self.config = config
         started = time.perf_counter()
-        self.model_runner = ModelRunner(config)
-        self.model_runner.load_model()
-        self.model_runner.initialize_kv_cache()
+        executor_class = executor_class or get_executor_class(config)
+        self.executor = executor_class(config)
+        self.executor.initialize_kv_cache()
         # With a target step time, every step's wall time (schedule → execute → update) teaches
         # the cost model the scheduler sizes prefill with. `clock` is replaceable in tests.
         self.step_cost_model: StepCostModel | None = None
@@ -40,7 +52,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler_config, config.cache_config, self.step_cost_model
         )
-        self.structured_output_manager = StructuredOutputManager(config, tokenizer)
+        self.structured_output_manager = StructuredOutputManager(config, load_tokenizer)
         # What the latest step scheduled; the engine-core process reads it for its stats.
         self.last_scheduler_output: SchedulerOutput | None = None
         logger.info(
@@ -71,13 +83,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         self.last_scheduler_output = scheduler_output
         grammar_bitmask = self.structured_output_manager.grammar_bitmask(scheduler_output)
-        runner_output = self.model_runner.execute_model(scheduler_output, grammar_bitmask)
-        outputs += self.scheduler.update_from_output(
-            scheduler_output,
-            runner_output.sampled_token_ids,
-            runner_output.logprobs,
-            runner_output.prompt_logprobs,
-        )
+        runner_output = self.executor.execute_model(scheduler_output, grammar_bitmask)
+        outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
         if self.step_cost_model is not None and not scheduler_output.is_empty:
             self.step_cost_model.record(StepShape.of(scheduler_output), self.clock() - started)
         if scheduler_output.is_empty and self.structured_output_manager.has_compiling_requests:
@@ -106,3 +113,15 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run a worker method (or `method(worker, ...)`) on every worker: one result each."""
+        return self.executor.collective_rpc(method, args, kwargs)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

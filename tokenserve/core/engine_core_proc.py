@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -26,7 +27,8 @@ import zmq
 
 from tokenserve.config import EngineConfig
 from tokenserve.core.engine_core import EngineCore
-from tokenserve.engine.messages import (
+from tokenserve.core.request import Request
+from tokenserve.messages.engine_core import (
     EngineCoreOutputs,
     EngineCoreRequestType,
     make_abort_decoder,
@@ -50,8 +52,11 @@ def run_engine_core(
     output_address: str,
     ready_pipe: Connection,
     parent_pid: int,
+    load_tokenizer: Callable[[], Any] | None = None,
 ) -> None:
-    """The process entry point: build the engine core, report ready, loop until told to stop."""
+    """The process entry point: build the engine core, report ready, loop until told to stop.
+    `load_tokenizer` returns the tokenizer for structured outputs (picklable: the API
+    process passes it, as the engine core does not import model code)."""
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(asctime)s [engine core] %(name)s: %(message)s"
     )
@@ -59,7 +64,7 @@ def run_engine_core(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_system_exit)
     try:
-        engine_core = EngineCore(config)
+        engine_core = EngineCore(config, load_tokenizer)
     except BaseException as error:  # the parent must learn why, whatever it was
         ready_pipe.send({"status": "failed", "error": f"{type(error).__name__}: {error}"})
         ready_pipe.close()
@@ -78,6 +83,7 @@ def run_engine_core(
         exit_code = 1
     finally:
         proc.close()
+        engine_core.shutdown()
     # Everything is flushed and closed; skip the interpreter's teardown (seconds with torch
     # loaded), which would only delay the API process joining us.
     logging.shutdown()
@@ -137,7 +143,7 @@ class EngineCoreProc:
             return False
         if kind == EngineCoreRequestType.ADD.name:
             try:
-                self.engine_core.add_request(payload.to_request())
+                self.engine_core.add_request(Request.from_engine_core_request(payload))
             except ValueError as error:
                 # The API process makes unique ids; this only guards the invariant.
                 logger.error("Refused request %s: %s", payload.request_id, error)

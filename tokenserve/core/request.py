@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tokenserve.messages.engine_core import EngineCoreRequest
 from tokenserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -63,6 +64,9 @@ class Request:
     # Prompt tokens served from the prefix cache the first time the request was scheduled.
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    # Draft tokens proposed after the last token (speculative decoding), verified in the
+    # request's next step; never part of all_token_ids, block hashes or stop checks.
+    spec_token_ids: list[int] = field(default_factory=list)
     # Hashes of the request's full blocks, extended as tokens are appended.
     block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: int | str | None = None
@@ -72,6 +76,32 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @classmethod
+    def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
+        return cls(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=request.sampling_params,
+            eos_token_id=request.eos_token_id,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+            skip_prefix_cache=request.skip_prefix_cache,
+        )
+
+    def to_engine_core_request(self) -> EngineCoreRequest:
+        """The wire form of a request not yet added (the API process sends it)."""
+        return EngineCoreRequest(
+            request_id=self.request_id,
+            prompt_token_ids=list(self.prompt_token_ids),
+            sampling_params=self.sampling_params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=self.arrival_time,
+            priority=self.priority,
+            cache_salt=self.cache_salt,
+            skip_prefix_cache=self.skip_prefix_cache,
+        )
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -88,6 +118,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def wait_for_grammar(self) -> None:
+        """Not admitted until its structured-output grammar is compiled (the manager's call)."""
+        self.status = RequestStatus.WAITING_FOR_GRAMMAR
+
+    def grammar_ready(self) -> None:
+        self.status = RequestStatus.WAITING
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

@@ -3,7 +3,8 @@
 One rule: bring each request's `num_computed_tokens` up to its `num_tokens`. A step is
 composed in two passes:
 1. Decode rows first: every running request with one token to compute gets it, wherever
-   it stands in `running`.
+   it stands in `running`, with the draft tokens proposed after it (speculative decoding)
+   as far as the budget goes.
 2. Prompt chunks next, from what the token budget has left: running requests still
    computing their prompt and the waiting requests at the head of the queue (as many as
    `max_num_seqs` leaves room for), fewest remaining prompt tokens first, ties by
@@ -19,6 +20,8 @@ running request is preempted: it gives back its blocks and waits to be recompute
 Admission and preemption never share a step. With a target step time (`target_step_ms`),
 a `TargetStepBudget` caps the prompt tokens of each step on top of its decodes
 (core/step_cost.py).
+After the step, each sampled request takes its new tokens one by one up to its first stop
+(core/stop_checks.py); drafts the model rejected are taken back from `num_computed_tokens`.
 """
 
 from __future__ import annotations
@@ -32,42 +35,14 @@ from tokenserve.core.kv_cache_manager import KVCacheManager
 from tokenserve.core.kv_lookahead import admission_fits
 from tokenserve.core.request import Request, RequestStatus
 from tokenserve.core.request_queue import create_request_queue, order_for_prefill
-from tokenserve.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenserve.core.step_cost import PrefillBudget, StepCostModel, StepShape, TargetStepBudget
-from tokenserve.sample.logprobs import LogprobsLists
+from tokenserve.core.stop_checks import append_until_stop
+from tokenserve.messages.engine_core import EngineCoreOutput, LogprobsLists, SchedulerStats
+from tokenserve.messages.model_runner_output import ModelRunnerOutput
+from tokenserve.messages.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 # With a target step time, the prompt tokens a step gets however slow its decodes are.
 MIN_PREFILL_TOKENS = 16
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one request (token ids only: no text here)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    # One position per new token, when the request asked for logprobs.
-    new_logprobs: LogprobsLists | None = None
-    # Every prompt position but the first, once, with the first new token.
-    new_prompt_logprobs: LogprobsLists | None = None
-
-
-@dataclass
-class SchedulerStats:
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    # The latest step's token budget: max_num_batched_tokens, or with a target step time
-    # its decode rows plus what a fresh prompt could get under the target.
-    token_budget: int | None = None
-    # The step-cost model's prediction for the latest step (target step time only).
-    predicted_step_ms: float | None = None
 
 
 @dataclass
@@ -171,6 +146,7 @@ class Scheduler:
         if self._schedule_decodes(plan):
             self._schedule_prompt_chunks(plan, prefill_budget)
 
+        scheduled_drafts = self._take_drafts(plan)
         output = SchedulerOutput(
             scheduled_new_reqs=[self._new_request_data(r) for r in plan.scheduled_new],
             scheduled_cached_reqs=[
@@ -181,6 +157,7 @@ class Scheduler:
             ],
             num_scheduled_tokens=plan.num_scheduled_tokens,
             total_num_scheduled_tokens=sum(plan.num_scheduled_tokens.values()),
+            scheduled_spec_decode_tokens=scheduled_drafts,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in plan.preempted},
         )
@@ -193,26 +170,28 @@ class Scheduler:
         return output
 
     def update_from_output(
-        self,
-        scheduler_output: SchedulerOutput,
-        sampled_token_ids: dict[str, list[int]],
-        logprobs: dict[str, LogprobsLists] | None = None,
-        prompt_logprobs: dict[str, LogprobsLists] | None = None,
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        """Append sampled tokens, apply stop conditions, free finished requests."""
-        logprobs = logprobs or {}
-        prompt_logprobs = prompt_logprobs or {}
+        """Append each sampled request's new tokens up to its first stop, free finished requests.
+
+        A request's new tokens are checked one by one (EOS, stop token ids, the grammar,
+        max_tokens, max_model_len); those after a stop are dropped, with their logprobs.
+        """
         outputs = []
-        for request_id, new_token_ids in sampled_token_ids.items():
+        for request_id, generated in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids
+        ):
             request = self.requests.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # Aborted or preempted while the step ran.
-            request.append_output_token_ids(new_token_ids)
-            if request.structured_output_request is not None:
-                request.structured_output_request.accept_tokens(
-                    request_id, request.output_token_ids, len(new_token_ids)
-                )
-            self._check_stop(request)
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(request_id, [])
+            assert 1 <= len(generated) <= len(drafts) + 1, "accepted drafts plus one token"
+            # Rejected drafts were computed for nothing: their slots are written again later.
+            request.num_computed_tokens -= len(drafts) + 1 - len(generated)
+            new_token_ids = append_until_stop(request, generated, self.config.max_model_len)
+            logprobs = model_runner_output.logprobs.get(request_id)
+            if logprobs is not None and len(new_token_ids) < len(generated):
+                logprobs = _first_positions(logprobs, len(new_token_ids))
             outputs.append(
                 EngineCoreOutput(
                     request_id=request_id,
@@ -220,14 +199,22 @@ class Scheduler:
                     finish_reason=request.status.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
-                    new_logprobs=logprobs.get(request_id),
-                    new_prompt_logprobs=prompt_logprobs.get(request_id),
+                    new_logprobs=logprobs,
+                    new_prompt_logprobs=model_runner_output.prompt_logprobs.get(request_id),
                 )
             )
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
         return outputs
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Take a proposer's draft tokens (they replace earlier ones): a running request
+        verifies them in the next step that schedules it (speculative decoding's hook)."""
+        for request_id, token_ids in draft_token_ids.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = list(token_ids)
 
     def make_stats(self) -> SchedulerStats:
         stats = self.kv_cache_manager.prefix_cache_stats
@@ -254,9 +241,29 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted this step, for an earlier row
-            if not self._schedule_running(request, 1, plan, may_preempt=True):
+            num_new_tokens = 1 + self._num_drafts(request, plan.token_budget - 1)
+            if not self._schedule_running(request, num_new_tokens, plan, may_preempt=True):
                 return False
         return True
+
+    def _num_drafts(self, request: Request, room: int) -> int:
+        """How many of a decode row's drafts its step verifies: as many as `room` tokens
+        hold, none at a position no request computes (max_model_len - 1 and on: a request
+        ends when its token at max_model_len - 1 is appended)."""
+        room = min(room, self.config.max_model_len - 1 - request.num_tokens)
+        return max(0, min(len(request.spec_token_ids), room))
+
+    def _take_drafts(self, plan: StepPlan) -> dict[str, list[int]]:
+        """The drafts each scheduled request verifies this step. A step that computes a
+        request consumes its drafts: after it they no longer follow its last token."""
+        scheduled_drafts = {}
+        for request in (*plan.scheduled_running, *plan.scheduled_new):
+            num_pending = request.num_tokens - request.num_computed_tokens
+            num_drafts = plan.num_scheduled_tokens[request.request_id] - num_pending
+            if num_drafts > 0:
+                scheduled_drafts[request.request_id] = request.spec_token_ids[:num_drafts]
+            request.spec_token_ids = []
+        return scheduled_drafts
 
     def _schedule_prompt_chunks(self, plan: StepPlan, prefill_budget: PrefillBudget) -> None:
         """Grant the rest of the budget to prompts: running requests still computing theirs,
@@ -385,7 +392,8 @@ class Scheduler:
         decode_shape = StepShape()
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens == 1:
-                decode_shape.add(request.num_computed_tokens, 1)
+                num_drafts = self._num_drafts(request, self.config.max_num_batched_tokens)
+                decode_shape.add(request.num_computed_tokens, 1 + num_drafts)
         return TargetStepBudget(
             self.step_cost_model,
             target_ms,
@@ -394,28 +402,6 @@ class Scheduler:
             self.config.max_num_batched_tokens,
             chunked=self.config.enable_chunked_prefill,
         )
-
-    def _check_stop(self, request: Request) -> None:
-        params = request.sampling_params
-        last_token = request.output_token_ids[-1]
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and last_token == request.eos_token_id:
-                request.status = RequestStatus.FINISHED_STOPPED
-                return
-            if last_token in (params.stop_token_ids or ()):
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = last_token
-                return
-        if request.structured_output_request is not None and (
-            request.structured_output_request.is_terminated()
-        ):
-            # The grammar is complete and accepted its stop token (even with ignore_eos).
-            request.status = RequestStatus.FINISHED_STOPPED
-            return
-        if (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens) or (
-            request.num_tokens >= self.config.max_model_len
-        ):
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
 
     def _choose_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -445,3 +431,9 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             eos_token_id=request.eos_token_id,
         )
+
+
+def _first_positions(logprobs: LogprobsLists, count: int) -> LogprobsLists:
+    return LogprobsLists(
+        logprobs.token_ids[:count], logprobs.logprobs[:count], logprobs.ranks[:count]
+    )

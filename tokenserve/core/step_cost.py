@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from tokenserve.core.scheduler_output import SchedulerOutput
+    from tokenserve.messages.scheduler_output import SchedulerOutput
 
 # Feature scales: they keep the fitted coefficients of comparable size.
 TOKEN_SCALE = 1e3

@@ -20,13 +20,12 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from tokenserve.config import EngineConfig
-from tokenserve.core.scheduler import SchedulerStats
 from tokenserve.engine.core_client import EngineCoreClient, EngineDeadError
 from tokenserve.engine.engine_args import EngineArgs
-from tokenserve.engine.messages import EngineCoreRequest
 from tokenserve.engine.output_processor import OutputProcessor
 from tokenserve.engine.parallel_sampling import fan_out
 from tokenserve.engine.processor import Processor, PromptType
+from tokenserve.messages.engine_core import SchedulerStats
 from tokenserve.metrics.log_stats import LOG_INTERVAL_S, LoggingStatLogger
 from tokenserve.metrics.stats import RequestStatsTracker, StatLogger
 from tokenserve.model.loader import load_tokenizer
@@ -245,7 +244,7 @@ class AsyncLLM:
                 self.stats_tracker.add_request(
                     core_request.request_id, request.arrival_time, request.num_prompt_tokens
                 )
-                await self.engine_core.add_request(EngineCoreRequest.from_request(core_request))
+                await self.engine_core.add_request(core_request.to_engine_core_request())
         except BaseException:
             self.abort(request_id)
             raise

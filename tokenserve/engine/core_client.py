@@ -9,6 +9,7 @@ The process's sentinel is watched on the event loop, so a dead engine is known a
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import multiprocessing
 import shutil
@@ -21,13 +22,14 @@ import zmq.asyncio
 
 from tokenserve.config import EngineConfig
 from tokenserve.core.engine_core_proc import run_engine_core
-from tokenserve.engine.messages import (
+from tokenserve.messages.engine_core import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
     make_encoder,
     make_outputs_decoder,
 )
+from tokenserve.model.loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,9 @@ class EngineCoreClient:
                 output_address,
                 ready_writer,
                 multiprocessing.current_process().pid,
+                functools.partial(
+                    load_tokenizer, config.model_config.files, config.model_config.tokenizer
+                ),
             ),
             name="tokenserve-engine-core",
             daemon=True,

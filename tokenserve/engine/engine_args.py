@@ -15,10 +15,14 @@ import torch
 
 from tokenserve.config import (
     DEFAULT_LOOKAHEAD_TOKENS,
+    DEFAULT_QUANTIZED_GEMM_MAX_ROWS,
+    DEFAULT_QUANTIZED_MAX_ROWS,
     PREFILL_ORDERS,
     CacheConfig,
     EngineConfig,
+    KernelConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from tokenserve.model.loader import resolve_model
@@ -55,15 +59,13 @@ def parse_memory(value: int | float | str) -> int:
     return int(float(match.group(1)) * _MEMORY_UNITS[unit])
 
 
-# A step's token budget on CPU, by measurement (docs/BENCHMARKS.md, "Defaults"): W1's
-# throughput at 512 was no lower than at 2048 (285 vs 273 total tok/s, back to back), and
-# a smaller prefill chunk makes a shorter step, which every running decode waits for.
+# A step's token budget on CPU: no less W1 throughput than 2048, and a shorter step, which
+# every running decode waits for (docs/benchmarks/cpu-hot-path.md, "Defaults").
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 
 # Tokens per KV block on CPU, as vLLM's CPU backend defaults to: a decode row's context is
 # read in runs of block_size tokens per kv head, and longer runs stream faster from memory
-# (docs/BENCHMARKS.md, "KV blocks of 128 tokens": the decode kernel alone 21 % faster than
-# at 16; W1 end to end within noise). Prefix caching reuses whole blocks only;
+# (docs/benchmarks/cpu-hot-path.md). Prefix caching reuses whole blocks only;
 # --block-size 16 reuses shorter shared prefixes.
 DEFAULT_BLOCK_SIZE = 128
 
@@ -102,6 +104,16 @@ class EngineArgs:
     # Prefill chunks that share a long cached prefix attend to it in one call (cascade
     # attention); True: each chunk attends to its whole context alone.
     disable_cascade_attn: bool = False
+    # What runs the model's workers (executor/abstract.py): "uni", one worker in the
+    # engine core's process.
+    distributed_executor_backend: str = "uni"
+    # The CPU fast paths (config.KernelConfig): off switches for comparison, and the row
+    # limits of the GGUF block kernels.
+    disable_c_kernels: bool = False
+    disable_onednn: bool = False
+    disable_fused_decode: bool = False
+    quantized_max_rows: int = DEFAULT_QUANTIZED_MAX_ROWS
+    quantized_gemm_max_rows: int = DEFAULT_QUANTIZED_GEMM_MAX_ROWS
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -109,6 +121,14 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         self._validate_numbers()
+        parallel_config = ParallelConfig(self.distributed_executor_backend)
+        kernel_config = KernelConfig(
+            disable_c_kernels=self.disable_c_kernels,
+            disable_onednn=self.disable_onednn,
+            disable_fused_decode=self.disable_fused_decode,
+            quantized_max_rows=self.quantized_max_rows,
+            quantized_gemm_max_rows=self.quantized_gemm_max_rows,
+        )
         files = resolve_model(self.model)
         hf_config = files.hf_config
         model_config = ModelConfig(
@@ -168,7 +188,9 @@ class EngineArgs:
             prefill_order=self.prefill_order,
             admission_lookahead_tokens=self.admission_lookahead_tokens,
         )
-        return EngineConfig(model_config, cache_config, scheduler_config)
+        return EngineConfig(
+            model_config, cache_config, scheduler_config, parallel_config, kernel_config
+        )
 
     def _validate_numbers(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):

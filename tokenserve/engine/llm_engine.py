@@ -6,13 +6,16 @@ here, around the engine core, never inside it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from tokenserve.config import EngineConfig
 from tokenserve.core.engine_core import EngineCore
-from tokenserve.core.scheduler import SchedulerStats
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.engine.output_processor import OutputProcessor
 from tokenserve.engine.parallel_sampling import fan_out
 from tokenserve.engine.processor import Processor, PromptType
+from tokenserve.messages.engine_core import SchedulerStats
 from tokenserve.model.loader import load_tokenizer
 from tokenserve.outputs import RequestOutput
 from tokenserve.sampling_params import SamplingParams
@@ -24,7 +27,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model_config.files, config.model_config.tokenizer)
         self.processor = Processor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(config, self.tokenizer)
+        self.engine_core = EngineCore(config, load_tokenizer=lambda: self.tokenizer)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -71,3 +74,12 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_core.reset_prefix_cache()
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run a worker method (or `method(worker, ...)`) on every worker: one result each."""
+        return self.engine_core.collective_rpc(method, args, kwargs)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from tokenserve.messages.engine_core import LogprobsLists
 from tokenserve.outputs import Logprob, LogprobsDict
-from tokenserve.sample.logprobs import LogprobsLists
 
 
 class LogprobsDecoder:

@@ -20,13 +20,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tokenserve.core.scheduler import EngineCoreOutput
 from tokenserve.engine.detokenizer import IncrementalDetokenizer
 from tokenserve.engine.logprobs import LogprobsDecoder
 from tokenserve.engine.parallel_sampling import (
     ParentRequest,
     child_sampling_params,
 )
+from tokenserve.messages.engine_core import EngineCoreOutput
 from tokenserve.outputs import (
     CompletionOutput,
     PromptLogprobs,

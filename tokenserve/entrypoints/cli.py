@@ -6,84 +6,14 @@ import argparse
 import logging
 import sys
 
-from tokenserve.config import PREFILL_ORDERS
-from tokenserve.engine.engine_args import KV_CACHE_DTYPES, EngineArgs, parse_memory
-
-MODEL_HELP = "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)."
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool) -> None:
-    """Engine flags, with vLLM's names."""
-    defaults = EngineArgs()
-    if positional_model:
-        parser.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
-    else:
-        parser.add_argument("--model", default=None, help=MODEL_HELP)
-    parser.add_argument("--tokenizer", default=None, help="Tokenizer directory, if not the model's own.")
-    parser.add_argument("--dtype", default=defaults.dtype,
-                        help="auto (float32 on CPU), float32, bfloat16 or float16.")
-    parser.add_argument("--seed", type=int, default=defaults.seed, help="Random seed.")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="Longest prompt + output in tokens (default: the model's own limit).")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
-                        help="Token budget of one engine step (default: 512 with chunked prefill, "
-                             "else max(max_model_len, 512)).")
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
-                        help="Most requests running at once.")
-    parser.add_argument("--block-size", type=int, default=defaults.block_size,
-                        help="Tokens per KV cache block (default 128, as vLLM on CPU).")
-    parser.add_argument("--kv-cache-memory", default=None,
-                        help="KV cache size: bytes or e.g. '4GiB' (default 4GiB on CPU).")
-    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES),
-                        default=defaults.kv_cache_dtype,
-                        help="What the KV cache stores: 'auto' (the model's dtype) or "
-                             "'bfloat16' (half a float32 cache's bytes: twice the tokens in "
-                             "--kv-cache-memory and less to read each decode step; keys and "
-                             "values rounded to 8 significant bits).")
-    parser.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="Number of KV cache blocks (overrides --kv-cache-memory).")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                        default=defaults.enable_prefix_caching, help="Reuse KV of shared prefixes.")
-    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                        default=defaults.enable_chunked_prefill,
-                        help="Split long prompts across steps.")
-    parser.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
-                        help="Most logprobs (and prompt logprobs) a request may ask for.")
-    parser.add_argument("--disable-cascade-attn", action="store_true",
-                        default=defaults.disable_cascade_attn,
-                        help="Attend each prefill chunk over its whole context alone, instead "
-                             "of a long prefix shared by several chunks once for all of them.")
-    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
-                        default=defaults.scheduling_policy, help="Order of admission and preemption.")
-    parser.add_argument("--prefill-order", choices=list(PREFILL_ORDERS),
-                        default=defaults.prefill_order,
-                        help="Which prompts get a step's tokens once every decode has its token: "
-                             "'shortest' remaining prompt first (a short request is not stuck "
-                             "behind a long one; equal lengths stay first come first served) or "
-                             "'arrival' (started prompts, then the waiting queue). Under "
-                             "--scheduling-policy priority, prompts always go in priority order.")
-    parser.add_argument("--admission-lookahead-tokens", type=int,
-                        default=defaults.admission_lookahead_tokens,
-                        help="Admit a request only if the running requests and it fit the KV "
-                             "cache over their next this many tokens (each bounded by its "
-                             "max_tokens; a finished request frees its blocks): fewer "
-                             "preemptions when the cache is full. 0: admit whenever the prompt "
-                             "fits.")
-    parser.add_argument("--target-step-ms", type=float, default=defaults.target_step_ms,
-                        help="Target engine-step time in ms: each step's prompt tokens are sized "
-                             "from the measured step cost to keep it within the target (every "
-                             "decode still gets its token; prefill gets at least 16 tokens a step). "
-                             "Default: no target, --max-num-batched-tokens alone limits a step.")
-
-
-def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
-    values = {name: getattr(namespace, name) for name in EngineArgs.field_names() if hasattr(namespace, name)}
-    return EngineArgs(**values)
+from tokenserve.benchmarks.commands import add_bench_parser
+from tokenserve.engine.cli_args import add_engine_arguments, engine_args_from
+from tokenserve.engine.engine_args import parse_memory
+from tokenserve.entrypoints.llm import LLM
+from tokenserve.sampling_params import SamplingParams
 
 
 def _run_chat(args: argparse.Namespace) -> int:
-    from tokenserve import LLM, SamplingParams
-
     llm = LLM(**vars(engine_args_from(args)))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     messages = [{"role": "user", "content": args.message}]
@@ -93,8 +23,6 @@ def _run_chat(args: argparse.Namespace) -> int:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from tokenserve import LLM, SamplingParams
-
     llm = LLM(**vars(engine_args_from(args)))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     for output in llm.generate(args.prompt, params, use_tqdm=False):
@@ -219,9 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--max-tokens", type=int, default=128, help="Most tokens to generate.")
         sub.set_defaults(handler=runner)
 
-    from tokenserve.benchmarks.commands import add_bench_parser  # it uses this module's helpers
-
-    add_bench_parser(subcommands)
+    add_bench_parser(subcommands, LLM)
     return parser
 
 

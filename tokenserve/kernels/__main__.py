@@ -1,6 +1,6 @@
 """`python -m tokenserve.kernels`: build the C kernels ahead of time (scripts/install.sh)."""
 
-from tokenserve.kernels import KERNELS, KernelBuildError, build
+from tokenserve.kernels.build import KERNELS, KernelBuildError, build
 
 if __name__ == "__main__":
     for name in KERNELS:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from tokenserve.core.scheduler import SchedulerStats
+from tokenserve.messages.engine_core import SchedulerStats
 from tokenserve.metrics.stats import IterationStats
 
 logger = logging.getLogger("tokenserve.stats")

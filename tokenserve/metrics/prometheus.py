@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tokenserve.core.scheduler import SchedulerStats
+from tokenserve.messages.engine_core import SchedulerStats
 from tokenserve.metrics.stats import IterationStats
 
 PREFIX = "tokenserve:"

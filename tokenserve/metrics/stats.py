@@ -12,8 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokenserve.core.scheduler import SchedulerStats
-from tokenserve.engine.messages import EngineCoreOutputs
+from tokenserve.messages.engine_core import EngineCoreOutputs, SchedulerStats
 
 
 @dataclass

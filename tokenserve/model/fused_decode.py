@@ -2,111 +2,144 @@
 
 A decode step of a few requests does little work per operator, so the ten calls of a layer
 (two norms, four projections, rotary, the cache write, attention, SwiGLU), each checked in
-Python and each forking and joining the OpenMP threads, cost about as much as the work: at 4
-rows, a third of the step in the engine. When a step is decode only, has at most as many
-rows as the quantized kernels take (192 by default), and every layer's projections have GGUF
-blocks, the model runs each layer as one call instead. The C function calls the same operators in
-the same order, so the results are identical (tests/model/test_fused_decode.py).
-
-`TOKENSERVE_DISABLE_FUSED_DECODE=1` keeps every step on the operator-by-operator path.
+Python and each forking and joining the OpenMP threads, cost about as much as the work
+(docs/benchmarks/cpu-hot-path.md). When a step is decode only on the CPU attention backend's
+C kernels, has at most as many rows as the GGUF block kernels take (192 by default), and
+every layer's projections keep GGUF blocks, the layer stack runs each layer as one call
+instead. decode_layer.c is the llama decoder layer (model/llama.py) written in C: it calls
+the same operators in the same order, so the results are identical
+(tests/model/test_fused_decode.py). It reads what the layers and the backend expose: the
+GGUF method's blocks, the norms' weights, the rotary tables, the backend's typed decode
+batch and its cache layout. `--disable-fused-decode` keeps every step operator by operator.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
+from torch import nn
 
-from tokenserve import kernels
 from tokenserve.attention.backend import AttentionMetadata
+from tokenserve.attention.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
+from tokenserve.config import KernelConfig
+from tokenserve.kernels import decode_layer
+from tokenserve.model.layers.layer_stack import LayerStack
+from tokenserve.model.layers.quantization.gguf import GGUFLinearMethod, QuantizedWeight
 
-DISABLE_ENV = "TOKENSERVE_DISABLE_FUSED_DECODE"
-_PARTS = (("qkv", "qkv_weight"), ("o", "o_weight"), ("gate_up", "gate_up_weight"),
-          ("down", "down_weight"))
+
+def _blocks(linear: nn.Module) -> QuantizedWeight | None:
+    """A linear layer's GGUF blocks, where its quantization method keeps them."""
+    return linear.blocks if isinstance(linear.quant_method, GGUFLinearMethod) else None
 
 
-class FusedDecode:
-    """The fused path for one model: which steps it takes, and running them."""
+def _projections(layer: nn.Module) -> dict[str, nn.Module]:
+    """A llama decoder layer's four linear layers, by decode_layer.c's names for them."""
+    return {
+        "qkv": layer.self_attn.qkv_proj,
+        "o": layer.self_attn.o_proj,
+        "gate_up": layer.mlp.gate_up_proj,
+        "down": layer.mlp.down_proj,
+    }
 
-    def __init__(self, model) -> None:
-        self.model = model
-        self.ops = kernels.decode_layer()
-        # The most rows every projection's quantized copy takes.
-        self.max_rows = min(
-            (weight.row_limit for layer in model.layers for _, name in _PARTS
-             if (weight := layer.quantized.get(name)) is not None),
-            default=0,
-        )
-        self.usable = (
-            self.ops is not None
-            and os.environ.get(DISABLE_ENV, "") in ("", "0")
-            and model.dtype == torch.float32
-            and model.rotary.ops is not None
-            and all(name in layer.quantized for layer in model.layers for _, name in _PARTS)
-        )
+
+class FusedDecodeLayerStack(LayerStack):
+    """The llama layers over a step: a decode step the C layer takes as one call per layer,
+    any other step one operator at a time (`LayerStack`)."""
+
+    def __init__(self, layers: nn.ModuleList, kernel_config: KernelConfig) -> None:
+        super().__init__(layers)
+        wanted = not (kernel_config.disable_fused_decode or kernel_config.disable_c_kernels)
+        self.ops = decode_layer.load() if wanted else None
+        # Whether fused steps are taken (tests compare both ways on one model).
+        self.enabled = self.ops is not None
+        # The most rows every projection's blocks take; None until the first step, when
+        # the weights are final.
+        self._max_rows: int | None = None
         # Layer index → (key cache address, bound layer, the tensors it points into).
-        self._layers: dict[int, tuple] = {}
+        self._bound: dict[int, tuple] = {}
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows of a step taken fused (0: none; the weights must be loaded)."""
+        if self._max_rows is None:
+            self._max_rows = self._row_limit()
+        return self._max_rows
+
+    def _row_limit(self) -> int:
+        rotary = self.layers[0].self_attn.rotary_emb
+        blocks = [_blocks(linear) for layer in self.layers
+                  for linear in _projections(layer).values()]
+        if self.ops is None or rotary.ops is None or any(b is None for b in blocks):
+            return 0
+        return min(b.row_limit for b in blocks if b is not None)
 
     def takes(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
         """A decode-only step of at most max_rows rows, its attention on the C kernels."""
-        if not self.usable or num_tokens > self.max_rows:
-            return False
-        # Every token a decode row: no prompt chunk (nor cascade) in the step.
-        batch = metadata.backend_data.get("decode_batch")
-        return batch is not None and batch.num_rows == num_tokens
+        return (
+            self.enabled
+            and num_tokens <= self.max_rows
+            and isinstance(metadata, TorchSDPAMetadata)
+            and metadata.decode_batch is not None
+            and metadata.is_decode_only
+        )
 
-    def forward(
+    def __call__(
         self,
-        hidden_states: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        hidden_states: torch.Tensor,
+        kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder layers on the step's embeddings: (last layer's output, residual)."""
-        model = self.model
-        first = model.layers[0]
-        key_cache = kv_caches[0][0]
+        if not self.takes(hidden_states.shape[0], metadata):
+            return super().__call__(positions, hidden_states, kv_caches, metadata)
+        assert isinstance(metadata, TorchSDPAMetadata) and self.ops is not None
+        first = self.layers[0]
+        attn, rotary = first.self_attn.attn, first.self_attn.rotary_emb
+        key_cache, _ = TorchSDPABackend.split_kv_cache(kv_caches[0])
         step, _keep = self.ops.step(
-            num_heads=first.num_heads,
-            num_kv_heads=first.num_kv_heads,
-            head_dim=first.head_dim,
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_size,
             hidden=hidden_states.shape[1],
-            intermediate=first.intermediate_size,
+            intermediate=first.mlp.down_proj.input_size_per_partition,
             eps=first.input_layernorm.eps,
-            scale=first.scale,
+            scale=attn.scale,
             positions=positions.contiguous(),
             slots=metadata.slot_mapping,
-            decode_rows=metadata.backend_data["decode_batch"],
-            cos=model.rotary.cos,
-            sin=model.rotary.sin,
+            decode_rows=metadata.decode_batch,
+            cos=rotary.cos,
+            sin=rotary.sin,
             block_size=key_cache.shape[2],
             kv_bf16=key_cache.dtype == torch.bfloat16,
         )
         residual = hidden_states
         out = torch.empty_like(hidden_states)
         spare = torch.empty_like(hidden_states)
-        for index, (layer, (key_cache, value_cache)) in enumerate(zip(model.layers, kv_caches)):
-            bound = self._layer(index, layer, key_cache, value_cache)
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            bound = self._bind(index, layer, kv_cache)
             self.ops.run(bound, step, hidden_states, residual, index > 0, out)
             # This layer's output is the next one's input; its input buffer takes the next
             # output (the first layer's input is the residual stream itself: not reused).
             hidden_states, out = out, (spare if index == 0 else hidden_states)
         return hidden_states, residual
 
-    def _layer(self, index: int, layer, key_cache: torch.Tensor, value_cache: torch.Tensor):
-        cached = self._layers.get(index)
-        if cached is not None and cached[0] == key_cache.data_ptr():
+    def _bind(self, index: int, layer: nn.Module, kv_cache: torch.Tensor):
+        """The layer's weights and caches bound for the C call, once per cache."""
+        cached = self._bound.get(index)
+        if cached is not None and cached[0] == kv_cache.data_ptr():
             return cached[1]
+        assert self.ops is not None
         projections = {}
-        for part, name in _PARTS:
-            weight = layer.quantized[name]
-            bias = layer.qkv_bias if part == "qkv" else None
-            # Above max_rows, linear() takes the many-row kernel (when rows ≤ max_rows
-            # passed above, the weight fits its panels).
-            projections[part] = (weight.kind, weight.qs, weight.scales, bias, weight.max_rows)
+        for part, linear in _projections(layer).items():
+            blocks = _blocks(linear)
+            assert blocks is not None
+            # Above max_rows the many-row kernel, as the GGUF method picks (the weight fits
+            # its panels when the step's rows passed takes()).
+            projections[part] = (blocks.kind, blocks.qs, blocks.scales, linear.bias,
+                                 blocks.max_rows)
+        key_cache, value_cache = TorchSDPABackend.split_kv_cache(kv_cache)
         bound, keep = self.ops.layer(
             projections, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
             key_cache, value_cache,
         )
-        self._layers[index] = (key_cache.data_ptr(), bound, keep)
+        self._bound[index] = (kv_cache.data_ptr(), bound, keep)
         return bound

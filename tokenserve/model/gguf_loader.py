@@ -4,7 +4,8 @@ The config is built directly from the GGUF metadata (fast) rather than through t
 GGUF config path, which parses the whole vocabulary first. Weights are dequantized to float32
 and renamed to Hugging Face names, undoing the q/k row permutation llama.cpp applies at
 conversion time; the Q4_1 / Q8_0 ones are also given in their block form for the quantized
-decode kernels (model/quantized.py). The tokenizer conversion is slow, so its result is cached on disk.
+decode kernels (model/layers/quantization/gguf.py). The tokenizer conversion is slow, so its
+result is cached on disk.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from tokenserve.cache_dir import cache_root
-from tokenserve.model.quantized import QUANTIZED_KINDS, QuantizedWeight
+from tokenserve.model.layers.quantization.gguf import QUANTIZED_KINDS, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -128,8 +129,8 @@ def iterate_gguf_weights(
 def iterate_gguf_quantized_weights(
     path: str, config: transformers.PretrainedConfig
 ) -> Iterator[tuple[str, QuantizedWeight]]:
-    """Yield the Q4_1 and Q8_0 weights in their block form (model/quantized.py), rows in the
-    same order as iterate_gguf_weights gives them."""
+    """Yield the Q4_1 and Q8_0 weights in their block form (model/layers/quantization/gguf.py),
+    rows in the same order as iterate_gguf_weights gives them."""
     reader = _open_reader(path)
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from tokenserve.model import gguf_loader, hf_loader
-from tokenserve.model.quantized import QuantizedWeight
+from tokenserve.model.layers.quantization.gguf import QuantizedWeight
 
 # The model classes tokenserve implements (all share the llama layer layout).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -108,8 +108,8 @@ def iterate_weights(files: LoadedModelFiles) -> Iterator[tuple[str, torch.Tensor
 
 
 def iterate_quantized_weights(files: LoadedModelFiles) -> Iterator[tuple[str, QuantizedWeight]]:
-    """The weights a GGUF file holds in a block form the quantized kernels read (Q4_1, Q8_0);
-    nothing for Hugging Face checkpoints."""
+    """The weights a GGUF file holds in a block form the quantized kernels read (Q4_1, Q8_0),
+    besides their dense form from `iterate_weights`; nothing for Hugging Face checkpoints."""
     if files.format == "gguf":
         return gguf_loader.iterate_gguf_quantized_weights(files.path, files.hf_config)
     return iter(())

@@ -3,7 +3,7 @@
 They are the model's raw logprobs (log_softmax of the logits before temperature,
 penalties or masks), as vLLM returns them by default. On the tensor side one
 `LogprobsTensors` covers a whole step; `LogprobsLists` is the same data as plain lists,
-cut per request, which is what crosses the engine-core boundary (msgspec-encodable).
+cut per request, which is what crosses the engine-core boundary (messages/engine_core.py).
 """
 
 from __future__ import annotations
@@ -12,22 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class LogprobsLists:
-    """Per position: token ids [chosen, top-1, ..., top-k], their logprobs, the chosen rank."""
-
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]  # 1 = the most likely token of the vocabulary
-
-    def __len__(self) -> int:
-        return len(self.ranks)
-
-    def extend(self, other: LogprobsLists) -> None:
-        self.token_ids.extend(other.token_ids)
-        self.logprobs.extend(other.logprobs)
-        self.ranks.extend(other.ranks)
+from tokenserve.messages.engine_core import LogprobsLists
 
 
 @dataclass

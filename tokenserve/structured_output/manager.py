@@ -8,8 +8,10 @@
 - Tokens are accepted by the scheduler (`Request.structured_output_request`) as it
   appends them; a terminated grammar finishes the request with finish_reason "stop".
 
-The vocabulary is needed to compile: the tokenizer is loaded, once, by the first compile
-(in the pool), so an engine that never sees a structured request never loads it.
+The vocabulary is needed to compile: the engine core passes in how to load the tokenizer,
+and the first compile (in the pool) loads it, once, so an engine that never sees a
+structured request never loads it. Requests are the engine core's (`GrammarRequest`
+says what of them this package reads); it imports neither core nor model.
 """
 
 from __future__ import annotations
@@ -18,15 +20,16 @@ import concurrent.futures
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from tokenserve.config import EngineConfig
-from tokenserve.core.request import Request, RequestStatus
-from tokenserve.core.scheduler_output import SchedulerOutput
+from tokenserve.messages.scheduler_output import SchedulerOutput
+from tokenserve.sampling_params import SamplingParams
 from tokenserve.structured_output.request import StructuredOutputRequest
 
 if TYPE_CHECKING:
@@ -45,24 +48,48 @@ class GrammarBitmask:
     bitmask: torch.Tensor  # [len(request_ids), ceil(vocab / 32)] int32
 
 
+class GrammarRequest(Protocol):
+    """What the manager reads and sets of an engine-core request (core/request.py)."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    num_computed_tokens: int
+    structured_output_request: StructuredOutputRequest | None
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def is_finished(self) -> bool: ...
+
+    def wait_for_grammar(self) -> None:
+        """Not to be scheduled until `grammar_ready()`."""
+
+    def grammar_ready(self) -> None:
+        """Back to waiting for the scheduler, its grammar compiled."""
+
+
 class StructuredOutputManager:
-    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+    def __init__(
+        self, config: EngineConfig, load_tokenizer: Callable[[], Any] | None = None
+    ) -> None:
+        """`load_tokenizer`: returns the model's tokenizer; called once, by the first compile."""
         self.config = config
         self.vocab_size = config.model_config.vocab_size
-        # The tokenizer the engine already has (offline), else loaded by the first compile.
-        self._tokenizer = tokenizer
+        self._load_tokenizer = load_tokenizer
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
         self._grammars: OrderedDict[GrammarSpec, Future[CompiledGrammar]] = OrderedDict()
         # Unfinished requests with a grammar, and those of them whose grammar is compiling.
-        self._requests: dict[str, Request] = {}
-        self._compiling: dict[str, Request] = {}
+        self._requests: dict[str, GrammarRequest] = {}
+        self._compiling: dict[str, GrammarRequest] = {}
         self._bitmask: torch.Tensor | None = None
 
     # ---- requests in -----------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: GrammarRequest) -> None:
         from tokenserve.structured_output.grammar import GrammarSpec
 
         params = request.sampling_params.structured_outputs
@@ -75,10 +102,10 @@ class StructuredOutputManager:
         request.structured_output_request = structured
         self._requests[request.request_id] = request
         if not (structured.poll_grammar() and structured.error is None):
-            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            request.wait_for_grammar()
             self._compiling[request.request_id] = request
 
-    def poll_grammars(self) -> list[Request]:
+    def poll_grammars(self) -> list[GrammarRequest]:
         """Release requests whose grammar is compiled; return those whose compile failed."""
         failed = []
         for request_id, request in list(self._compiling.items()):
@@ -89,7 +116,7 @@ class StructuredOutputManager:
             elif structured.poll_grammar():
                 del self._compiling[request_id]
                 if structured.error is None:
-                    request.status = RequestStatus.WAITING
+                    request.grammar_ready()
                 else:
                     failed.append(request)
         return failed
@@ -156,11 +183,11 @@ class StructuredOutputManager:
         return self._compiler.compile(spec)
 
     def _new_compiler(self) -> GrammarCompiler:
-        from tokenserve.model.loader import load_tokenizer
         from tokenserve.structured_output.grammar import GrammarCompiler
 
-        model_config = self.config.model_config
-        tokenizer = self._tokenizer or load_tokenizer(model_config.files, model_config.tokenizer)
+        if self._load_tokenizer is None:
+            raise RuntimeError("Structured outputs need the tokenizer: no load_tokenizer given.")
+        tokenizer = self._load_tokenizer()
         return GrammarCompiler(
             tokenizer, self.vocab_size, max_threads=max(1, (os.cpu_count() or 2) // 2)
         )

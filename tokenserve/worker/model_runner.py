@@ -5,30 +5,31 @@ so that each step only the new tokens and new blocks cross over. Input preparati
 numpy over whole requests; the model sees [num_tokens] ids and positions, no padding.
 Logits are computed for sampled rows and, for requests that asked for prompt logprobs,
 for every prompt position of their chunk (only those rows).
+
+A decode row with draft tokens (`scheduled_spec_decode_tokens`) computes its last token
+followed by its drafts, and is sampled at each of those 1 + k positions: see
+`_verify_drafts` for the acceptance rule and what it supports.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from tokenserve.attention.backend import AttentionMetadata, get_attention_backend
+from tokenserve.attention.backend import CommonAttentionMetadata
+from tokenserve.attention.selector import get_attention_backend
 from tokenserve.config import EngineConfig
-from tokenserve.core.scheduler_output import SchedulerOutput
-from tokenserve.model import quantized
-from tokenserve.model.loader import iterate_quantized_weights, iterate_weights
-from tokenserve.model.registry import build_model
+from tokenserve.messages.model_runner_output import ModelRunnerOutput
+from tokenserve.messages.scheduler_output import SchedulerOutput
+from tokenserve.model.registry import get_model
 from tokenserve.sample.logits_processors import GrammarMask
 from tokenserve.sample.logprobs import LogprobsLists, LogprobsTensors, compute_logprobs
 from tokenserve.sample.sampler import Sampler
 from tokenserve.worker.request_state import CachedRequestState
 from tokenserve.worker.sampling_inputs import build_sampling_metadata
-
-logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from tokenserve.structured_output.manager import GrammarBitmask
@@ -38,15 +39,6 @@ if TYPE_CHECKING:
 _PROMPT_LOGITS_CHUNK = 256
 
 
-@dataclass
-class ModelRunnerOutput:
-    sampled_token_ids: dict[str, list[int]]
-    # Only for requests that asked: the sampled token's logprobs, and (once, in the step
-    # that samples the first token) the whole prompt's.
-    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
-    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device | None = None) -> None:
         self.config = config
@@ -54,7 +46,10 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         model_config = config.model_config
         self.attention = get_attention_backend(
-            self.device, model_config.dtype, cascade=not model_config.disable_cascade_attn
+            self.device,
+            model_config.dtype,
+            cascade=not model_config.disable_cascade_attn,
+            use_c_kernels=not config.kernel_config.disable_c_kernels,
         )
         self.sampler = Sampler()
         self.requests: dict[str, CachedRequestState] = {}
@@ -64,42 +59,25 @@ class ModelRunner:
         # Prompt logprobs gathered so far, across chunks (and preemptions); None once sent.
         self.prompt_logprobs: dict[str, LogprobsLists | None] = {}
         self.model: torch.nn.Module | None = None
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # One per layer, in the attention backend's layout.
+        self.kv_caches: list[torch.Tensor] = []
 
     def load_model(self) -> None:
-        model_config = self.config.model_config
-        torch.manual_seed(model_config.seed)
-        model = build_model(model_config, self.attention)
-        model.load_weights(iterate_weights(model_config.files))
-        self.model = model.to(self.device).eval()
-        if self.device.type == "cpu":
-            if model_config.dtype == torch.float32 and quantized.kernels_available():
-                count = self.model.load_quantized_weights(
-                    iterate_quantized_weights(model_config.files)
-                )
-                if count:
-                    logger.info(
-                        "%d weights also kept in their GGUF block form for products of up "
-                        "to %d rows.", count, max(quantized.max_rows(), quantized.gemm_max_rows()),
-                    )
-            self.model.pack_weights()
+        self.model = get_model(
+            self.config.model_config, self.attention, self.config.kernel_config, self.device
+        )
 
     def initialize_kv_cache(self) -> None:
         model_config = self.config.model_config
-        shape = (
-            self.config.cache_config.num_blocks,
-            model_config.num_kv_heads,
-            self.block_size,
-            model_config.head_dim,
+        self.kv_caches = self.attention.allocate_kv_cache(
+            num_layers=model_config.num_layers,
+            num_blocks=self.config.cache_config.num_blocks,
+            block_size=self.block_size,
+            num_kv_heads=model_config.num_kv_heads,
+            head_size=model_config.head_dim,
+            dtype=self.config.cache_config.dtype,
+            device=self.device,
         )
-        # Zeroed, not empty: padded gathers read unused slots, which must hold finite values.
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.config.cache_config.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.config.cache_config.dtype, device=self.device),
-            )
-            for _ in range(model_config.num_layers)
-        ]
 
     @torch.inference_mode()
     def execute_model(
@@ -109,7 +87,7 @@ class ModelRunner:
         requests (the engine core's StructuredOutputManager fills it)."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput({})
+            return ModelRunnerOutput()
         assert self.model is not None, "load_model() must run before execute_model()"
 
         request_ids = list(scheduler_output.num_scheduled_tokens)
@@ -119,12 +97,21 @@ class ModelRunner:
         logits_indices: list[int] = []
         # request id → (first prompt position of this chunk, flat index of it, count).
         prompt_rows: dict[str, tuple[int, int, int]] = {}
+        all_drafts = scheduler_output.scheduled_spec_decode_tokens
         for request_id in request_ids:
             state = self.requests[request_id]
             num_tokens = scheduler_output.num_scheduled_tokens[request_id]
+            drafts = all_drafts.get(request_id, [])
             start = state.num_computed_tokens
             end = start + num_tokens
-            token_ids.append(state.token_ids[start:end])
+            # The request's own tokens to compute, then its drafts (positions continue).
+            known_end = end - len(drafts)
+            if drafts:
+                assert known_end == state.num_tokens, "drafts follow a request's last token"
+                token_ids.append(state.token_ids[start:known_end])
+                token_ids.append(np.asarray(drafts, dtype=np.int64))
+            else:
+                token_ids.append(state.token_ids[start:end])
             request_positions = np.arange(start, end, dtype=np.int64)
             positions.append(request_positions)
             block_table = np.asarray(state.block_ids, dtype=np.int64)
@@ -133,25 +120,28 @@ class ModelRunner:
                 + request_positions % self.block_size
             )
             if request_id in self.prompt_logprobs:
-                first, count = self._prompt_logprob_positions(state, start, end)
+                first, count = self._prompt_logprob_positions(state, start, known_end)
                 if count > 0:
                     prompt_rows[request_id] = (first, query_start_loc[-1] + first - start, count)
             query_start_loc.append(query_start_loc[-1] + num_tokens)
             seq_lens.append(end)
             block_tables.append(state.block_ids)
-            if end >= state.num_tokens:
-                # The request's last known token is computed: its logits give the next one.
+            if known_end >= state.num_tokens:
+                # The request's last known token is computed: its logits give the next one,
+                # and each draft's logits the token after that draft.
                 sampled_ids.append(request_id)
-                logits_indices.append(query_start_loc[-1] - 1)
+                last = query_start_loc[-1] - 1
+                logits_indices.extend(range(last - len(drafts), last + 1))
 
-        metadata = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-            block_size=self.block_size,
+        metadata = self.attention.build_metadata(
+            CommonAttentionMetadata(
+                slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens,
+                block_tables=block_tables,
+                block_size=self.block_size,
+            )
         )
-        self.attention.prepare(metadata, self.device)
         hidden_states = self.model(
             torch.from_numpy(np.concatenate(token_ids)).to(self.device),
             torch.from_numpy(np.concatenate(positions)).to(self.device),
@@ -161,49 +151,76 @@ class ModelRunner:
         for request_id, rows in prompt_rows.items():
             self._gather_prompt_logprobs(self.requests[request_id], hidden_states, *rows)
         if not sampled_ids:
-            return ModelRunnerOutput({})
-        return self._sample(sampled_ids, hidden_states[logits_indices], grammar_bitmask)
+            return ModelRunnerOutput()
+        return self._sample(sampled_ids, hidden_states[logits_indices], grammar_bitmask, all_drafts)
 
     def _sample(
         self,
         sampled_ids: list[str],
         hidden_states: torch.Tensor,
         grammar_bitmask: GrammarBitmask | None,
+        all_drafts: dict[str, list[int]],
     ) -> ModelRunnerOutput:
+        """Sample each request's rows: one, or 1 + k for a request verifying k drafts."""
         assert self.model is not None
         logits = self.model.compute_logits(hidden_states)
         states = [self.requests[request_id] for request_id in sampled_ids]
+        # One row per sampled position; a draft position's row sees the request as if the
+        # drafts before it had been accepted (they must be, for its token to count).
+        row_states: list[CachedRequestState] = []
+        first_row: dict[str, int] = {}
+        for state in states:
+            first_row[state.request_id] = len(row_states)
+            drafts = all_drafts.get(state.request_id, [])
+            row_states.append(state)
+            row_states.extend(_with_drafts(state, drafts[:i]) for i in range(1, len(drafts) + 1))
         metadata = build_sampling_metadata(
-            states, self.generators, self.config.model_config.vocab_size, self.device
+            row_states, self.generators, self.config.model_config.vocab_size, self.device
         )
         if grammar_bitmask is not None:
-            row_of = {request_id: row for row, request_id in enumerate(sampled_ids)}
             metadata.processors.grammar = GrammarMask(
-                [row_of[request_id] for request_id in grammar_bitmask.request_ids],
+                [first_row[request_id] for request_id in grammar_bitmask.request_ids],
                 grammar_bitmask.bitmask,
             )
         sampler_output = self.sampler(logits, metadata)
-        new_tokens = sampler_output.token_ids.tolist()
+        sampled = sampler_output.token_ids.tolist()
 
-        output = ModelRunnerOutput({})
-        for state, token in zip(states, new_tokens):
+        # Per sampled request its new tokens: one, or the accepted drafts and one more.
+        output = ModelRunnerOutput(req_ids=sampled_ids)
+        logprob_rows: list[int] = []
+        logprob_counts: list[tuple[str, int, int]] = []  # request id, k, positions
+        for state in states:
+            row = first_row[state.request_id]
+            drafts = all_drafts.get(state.request_id, [])
+            new_tokens = _verify_drafts(drafts, sampled[row : row + len(drafts) + 1])
             prompt_logprobs = self.prompt_logprobs.get(state.request_id)
             if prompt_logprobs is not None and state.num_output_tokens == 0:
                 output.prompt_logprobs[state.request_id] = prompt_logprobs
                 self.prompt_logprobs[state.request_id] = None
-            state.append_token(token)
-            output.sampled_token_ids[state.request_id] = [token]
-        if sampler_output.logprobs is not None:
-            rows = [row for row, s in enumerate(states) if s.sampling_params.logprobs is not None]
+            for token in new_tokens:
+                state.append_token(token)
+            output.sampled_token_ids.append(new_tokens)
+            if state.sampling_params.logprobs is not None:
+                # Row row + i sampled new token i: its logprobs are that token's.
+                logprob_rows.extend(range(row, row + len(new_tokens)))
+                logprob_counts.append(
+                    (state.request_id, state.sampling_params.logprobs, len(new_tokens))
+                )
+        if sampler_output.logprobs is not None and logprob_rows:
             wanted = sampler_output.logprobs
-            if len(rows) < len(states):
-                index = torch.tensor(rows, device=self.device)
+            if len(logprob_rows) < len(row_states):
+                index = torch.tensor(logprob_rows, device=self.device)
                 wanted = LogprobsTensors(
                     wanted.token_ids[index], wanted.logprobs[index], wanted.ranks[index]
                 )
-            num_logprobs = [states[row].sampling_params.logprobs or 0 for row in rows]
-            for row, lists in zip(rows, wanted.tolists(num_logprobs)):
-                output.logprobs[states[row].request_id] = lists
+            per_row = wanted.tolists([k for _, k, n in logprob_counts for _ in range(n)])
+            position = 0
+            for request_id, _, count in logprob_counts:
+                lists = per_row[position]
+                for extra in per_row[position + 1 : position + count]:
+                    lists.extend(extra)
+                output.logprobs[request_id] = lists
+                position += count
         return output
 
     def _prompt_logprob_positions(
@@ -272,3 +289,33 @@ class ModelRunner:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+
+def _with_drafts(state: CachedRequestState, drafts: list[int]) -> CachedRequestState:
+    """A view of `state` with `drafts` appended as output tokens, for the sampling inputs of
+    a draft position (penalties, min_tokens, bad words see the tokens before it). It shares
+    the request's cached tensors, which depend only on its params and prompt."""
+    buffer = np.concatenate([state.token_ids, np.asarray(drafts, dtype=np.int64)])
+    return replace(state, token_buffer=buffer, num_tokens=len(buffer))
+
+
+def _verify_drafts(drafts: list[int], sampled: list[int]) -> list[int]:
+    """The new tokens of a request that verified `drafts`, given the token sampled at each of
+    its 1 + k positions (position i sampled with drafts[:i] taken as its output).
+
+    Draft i is accepted while it equals the token sampled at its position; the first
+    mismatch's sampled token replaces it and ends the run; when all k are accepted the token
+    sampled after the last one is added. This is exact for deterministic (point-mass)
+    proposals such as n-gram lookup or a greedy draft model: each new token is distributed
+    as the request's own sampler would draw it, and greedy rows give the tokens a step-by-
+    step run gives. A draft model proposing from its own distribution needs probabilistic
+    rejection sampling instead; it comes with speculative decoding.
+    """
+    assert len(sampled) == len(drafts) + 1
+    new_tokens = []
+    for draft, token in zip(drafts, sampled):
+        new_tokens.append(token)
+        if token != draft:
+            return new_tokens
+    new_tokens.append(sampled[-1])
+    return new_tokens

@@ -28,7 +28,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
-import tokenserve
 from tokenserve.engine.async_llm import AsyncLLM
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.entrypoints.chat_utils import load_chat_template
@@ -54,6 +53,7 @@ from tokenserve.entrypoints.openai.serving_base import ClientDisconnected, Event
 from tokenserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenserve.metrics.prometheus import PrometheusStatLogger
+from tokenserve.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def build_app(
         yield
 
     limits = limits or ServingLimits()
-    app = FastAPI(title="tokenserve", version=tokenserve.__version__, lifespan=lifespan)
+    app = FastAPI(title="tokenserve", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     # The last added runs first: sizes are checked before keys, keys before any body is read.
     if api_keys:
@@ -103,7 +103,7 @@ def build_app(
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": tokenserve.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

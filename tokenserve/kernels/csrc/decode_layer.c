@@ -1,14 +1,13 @@
 /*
  * One Llama decoder layer of a decode step with few rows, in one call.
  *
- * A decode step of a few requests has little work per operator: at 4 rows a projection
- * takes ~0.1 ms and a norm a few microseconds. Called one by one from Python, each of a
- * layer's ten operators pays for the call, its checks and a fork and join of the OpenMP
- * threads, and in the engine that overhead was a quarter of such a step. Here the whole
- * layer runs in one parallel region: the operators are the very functions of layer_ops.c,
- * paged_attention.c and quant_linear.c (included below, so the arithmetic and its order are
- * the same and the results identical to calling them one by one), separated by the
- * barriers of their `omp for` loops.
+ * A decode step of a few requests has little work per operator. Called one by one from
+ * Python, each of a layer's ten operators pays for the call, its checks and a fork and join
+ * of the OpenMP threads, a sizeable share of such a step (docs/benchmarks/cpu-hot-path.md).
+ * Here the whole layer runs in one parallel region: the operators are the very functions of
+ * layer_ops.c, paged_attention.c and quant_linear.c (included below, so the arithmetic and
+ * its order are the same and the results identical to calling them one by one), separated
+ * by the barriers of their `omp for` loops.
  *
  * The layer: x = rms_norm(hidden (+ residual)); qkv = x · Wqkvᵀ (+ bias); rotary on q and
  * k; k and v into their cache slots; paged decode attention; o = attn · Woᵀ;

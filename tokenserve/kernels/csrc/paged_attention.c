@@ -21,8 +21,8 @@
  *   out, query     [num_tokens, num_heads, head_dim], heads contiguous, rows strided
  *   key/value      [num_blocks, num_kv_heads, block_size, head_dim]: within a block, each
  *                  kv head's keys (values) are contiguous, so a work item streams whole
- *                  runs of block_size * head_dim (benchmarks/paged_decode.py, 64 rows:
- *                  4-15 % less time than with the heads interleaved per token)
+ *                  runs of block_size * head_dim (faster than heads interleaved per
+ *                  token: benchmarks/paged_decode.py)
  *   block_tables   [num_rows, block_table_stride] int64; row r uses the first
  *                  ceil(seq_lens[r] / block_size) entries
  *   seq_lens       [num_rows] int64, each >= 1
@@ -116,9 +116,8 @@ static inline __attribute__((always_inline)) void attend_item(
     /* Softmax per query head, then pass 2: the probability-weighted sum of values. */
     for (int64_t g = 0; g < group; ++g) {
         float *s = scores + g * seq_len;
-        /* The maximum and the sum eight lanes at a time, each reduced once at the end: a
-         * scalar maximum and a horizontal sum per eight scores took 13-16 % more time with
-         * the context in cache. */
+        /* The maximum and the sum eight lanes at a time, each reduced once at the end:
+         * cheaper than a scalar maximum and a horizontal sum per eight scores. */
         float max = s[0];
         int64_t t = 0;
         if (seq_len >= 8) {

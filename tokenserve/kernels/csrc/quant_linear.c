@@ -92,10 +92,9 @@ static inline v8f weight_chunk(int q4_1, const uint8_t *qs, const float *scales,
  * expanded once (its four chunks of 8) and multiplied into every row, the even chunks into
  * one accumulator per row and the odd ones into another: with 4 rows that is 8 independent
  * sums, as many as the FMA units' latency times their throughput asks for, and with the
- * block's scales and bytes they fit the 16 AVX2 registers. (The earlier tile of 4 rows x 2
- * weight rows, one accumulator each, needed more registers than there are, and GCC's spills
- * and reloads sat in the sums' dependency chains: the model's 121 weights at 4 rows took
- * 1.25-1.30x as long; docs/BENCHMARKS.md.) `rows` and `q4_1` are constants after inlining. */
+ * block's scales and bytes they fit the 16 AVX2 registers (a tile needing more had GCC spill
+ * accumulators into the sums' dependency chains; docs/benchmarks/cpu-hot-path.md). `rows`
+ * and `q4_1` are constants after inlining. */
 static inline __attribute__((always_inline)) void tile(
     float *y, int64_t y_stride, const float *x, int64_t K, const uint8_t *qs,
     const float *scales, int q4_1, int rows) {
@@ -149,8 +148,8 @@ static inline __attribute__((always_inline)) void linear_column(
     const int64_t row_bytes = q4_1 ? K / 2 : K;
     const int64_t row_scales = q4_1 ? K / BLOCK * 2 : K / BLOCK;
     /* The weight row PREFETCH_ROWS ahead, fetched into L2 meanwhile: with so little work per
-     * byte the hardware prefetcher alone leaves the loads waiting (measured 1.4x at 1 and 4
-     * rows; past the end of the weight this is harmless, prefetches do not fault). */
+     * byte the hardware prefetcher alone leaves the loads waiting (past the end of the
+     * weight this is harmless, prefetches do not fault). */
     const uint8_t *next_qs = qs + (n + PREFETCH_ROWS) * row_bytes;
     const float *next_scales = scales + (n + PREFETCH_ROWS) * row_scales;
     for (int64_t i = 0; i < row_bytes; i += 64) __builtin_prefetch(next_qs + i, 0, 2);
@@ -165,7 +164,7 @@ static inline __attribute__((always_inline)) void linear_column(
 /* The columns of y = x · Wᵀ shared out over the threads of the enclosing parallel region
  * (an orphaned `omp for`, ending in a barrier). The format is a constant in each branch:
  * OpenMP outlines a parallel body once for both formats, and with q4_1 a variable there the
- * tile measured 1.2x slower at 4 rows. */
+ * tile runs slower. */
 static void linear_columns(float *y, const float *x, int64_t M, int64_t K, int64_t N,
                            const uint8_t *qs, const float *scales, int q4_1) {
     if (q4_1) {
@@ -191,7 +190,7 @@ static int quant_linear(float *y, const float *x, int64_t M, int64_t K, int64_t 
  * weight rows once per K slice into a float32 buffer laid out [k][PANEL] (in L1), and a
  * register-blocked micro-kernel multiplies it into all M rows, PANEL_ROWS at a time:
  * 6 x 16 keeps 12 accumulators; per k it loads 2 weight vectors and broadcasts 6 x values.
- * Slices of 256 measured as fast as 384 and whole K (within noise) and keep the panel in L1. */
+ * Slices of 256 keep the panel in L1 and are no slower than longer ones. */
 #define PANEL 16
 #define PANEL_ROWS 6
 #define PANEL_K 256 /* the most k of one slice: 16 KiB of expanded weights */
@@ -256,9 +255,8 @@ static inline __attribute__((always_inline)) void panel_tile(
 /* One panel of PANEL weight rows times all M rows of x; K in slices of `slice`. The sums
  * build up in sums [M][PANEL] (contiguous, cache-resident) and go to y's PANEL columns at
  * the end: y's rows are N floats apart (for the wide outputs a multiple of 4 KiB, so the
- * rows of a tile share L1 sets), and were read back and written at every slice
- * (the model's 121 weights in a C driver, the two builds taking turns: 3-6 % less time at
- * 32-128 rows; docs/BENCHMARKS.md). */
+ * rows of a tile share L1 sets), and reading and writing them at every slice was slower
+ * (docs/benchmarks/cpu-hot-path.md). */
 static inline __attribute__((always_inline)) void gemm_panel(
     float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *qs,
     const float *scales, int64_t slice, float *panel, float *sums, int q4_1) {

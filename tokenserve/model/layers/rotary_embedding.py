@@ -36,7 +36,14 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    def __init__(self, hf_config, head_dim: int, max_position: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        hf_config,
+        head_dim: int,
+        max_position: int,
+        dtype: torch.dtype,
+        use_c_kernels: bool = True,
+    ) -> None:
         super().__init__()
         inv_freq, attention_scaling = compute_inv_freq(hf_config, head_dim)
         positions = torch.arange(max_position, dtype=torch.float32)
@@ -44,7 +51,7 @@ class RotaryEmbedding(torch.nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (angles.cos() * attention_scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (angles.sin() * attention_scaling).to(dtype), persistent=False)
-        self.ops = layer_ops() if dtype == torch.float32 else None
+        self.ops = layer_ops.load() if use_c_kernels and dtype == torch.float32 else None
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor

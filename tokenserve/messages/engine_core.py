@@ -2,7 +2,9 @@
 
 msgspec structs, encoded as msgpack. The engine core receives requests as token ids
 (never text) and answers with batches of EngineCoreOutputs plus its scheduler stats.
-Each message travels as two ZMQ frames: its kind, then its msgpack payload.
+Each message to the engine core travels as two ZMQ frames: its kind, then its msgpack
+payload. The engine core's `Request` converts to and from `EngineCoreRequest`
+(core/request.py).
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ from typing import Any
 
 import msgspec
 
-from tokenserve.core.request import Request
-from tokenserve.core.scheduler import EngineCoreOutput, SchedulerStats
 from tokenserve.sampling_params import SamplingParams
 
 
@@ -36,30 +36,53 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     skip_prefix_cache: bool = False
 
-    @classmethod
-    def from_request(cls, request: Request) -> EngineCoreRequest:
-        return cls(
-            request_id=request.request_id,
-            prompt_token_ids=list(request.prompt_token_ids),
-            sampling_params=request.sampling_params,
-            eos_token_id=request.eos_token_id,
-            arrival_time=request.arrival_time,
-            priority=request.priority,
-            cache_salt=request.cache_salt,
-            skip_prefix_cache=request.skip_prefix_cache,
-        )
 
-    def to_request(self) -> Request:
-        return Request(
-            request_id=self.request_id,
-            prompt_token_ids=self.prompt_token_ids,
-            sampling_params=self.sampling_params,
-            eos_token_id=self.eos_token_id,
-            arrival_time=self.arrival_time,
-            priority=self.priority,
-            cache_salt=self.cache_salt,
-            skip_prefix_cache=self.skip_prefix_cache,
-        )
+class LogprobsLists(msgspec.Struct, array_like=True):
+    """Per position: token ids [chosen, top-1, ..., top-k], their logprobs, the chosen rank.
+
+    The plain-list form of a step's logprobs (sample/logprobs.py), cut per request."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]  # 1 = the most likely token of the vocabulary
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def extend(self, other: LogprobsLists) -> None:
+        self.token_ids.extend(other.token_ids)
+        self.logprobs.extend(other.logprobs)
+        self.ranks.extend(other.ranks)
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step produced for one request (token ids only: no text here)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    # One position per new token, when the request asked for logprobs.
+    new_logprobs: LogprobsLists | None = None
+    # Every prompt position but the first, once, with the first new token.
+    new_prompt_logprobs: LogprobsLists | None = None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The scheduler's state after a step (or an idle abort): gauges and counters."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    # The latest step's token budget: max_num_batched_tokens, or with a target step time
+    # its decode rows plus what a fresh prompt could get under the target.
+    token_budget: int | None = None
+    # The step-cost model's prediction for the latest step (target step time only).
+    predicted_step_ms: float | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -37,9 +37,13 @@ class CachedRequestData:
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
-    # Tokens each scheduled request computes this step, in batch order.
+    # Tokens each scheduled request computes this step, in batch order: a decode row's last
+    # token and its drafts, or a prompt chunk.
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
+    # Draft tokens each decode row verifies this step (speculative decoding): the last of its
+    # scheduled tokens; the step samples every one of its last len(drafts) + 1 positions.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Requests the runner should forget: finished, aborted or preempted since the last step.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)

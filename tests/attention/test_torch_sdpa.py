@@ -1,0 +1,139 @@
+"""The CPU attention backend (attention/torch_sdpa.py) on mixed steps: decode rows, first
+prompt chunks, chunks continuing a cached context and running requests advancing by several
+tokens at once, against attention computed directly from each request's whole context;
+with and without the C kernels; and the KV cache it lays out and allocates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenserve.attention.backend import CommonAttentionMetadata
+from tokenserve.attention.selector import get_attention_backend
+from tokenserve.attention.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
+from tokenserve.kernels import paged_attention
+
+HEADS, KV_HEADS, DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 64, 16, 64
+SCALE = 0.125
+
+
+def _step(query_lens, seq_lens, tables, seed=4):
+    """The common metadata of a step, its query/key/value (views into one fused QKV tensor,
+    as the model passes them) and the full keys/values of every context (random; the new
+    tokens' among them)."""
+    generator = torch.Generator().manual_seed(seed)
+    query_start_loc, slots = [0], []
+    for n, seq_len, table in zip(query_lens, seq_lens, tables):
+        query_start_loc.append(query_start_loc[-1] + n)
+        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                  for p in range(seq_len - n, seq_len)]
+    num_tokens = query_start_loc[-1]
+    qkv = torch.randn(num_tokens, (HEADS + 2 * KV_HEADS) * DIM, generator=generator)
+    query, key, value = qkv.split([HEADS * DIM, KV_HEADS * DIM, KV_HEADS * DIM], dim=-1)
+    tensors = (query.view(num_tokens, HEADS, DIM), key.view(num_tokens, KV_HEADS, DIM),
+               value.view(num_tokens, KV_HEADS, DIM))
+    common = CommonAttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=query_start_loc, seq_lens=seq_lens,
+        block_tables=tables, block_size=BLOCK_SIZE,
+    )
+    return common, tensors, generator
+
+
+def _cache(backend, dtype, generator):
+    shape = backend.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, DIM)
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def _reference(common, tensors, kv_cache):
+    """Each request's queries over its whole context read back from the cache (after the
+    step's writes), causally: plain SDPA per request. A first prompt chunk attends to its
+    keys and values as computed (a bfloat16 cache rounds them)."""
+    query, key, value = tensors
+    key_cache, value_cache = TorchSDPABackend.split_kv_cache(kv_cache)
+    out = torch.empty_like(query)
+    for i in range(common.num_reqs):
+        start, end = common.query_start_loc[i : i + 2]
+        seq_len, table = common.seq_lens[i], common.block_tables[i]
+        positions = torch.arange(seq_len)
+        blocks = torch.tensor(table)[positions // BLOCK_SIZE]
+        k = key_cache[blocks, :, positions % BLOCK_SIZE].transpose(0, 1).float()
+        v = value_cache[blocks, :, positions % BLOCK_SIZE].transpose(0, 1).float()
+        if seq_len == end - start > 1:
+            k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
+        mask = positions[None, :] <= torch.arange(seq_len - (end - start), seq_len)[:, None]
+        out[start:end] = F.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1), k, v, attn_mask=mask, scale=SCALE, enable_gqa=True
+        ).transpose(0, 1)
+    return out
+
+
+# Request 0: decode at 40 tokens; 1: a 20-token first chunk; 2: decode at 1 token; 3: a
+# 5-token chunk after 30 cached tokens; 4 and 5: running requests advancing by 3 and 2
+# tokens (a multi-token step); 6: decode at a block's edge.
+QUERY_LENS = [1, 20, 1, 5, 3, 2, 1]
+SEQ_LENS = [40, 20, 1, 35, 50, 17, 32]
+TABLES = [[3, 9, 4], [10, 11], [20], [30, 31, 32], [40, 41, 42, 43], [50, 51], [52, 53]]
+
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "torch"])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_mixed_step_equals_attention_over_whole_contexts(use_kernels, cache_dtype):
+    common, tensors, generator = _step(QUERY_LENS, SEQ_LENS, TABLES)
+    backend = TorchSDPABackend(use_kernels=use_kernels)
+    assert (backend.ops is not None) == use_kernels
+    kv_cache = _cache(backend, cache_dtype, generator)
+    metadata = backend.build_metadata(common)
+    assert isinstance(metadata, TorchSDPAMetadata)
+    # One query token: a decode row; more (a prompt chunk or a multi-token step): SDPA.
+    assert metadata.decode_rows.tolist() == [0, 21, 32]
+    assert [(c.start, c.end, c.context is None) for c in metadata.prompt_chunks] == [
+        (1, 21, True), (22, 27, False), (27, 30, False), (30, 32, False)]
+    assert (metadata.decode_batch is not None) == use_kernels
+    assert (metadata.padded_decode is None) == use_kernels
+    assert not metadata.is_decode_only
+    output = backend.forward(*tensors, kv_cache, metadata, SCALE)
+    expected = _reference(common, tensors, kv_cache)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_kernels_and_pure_torch_agree_and_write_the_same_cache(cache_dtype):
+    assert paged_attention.load() is not None, "the C kernels did not build (see the log)"
+    common, tensors, generator = _step(QUERY_LENS, SEQ_LENS, TABLES)
+    base = _cache(TorchSDPABackend(), cache_dtype, generator)
+    outputs, caches = [], []
+    for backend in (TorchSDPABackend(use_kernels=True), TorchSDPABackend(use_kernels=False)):
+        kv_cache = base.clone()
+        outputs.append(backend.forward(*tensors, kv_cache, backend.build_metadata(common), SCALE))
+        caches.append(kv_cache)
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+    assert torch.equal(caches[0], caches[1])
+
+
+def test_a_decode_only_step_is_marked_so():
+    common, _, _ = _step([1, 1, 1], [40, 1, 17], [[3, 9, 4], [20], [50, 51]])
+    metadata = TorchSDPABackend().build_metadata(common)
+    assert metadata.is_decode_only and metadata.num_decode_rows == 3
+    assert metadata.decode_batch.seq_lens.tolist() == [40, 1, 17]
+    assert metadata.decode_batch.block_tables.tolist() == [[3, 9, 4], [20, 0, 0], [50, 51, 0]]
+
+
+def test_the_backend_owns_the_cache_layout():
+    backend = get_attention_backend(torch.device("cpu"), torch.float32)
+    assert isinstance(backend, TorchSDPABackend)
+    assert backend.kv_cache_shape(10, 16, 3, 64) == (2, 10, 3, 16, 64)
+    caches = backend.allocate_kv_cache(
+        num_layers=4, num_blocks=10, block_size=16, num_kv_heads=3, head_size=64,
+        dtype=torch.bfloat16, device=torch.device("cpu"),
+    )
+    assert len(caches) == 4 and all(cache.shape == (2, 10, 3, 16, 64) for cache in caches)
+    assert all(cache.dtype == torch.bfloat16 and not cache.any() for cache in caches)
+    key_cache, value_cache = TorchSDPABackend.split_kv_cache(caches[0])
+    assert key_cache.is_contiguous() and value_cache.is_contiguous()
+    assert key_cache.data_ptr() != value_cache.data_ptr()
+    # No kernels for a bfloat16 model's queries, nor when they are switched off.
+    assert get_attention_backend(torch.device("cpu"), torch.bfloat16).ops is None
+    assert get_attention_backend(torch.device("cpu"), torch.float32, use_c_kernels=False).ops is None
+    with pytest.raises(ValueError, match="No attention backend"):
+        get_attention_backend(torch.device("meta"), torch.float32)

@@ -1,0 +1,144 @@
+"""The quantization methods (model/layers/quantization/): dense weights prepacked for oneDNN
+(the dense copy freed), and a GGUF model's blocks kept beside them, whose products of few
+rows equal the dense product on gguf's dequantized weights, routed by rows to the few-row
+kernel, the many-row kernel, then oneDNN; the method chosen from the model's format."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from tokenserve.config import KernelConfig
+from tokenserve.kernels import quant_linear
+from tokenserve.model.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from tokenserve.model.layers.quantization import (
+    GGUFLinearMethod,
+    UnquantizedLinearMethod,
+    get_linear_method,
+)
+from tokenserve.model.layers.quantization.gguf import QuantizedWeight
+
+
+def _quantized(kind: str, rows: int, width: int, seed: int = 0):
+    """A random weight in `kind` blocks, and gguf's own dequantization of those blocks."""
+    weight = np.random.default_rng(seed).standard_normal((rows, width)).astype(np.float32)
+    blocks = quantize(weight, GGMLQuantizationType[kind])
+    reference = dequantize(blocks, GGMLQuantizationType[kind]).reshape(rows, width)
+    return QuantizedWeight.from_blocks(kind, blocks), torch.from_numpy(reference.copy())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert quant_linear.load() is not None, "the C kernels did not build (see the log)"
+
+
+def test_unquantized_method_packs_for_onednn_and_frees_the_dense_weight():
+    weight, x = torch.randn(16, 64), torch.randn(5, 64)
+    dense = ReplicatedLinear(64, 16, quant_method=UnquantizedLinearMethod(use_onednn=False))
+    packed = ReplicatedLinear(64, 16, quant_method=UnquantizedLinearMethod(use_onednn=True))
+    for layer in (dense, packed):
+        layer.weight.weight_loader(layer.weight, weight)
+        layer.quant_method.process_weights_after_loading(layer)
+    assert dense.packed_weight is None and torch.equal(dense.weight, weight)
+    assert packed.packed_weight is not None and packed.weight.numel() == 0
+    torch.testing.assert_close(packed(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("num_rows", [1, 4, 7, 16, 40])
+def test_gguf_method_equals_the_dense_product_on_dequantized_weights(kind, num_rows):
+    blocks, reference = _quantized(kind, 32, 96)
+    bias = torch.randn(32)
+    method = GGUFLinearMethod(max_rows=4, gemm_max_rows=16, use_onednn=True)
+    layer = ReplicatedLinear(96, 32, bias=True, quant_method=method)
+    layer.weight.weight_loader(layer.weight, reference)  # the dense form, as gguf expands it
+    layer.weight.weight_loader(layer.weight, blocks)  # and the file's blocks
+    layer.bias.weight_loader(layer.bias, bias)
+    method.process_weights_after_loading(layer)
+    assert layer.blocks is not None and layer.packed_weight is not None
+    x = torch.randn(num_rows, 96, generator=torch.Generator().manual_seed(num_rows))
+    expected = (x.double() @ reference.double().T + bias.double()).float()
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_gguf_method_routes_by_rows_to_each_kernel_then_onednn(monkeypatch):
+    # Blocks that deliberately differ from the dense weight show which one ran.
+    dense_weight = torch.randn(16, 64)
+    blocks, reference = _quantized("Q8_0", 16, 64)
+    method = GGUFLinearMethod(max_rows=4, gemm_max_rows=8)
+    layer = ReplicatedLinear(64, 16, bias=True, quant_method=method)
+    layer.weight.weight_loader(layer.weight, dense_weight)
+    layer.weight.weight_loader(layer.weight, blocks)
+    bias = torch.randn(16)
+    layer.bias.weight_loader(layer.bias, bias)
+    method.process_weights_after_loading(layer)
+    kernels_run: list[bool] = []
+    original = QuantizedWeight.matmul
+
+    def recording(self, x, panels=None):
+        kernels_run.append(x.shape[0] > self.max_rows)
+        return original(self, x, panels)
+
+    monkeypatch.setattr(QuantizedWeight, "matmul", recording)
+    for num_rows, expected_weight, expected_kernels in [
+        (4, reference, [False]),  # the few-row kernel
+        (5, reference, [True]),  # the many-row kernel
+        (8, reference, [True]),
+        (9, dense_weight, []),  # oneDNN
+    ]:
+        kernels_run.clear()
+        x = torch.randn(num_rows, 64)
+        torch.testing.assert_close(layer(x), x @ expected_weight.T + bias, rtol=1e-5, atol=1e-5)
+        assert kernels_run == expected_kernels, num_rows
+
+
+def test_gguf_blocks_of_merged_parts_join_only_whole_and_of_one_kind():
+    (q, q_ref), (k, k_ref), (v, v_ref) = (_quantized("Q4_1", rows, 64, seed)
+                                          for seed, rows in enumerate((32, 16, 16)))
+    method = GGUFLinearMethod(max_rows=4, gemm_max_rows=8)
+    layer = QKVParallelLinear(64, 16, 2, 1, quant_method=method)
+    for shard_id, blocks, reference in (("v", v, v_ref), ("q", q, q_ref), ("k", k, k_ref)):
+        layer.weight.weight_loader(layer.weight, reference, shard_id)
+        layer.weight.weight_loader(layer.weight, blocks, shard_id)
+    method.process_weights_after_loading(layer)
+    assert torch.equal(layer.blocks.dequantize(), torch.cat([q_ref, k_ref, v_ref]))
+    assert (layer.blocks.max_rows, layer.blocks.gemm_max_rows) == (4, 8)
+
+    other = _quantized("Q8_0", 16, 64)[0]
+    for parts in ({"q": q, "k": k}, {"q": q, "k": k, "v": other}):  # a part missing; mixed kinds
+        layer = QKVParallelLinear(64, 16, 2, 1, quant_method=method)
+        for shard_id, blocks in parts.items():
+            layer.weight.weight_loader(layer.weight, blocks, shard_id)
+        method.process_weights_after_loading(layer)
+        assert layer.blocks is None  # the dense weight alone
+
+
+def test_gguf_blocks_shard_like_the_dense_weight():
+    blocks, reference = _quantized("Q4_1", 32, 128)
+    for rank in (0, 1):
+        method = GGUFLinearMethod(max_rows=4, gemm_max_rows=8, use_onednn=False)
+        layer = RowParallelLinear(128, 32, quant_method=method, tp_size=2, tp_rank=rank,
+                                  reduce_results=False)
+        layer.weight.weight_loader(layer.weight, reference)
+        layer.weight.weight_loader(layer.weight, blocks)
+        method.process_weights_after_loading(layer)
+        assert torch.equal(layer.blocks.dequantize(), layer.weight)
+
+
+def test_the_method_follows_the_model_format_and_the_kernel_settings():
+    gguf, hf = "gguf", "hf"
+    assert isinstance(get_linear_method(gguf, torch.float32, KernelConfig()), GGUFLinearMethod)
+    for model_format, dtype, config in [
+        (hf, torch.float32, KernelConfig()),
+        (gguf, torch.bfloat16, KernelConfig()),
+        (gguf, torch.float32, KernelConfig(disable_c_kernels=True)),
+        (gguf, torch.float32, KernelConfig(quantized_max_rows=0, quantized_gemm_max_rows=0)),
+    ]:
+        method = get_linear_method(model_format, dtype, config)
+        assert type(method) is UnquantizedLinearMethod
+    assert not get_linear_method(hf, torch.float32, KernelConfig(disable_onednn=True)).use_onednn
+    with pytest.raises(ValueError, match="quantized_max_rows must be a non-negative integer"):
+        KernelConfig(quantized_max_rows=-1)

@@ -1,0 +1,104 @@
+"""The engine's command-line flags (vLLM's names) and the EngineArgs they give.
+
+Shared by the `tokenserve` subcommands that run an engine (entrypoints/cli.py) and by
+`tokenserve bench throughput` (benchmarks/commands.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tokenserve.config import PREFILL_ORDERS
+from tokenserve.engine.engine_args import KV_CACHE_DTYPES, EngineArgs
+
+MODEL_HELP = "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)."
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool) -> None:
+    """Engine flags, with vLLM's names."""
+    defaults = EngineArgs()
+    if positional_model:
+        parser.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    else:
+        parser.add_argument("--model", default=None, help=MODEL_HELP)
+    parser.add_argument("--tokenizer", default=None, help="Tokenizer directory, if not the model's own.")
+    parser.add_argument("--dtype", default=defaults.dtype,
+                        help="auto (float32 on CPU), float32, bfloat16 or float16.")
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="Random seed.")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="Longest prompt + output in tokens (default: the model's own limit).")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
+                        help="Token budget of one engine step (default: 512 with chunked prefill, "
+                             "else max(max_model_len, 512)).")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
+                        help="Most requests running at once.")
+    parser.add_argument("--block-size", type=int, default=defaults.block_size,
+                        help="Tokens per KV cache block (default 128, as vLLM on CPU).")
+    parser.add_argument("--kv-cache-memory", default=None,
+                        help="KV cache size: bytes or e.g. '4GiB' (default 4GiB on CPU).")
+    parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES),
+                        default=defaults.kv_cache_dtype,
+                        help="What the KV cache stores: 'auto' (the model's dtype) or "
+                             "'bfloat16' (half a float32 cache's bytes: twice the tokens in "
+                             "--kv-cache-memory and less to read each decode step; keys and "
+                             "values rounded to 8 significant bits).")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="Number of KV cache blocks (overrides --kv-cache-memory).")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=defaults.enable_prefix_caching, help="Reuse KV of shared prefixes.")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                        default=defaults.enable_chunked_prefill,
+                        help="Split long prompts across steps.")
+    parser.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs,
+                        help="Most logprobs (and prompt logprobs) a request may ask for.")
+    parser.add_argument("--disable-cascade-attn", action="store_true",
+                        default=defaults.disable_cascade_attn,
+                        help="Attend each prefill chunk over its whole context alone, instead "
+                             "of a long prefix shared by several chunks once for all of them.")
+    kernels = parser.add_argument_group("CPU kernels (all on by default)")
+    kernels.add_argument("--disable-c-kernels", action="store_true",
+                         default=defaults.disable_c_kernels,
+                         help="Use pure-torch code instead of tokenserve's C kernels (paged "
+                              "decode attention, norms, rotary, GGUF block products, the fused "
+                              "decode layer).")
+    kernels.add_argument("--disable-onednn", action="store_true",
+                         default=defaults.disable_onednn,
+                         help="Multiply by dense weights with F.linear instead of oneDNN's "
+                              "prepacked ones.")
+    kernels.add_argument("--disable-fused-decode", action="store_true",
+                         default=defaults.disable_fused_decode,
+                         help="Run a few-row decode step operator by operator instead of each "
+                              "decoder layer as one C call (the same results).")
+    kernels.add_argument("--quantized-max-rows", type=int, default=defaults.quantized_max_rows,
+                         help="GGUF models: products of at most this many rows read the "
+                              "weights' blocks with the few-row kernel (0: off).")
+    kernels.add_argument("--quantized-gemm-max-rows", type=int,
+                         default=defaults.quantized_gemm_max_rows,
+                         help="GGUF models: products of more rows, up to this many, read the "
+                              "blocks with the many-row kernel; oneDNN above (0: off).")
+    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
+                        default=defaults.scheduling_policy, help="Order of admission and preemption.")
+    parser.add_argument("--prefill-order", choices=list(PREFILL_ORDERS),
+                        default=defaults.prefill_order,
+                        help="Which prompts get a step's tokens once every decode has its token: "
+                             "'shortest' remaining prompt first (a short request is not stuck "
+                             "behind a long one; equal lengths stay first come first served) or "
+                             "'arrival' (started prompts, then the waiting queue). Under "
+                             "--scheduling-policy priority, prompts always go in priority order.")
+    parser.add_argument("--admission-lookahead-tokens", type=int,
+                        default=defaults.admission_lookahead_tokens,
+                        help="Admit a request only if the running requests and it fit the KV "
+                             "cache over their next this many tokens (each bounded by its "
+                             "max_tokens; a finished request frees its blocks): fewer "
+                             "preemptions when the cache is full. 0: admit whenever the prompt "
+                             "fits.")
+    parser.add_argument("--target-step-ms", type=float, default=defaults.target_step_ms,
+                        help="Target engine-step time in ms: each step's prompt tokens are sized "
+                             "from the measured step cost to keep it within the target (every "
+                             "decode still gets its token; prefill gets at least 16 tokens a step). "
+                             "Default: no target, --max-num-batched-tokens alone limits a step.")
+
+
+def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:
+    values = {name: getattr(namespace, name) for name in EngineArgs.field_names() if hasattr(namespace, name)}
+    return EngineArgs(**values)

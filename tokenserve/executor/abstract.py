@@ -1,0 +1,69 @@
+"""The executor interface: how the engine core runs the model without holding it.
+
+An executor owns the workers (one per device rank) and broadcasts calls to them:
+`collective_rpc` runs a worker method on every worker and returns one result each;
+`execute_model` is the step's call. The engine core imports this interface; the concrete
+class is chosen by `EngineConfig.parallel_config.distributed_executor_backend`
+(backends.py) and imported only then, so nothing of the worker or the model is loaded
+through the core.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from tokenserve.config import EngineConfig
+from tokenserve.messages.model_runner_output import ModelRunnerOutput
+from tokenserve.messages.scheduler_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from tokenserve.structured_output.manager import GrammarBitmask
+
+
+def run_method(
+    worker: Any, method: str | Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """One worker's part of a collective call: `worker.method(*args, **kwargs)` for a method
+    name, `method(worker, *args, **kwargs)` for a callable."""
+    if isinstance(method, str):
+        return getattr(worker, method)(*args, **kwargs)
+    return method(worker, *args, **kwargs)
+
+
+class Executor(ABC):
+    """Builds the workers and loads the model on construction; then `initialize_kv_cache`,
+    one `execute_model` per step, `shutdown` at the end."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._init_executor()
+        self.collective_rpc("load_model")
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Start the workers (each builds its model runner, not yet loaded)."""
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run `method` on every worker (see `run_method`); one result per worker, by rank."""
+
+    def initialize_kv_cache(self) -> None:
+        """Allocate every worker's KV cache (`cache_config.num_blocks` blocks)."""
+        self.collective_rpc("initialize_kv_cache")
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step on every worker; the first rank's output is the step's."""
+        return self.collective_rpc("execute_model", args=(scheduler_output, grammar_bitmask))[0]
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the workers and release what they hold."""

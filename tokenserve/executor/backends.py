@@ -1,0 +1,19 @@
+"""Executor backends by name (`distributed_executor_backend`): the class is imported only
+when chosen, so whoever picks one imports nothing of the others or of the workers."""
+
+from __future__ import annotations
+
+from tokenserve.config import DISTRIBUTED_EXECUTOR_BACKENDS, EngineConfig
+from tokenserve.executor.abstract import Executor
+
+
+def get_executor_class(config: EngineConfig) -> type[Executor]:
+    backend = config.parallel_config.distributed_executor_backend
+    if backend == "uni":
+        from tokenserve.executor.uniprocess import UniprocessExecutor
+
+        return UniprocessExecutor
+    raise ValueError(
+        f"distributed_executor_backend must be one of {list(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
+        f"got {backend!r}."
+    )

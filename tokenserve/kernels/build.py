@@ -1,0 +1,100 @@
+"""The kernels' build cache: compile a C kernel once per machine and load it.
+
+`build(name)` compiles csrc/<name>.c with the system C compiler (`$CC`, else `cc`) into
+`<cache root>/kernels` (tokenserve/cache_dir.py), keyed by every source in csrc/ (a kernel
+may include the others), the flags, the compiler and the CPU: a changed source, compiler or
+machine gets a fresh build. `load(name)` returns the loaded library, or None where it cannot
+be built (callers then take their pure-torch code). ctypes releases the GIL around each
+call; the kernels use the OpenMP runtime torch has already loaded (libgomp is shared by
+soname), so they run on torch's own threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+
+from tokenserve.cache_dir import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+KERNELS = ("paged_attention", "layer_ops", "quant_linear", "decode_layer")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def _compiler() -> str | None:
+    # $CC is the toolchain's own convention (make, setuptools), not an engine setting.
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        with open("/proc/cpuinfo") as file:
+            lines = [line for line in file if line.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build(name: str) -> str:
+    """Compile `name`.c into the cache (if not there yet); returns the shared library's path."""
+    compiler = _compiler()
+    if compiler is None:
+        raise KernelBuildError(f"no C compiler found (looked for {os.environ.get('CC', 'cc')!r})")
+    sources = []  # every source the kernel may include (decode_layer.c includes the others)
+    for file_name in sorted(os.listdir(SOURCE_DIR)):
+        if file_name.endswith((".c", ".h")):
+            with open(os.path.join(SOURCE_DIR, file_name), "rb") as file:
+                sources.append(file_name.encode() + b"\0" + file.read())
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    key = hashlib.sha256(
+        b"\0".join([*sources, " ".join(_FLAGS).encode(), version.encode(), _cpu_identity().encode()])
+    ).hexdigest()[:16]
+    directory = os.path.join(cache_root(), "kernels")
+    library = os.path.join(directory, f"{name}-{key}.so")
+    if os.path.exists(library):
+        return library
+    os.makedirs(directory, exist_ok=True)
+    # Compile to a private name and rename into place: a racing process never loads a
+    # half-written library.
+    handle, partial = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=directory)
+    os.close(handle)
+    try:
+        result = subprocess.run(
+            [compiler, *_FLAGS, os.path.join(SOURCE_DIR, f"{name}.c"), "-o", partial, "-lm"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise KernelBuildError(f"{compiler} failed on {name}.c:\n{result.stderr.strip()}")
+        os.replace(partial, library)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return library
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The kernel's library, built if need be; None (with a warning) where it cannot be."""
+    try:
+        return ctypes.CDLL(build(name))
+    except (OSError, KernelBuildError) as error:
+        logger.warning("C kernel %r unavailable, using the pure-torch path: %s", name, error)
+        return None

@@ -1,0 +1,131 @@
+"""Bindings of csrc/decode_layer.c: a whole Llama decoder layer of a decode step of few rows
+in one call (model/fused_decode.py runs the layers through it)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from tokenserve.kernels import build
+from tokenserve.kernels.paged_attention import DecodeRows
+from tokenserve.kernels.quant_linear import check_weight
+from tokenserve.kernels.tensor_checks import check_caches, check_f32, check_i64, i64, ptr
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("qs", ptr), ("scales", ptr), ("bias", ptr), ("out", i64), ("inp", i64),
+                ("q4_1", i64), ("few_rows", i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Projection), ("o", _Projection), ("gate_up", _Projection),
+                ("down", _Projection), ("input_norm", ptr), ("post_norm", ptr),
+                ("key_cache", ptr), ("value_cache", ptr)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        *((name, i64) for name in (
+            "num_rows", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
+            "block_size", "kv_bf16", "block_table_stride", "max_seq_len")),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        *((name, ptr) for name in (
+            "positions", "slots", "block_tables", "seq_lens", "cos", "sin", "normed", "qkv",
+            "attn", "o", "gate_up", "act")),
+    ]
+
+
+class DecodeLayerOps:
+    """decode_layer.c: a whole Llama decoder layer of a decode step of few rows in one call.
+    `layer()` checks and binds a layer's tensors once; `step()` a step's shared tensors (and
+    allocates its scratch buffers) once for all layers; `run()` then only passes pointers."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._run = library.ts_decode_layer
+        self._run.restype = ctypes.c_int
+        self._run.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), ptr, ptr, i64,
+                              ptr]
+
+    def layer(
+        self,
+        projections: dict[str, tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+        input_norm: torch.Tensor,
+        post_norm: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> tuple[_Layer, tuple]:
+        """projections: "qkv", "o", "gate_up", "down" → (GGUF kind, qs, scales, bias or
+        None, few_rows: the most rows for the few-row kernel, the many-row one above), in
+        quant_linear.c's layouts. Returns the bound layer and the tensors it points into
+        (keep them alive as long as the layer)."""
+        check_caches(key_cache, value_cache)
+        check_f32(input_norm, post_norm)
+        parts = {}
+        for name, (kind, qs, scales, bias, few_rows) in projections.items():
+            width = check_weight(kind, qs, scales)
+            if bias is not None:
+                check_f32(bias)
+            parts[name] = _Projection(qs.data_ptr(), scales.data_ptr(),
+                                      None if bias is None else bias.data_ptr(), qs.shape[0],
+                                      width, int(kind == "Q4_1"), few_rows)
+        bound = _Layer(parts["qkv"], parts["o"], parts["gate_up"], parts["down"],
+                       input_norm.data_ptr(), post_norm.data_ptr(), key_cache.data_ptr(),
+                       value_cache.data_ptr())
+        return bound, (projections, input_norm, post_norm, key_cache, value_cache)
+
+    def step(
+        self,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        hidden: int,
+        intermediate: int,
+        eps: float,
+        scale: float,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        decode_rows: DecodeRows,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        block_size: int,
+        kv_bf16: bool,
+    ) -> tuple[_Step, tuple]:
+        """The step's shared arguments; decode row r must be token r of the step. Returns the
+        bound step and the tensors it points into (keep them alive for the step)."""
+        rows = decode_rows.num_rows
+        check_i64(positions, slots)
+        check_f32(cos, sin)
+        if positions.shape[0] != rows or slots.shape[0] != rows:
+            raise ValueError("decode layer: positions and slots need one entry per row.")
+        scratch = [torch.empty(rows, width) for width in (
+            hidden, (num_heads + 2 * num_kv_heads) * head_dim, num_heads * head_dim, hidden,
+            2 * intermediate, intermediate)]
+        bound = _Step(
+            rows, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size,
+            int(kv_bf16), decode_rows.block_tables.stride(0),
+            int(decode_rows.seq_lens.max()), eps, scale, positions.data_ptr(),
+            slots.data_ptr(), decode_rows.block_tables.data_ptr(),
+            decode_rows.seq_lens.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            *(buffer.data_ptr() for buffer in scratch),
+        )
+        return bound, (positions, slots, decode_rows, cos, sin, scratch)
+
+    def run(self, layer: _Layer, step: _Step, hidden: torch.Tensor, residual: torch.Tensor,
+            add_input: bool, out: torch.Tensor) -> None:
+        """out = the layer on hidden (all [rows, hidden_size], contiguous float32; residual
+        updated in place; for the first layer add_input=False and residual is hidden)."""
+        status = self._run(ctypes.byref(layer), ctypes.byref(step), hidden.data_ptr(),
+                           residual.data_ptr(), int(add_input), out.data_ptr())
+        if status == 1:
+            raise ValueError("decode layer: the weights' shapes do not fit the step's.")
+        if status != 0:
+            raise MemoryError("decode layer could not allocate its scratch buffers.")
+
+
+@functools.cache
+def load() -> DecodeLayerOps | None:
+    library = build.load("decode_layer")
+    return None if library is None else DecodeLayerOps(library)

@@ -1,0 +1,80 @@
+"""Bindings of csrc/layer_ops.c: RMSNorm (with the residual add fused), SwiGLU, and rotary
+embeddings in place."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from tokenserve.kernels import build
+from tokenserve.kernels.tensor_checks import check_f32, check_i64, check_rows, i64, ptr
+
+
+class LayerOps:
+    """The fused operators of layer_ops.c over torch tensors (fp32, contiguous)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._rms_norm = library.ts_rms_norm_f32
+        self._rms_norm.restype = None
+        self._rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+        self._silu_and_mul = library.ts_silu_and_mul_f32
+        self._silu_and_mul.restype = None
+        self._silu_and_mul.argtypes = [ptr, ptr, i64, i64]
+        self._rotary = library.ts_rotary_f32
+        self._rotary.restype = None
+        self._rotary.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """RMSNorm of x [rows, hidden]; with `residual`, of residual + x, which is also
+        written back into `residual` (in place)."""
+        check_f32(x, weight, *(() if residual is None else (residual,)))
+        out = torch.empty_like(x)
+        self._rms_norm(
+            out.data_ptr(), x.data_ptr(), 0 if residual is None else residual.data_ptr(),
+            weight.data_ptr(), x.shape[0], x.shape[1], eps,
+        )
+        return out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up = [rows, 2 * d] → [rows, d]."""
+        check_f32(gate_up)
+        rows, width = gate_up.shape
+        out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+        self._silu_and_mul(out.data_ptr(), gate_up.data_ptr(), rows, width // 2)
+        return out
+
+    def rotary(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
+        """Rotate query [tokens, heads, dim] and key [tokens, kv_heads, dim] in place. Both
+        may be views into one fused QKV tensor: rows may be strided (the same stride), heads
+        must be contiguous within a row."""
+        check_f32(cos, sin)
+        check_rows(query, key)
+        check_i64(positions)
+        tokens, heads, dim = query.shape
+        if tokens > 1 and key.stride(0) != query.stride(0):
+            raise ValueError("rotary needs query and key with the same row stride.")
+        self._rotary(
+            query.data_ptr(), key.data_ptr(), query.stride(0), positions.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), tokens, heads, key.shape[1], dim,
+        )
+
+
+@functools.cache
+def load() -> LayerOps | None:
+    library = build.load("layer_ops")
+    return None if library is None else LayerOps(library)

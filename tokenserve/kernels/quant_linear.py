@@ -1,0 +1,98 @@
+"""Bindings of csrc/quant_linear.c: y = x · Wᵀ with W in GGUF's Q4_1 or Q8_0 blocks, in the
+layouts of model/layers/quantization/gguf.py's `QuantizedWeight` (see quant_linear.c)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from tokenserve.kernels import build
+from tokenserve.kernels.tensor_checks import check_f32, i64, ptr
+
+BLOCK = 32  # weights per GGUF block
+
+
+class QuantLinearOps:
+    """Two kernels per format: the few-row kernel, and with `panels=True` the many-row one
+    (output rows a multiple of `PANEL`)."""
+
+    PANEL = 16
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._kernels = {
+            ("Q4_1", False): library.ts_q4_1_linear_f32,
+            ("Q8_0", False): library.ts_q8_0_linear_f32,
+            ("Q4_1", True): library.ts_q4_1_gemm_f32,
+            ("Q8_0", True): library.ts_q8_0_gemm_f32,
+        }
+        for function in self._kernels.values():
+            function.restype = ctypes.c_int
+            function.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr]
+
+    def bind(self, kind: str, qs: torch.Tensor, scales: torch.Tensor) -> BoundQuantLinear:
+        """Both kernels of one weight, the weight checked once: a decode step makes ~120 of
+        these small products, so per-call checks of the weight would be a sizeable share of
+        them."""
+        check_weight(kind, qs, scales)
+        return BoundQuantLinear(self._kernels[kind, False], self._kernels[kind, True], qs, scales)
+
+
+class BoundQuantLinear:
+    """y = x · Wᵀ for one checked weight (`QuantLinearOps.bind`): each call checks only x."""
+
+    __slots__ = ("_few", "_many", "_num_out", "_qs", "_scales", "_width")
+
+    def __init__(self, few, many, qs: torch.Tensor, scales: torch.Tensor) -> None:
+        self._few, self._many = few, many
+        # The tensors are held so that their memory outlives the pointers passed to C.
+        self._qs, self._scales = qs, scales
+        self._num_out, self._width = qs.shape[0], scales.shape[1] * BLOCK
+
+    def __call__(self, x: torch.Tensor, panels: bool = False) -> torch.Tensor:
+        """x [M, K] float32, contiguous → [M, N]; `panels` picks the many-row kernel."""
+        if x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous():
+            raise ValueError("C kernels need contiguous float32 CPU tensors.")
+        if x.dim() != 2 or x.shape[1] != self._width:
+            raise ValueError(
+                f"quantized linear: the weight blocks do not match x's width (x is "
+                f"{tuple(x.shape)}, the weight takes [rows, {self._width}])."
+            )
+        out = torch.empty((x.shape[0], self._num_out), dtype=torch.float32)
+        status = (self._many if panels else self._few)(
+            out.data_ptr(), x.data_ptr(), x.shape[0], self._width, self._num_out,
+            self._qs.data_ptr(), self._scales.data_ptr(),
+        )
+        if status == 2:
+            raise MemoryError("quantized linear could not allocate its scratch buffer.")
+        if status != 0:
+            raise ValueError(f"quantized linear needs a multiple of {QuantLinearOps.PANEL} "
+                             "output rows.")
+        return out
+
+
+def check_weight(kind: str, qs: torch.Tensor, scales: torch.Tensor) -> int:
+    """A weight's blocks in quant_linear.c's layout (Q4_1: qs uint8 [out, in / 2], scales
+    float32 [out, in / 32, 2]; Q8_0: qs int8 [out, in], scales float32 [out, in / 32]);
+    returns its width `in`."""
+    check_f32(scales)
+    width = scales.shape[1] * BLOCK
+    q4_1 = kind == "Q4_1"
+    num_out = qs.shape[0]
+    if (
+        kind not in ("Q4_1", "Q8_0")
+        or qs.dtype != (torch.uint8 if q4_1 else torch.int8)
+        or not qs.is_contiguous()
+        or tuple(qs.shape) != (num_out, width // 2 if q4_1 else width)
+        or scales.shape[0] != num_out
+        or scales[0].numel() != width // BLOCK * (2 if q4_1 else 1)
+    ):
+        raise ValueError("quantized linear: the weight blocks do not match x's width.")
+    return width
+
+
+@functools.cache
+def load() -> QuantLinearOps | None:
+    library = build.load("quant_linear")
+    return None if library is None else QuantLinearOps(library)

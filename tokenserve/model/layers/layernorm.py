@@ -1,0 +1,30 @@
+"""RMSNorm, with the residual add fused in (the C kernel on CPU for float32)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenserve.kernels import layer_ops
+
+
+class RMSNorm(nn.Module):
+    def __init__(
+        self, hidden_size: int, eps: float, dtype: torch.dtype, use_c_kernels: bool = True
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.ops = layer_ops.load() if use_c_kernels and dtype == torch.float32 else None
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalise x; with `residual`, first add x into it in place (the residual stream)
+        and normalise the sum."""
+        if self.ops is not None and x.device.type == "cpu":
+            return self.ops.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = residual.add_(x)
+        # Normalise in fp32 whatever the dtype, as the reference implementation does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)

@@ -1,0 +1,41 @@
+"""The quantization-method interface: how a linear layer's weight is created, filled from a
+checkpoint, prepared once loaded, and multiplied by."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from tokenserve.model.layers.weight_loading import Rows, copy_rows
+
+
+class QuantizationMethod(ABC):
+    """One object per model, shared by its linear layers; what it keeps per layer it keeps
+    on the layer. Chosen at load from the model's format (`get_linear_method`)."""
+
+    @abstractmethod
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        params_dtype: torch.dtype,
+    ) -> None:
+        """Register the layer's `weight` (and whatever else the method keeps on it)."""
+
+    def load_weight(self, layer: nn.Module, loaded_weight, rows: Rows) -> None:
+        """Put (this rank's part of) a checkpoint weight into the layer's weight, or into its
+        output `rows`. A checkpoint may also hand the weight in another form (GGUF blocks),
+        which only a method that reads that form keeps."""
+        copy_rows(layer.weight, loaded_weight, rows)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Turn the loaded weight into the form `apply` reads (once, after loading)."""
+
+    @abstractmethod
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x · Wᵀ (+ bias) for x [rows, in]."""

@@ -1,0 +1,216 @@
+"""GGUF's block-quantized weights kept beside the float32 ones, for decode's products.
+
+A decode step with few rows reads every weight once and does little with it, so its time
+is the time to stream the weights from memory. For a GGUF model the projections (Q4_1
+here) and the logits matrix (Q8_0) are also kept in their file's block form, ~5x and ~4x
+smaller than float32, and `GGUFLinearMethod` sends products of at most `max_rows` rows to
+the C kernels of kernels/csrc/quant_linear.c, which expand the blocks in registers with the
+same float32 arithmetic as gguf's dequantization: the very weights of the float32 path,
+read in a fifth of the bytes. Products of more rows, up to `gemm_max_rows`, go to its
+many-row kernel, which expands each weight once per call into a cache-resident float32
+panel and multiplies it into all rows (a GEMM micro-kernel); that needs the output rows in
+multiples of 16. Larger products stay on oneDNN's float32 GEMM, which is as fast once the
+weights are reused across enough rows (docs/benchmarks/cpu-hot-path.md). The row limits
+are `KernelConfig.quantized_max_rows` / `quantized_gemm_max_rows`.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenserve.config import DEFAULT_QUANTIZED_GEMM_MAX_ROWS, DEFAULT_QUANTIZED_MAX_ROWS
+from tokenserve.kernels import quant_linear
+from tokenserve.kernels.quant_linear import BLOCK, BoundQuantLinear, QuantLinearOps
+from tokenserve.model.layers.quantization.unquantized import UnquantizedLinearMethod
+from tokenserve.model.layers.weight_loading import Rows
+
+# GGML type names → the bytes of one 32-weight block.
+_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+QUANTIZED_KINDS = tuple(_BLOCK_BYTES)
+
+
+@dataclass
+class QuantizedWeight:
+    """A [out, in] weight in GGUF blocks, repacked for quant_linear.c:
+    Q4_1: qs uint8 [out, in / 2] (a block's 16 bytes as in the file), scales float32
+    [out, in / 32, 2] (d, m); Q8_0: qs int8 [out, in], scales float32 [out, in / 32]."""
+
+    kind: str  # "Q4_1" or "Q8_0"
+    qs: torch.Tensor
+    scales: torch.Tensor
+    # Products of at most max_rows rows take the few-row kernel and, above that, of at most
+    # gemm_max_rows rows the many-row kernel.
+    max_rows: int = DEFAULT_QUANTIZED_MAX_ROWS
+    gemm_max_rows: int = DEFAULT_QUANTIZED_GEMM_MAX_ROWS
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qs.shape[0], self.scales.shape[1] * BLOCK
+
+    @classmethod
+    def from_blocks(cls, kind: str, blocks: np.ndarray) -> QuantizedWeight:
+        """From a GGUF tensor's raw bytes, one row of blocks per output: [out, in / 32 * block bytes]."""
+        if kind not in _BLOCK_BYTES:
+            raise ValueError(f"No quantized kernel for {kind}; have {sorted(_BLOCK_BYTES)}.")
+        rows = blocks.shape[0]
+        blocks = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(rows, -1, _BLOCK_BYTES[kind])
+        num_blocks = blocks.shape[1]
+        # The block's float16 fields become float32 (exactly), as gguf's dequantization does.
+        d = blocks[:, :, 0:2].copy().view(np.float16).astype(np.float32)
+        if kind == "Q4_1":
+            m = blocks[:, :, 2:4].copy().view(np.float16).astype(np.float32)
+            qs = blocks[:, :, 4:].reshape(rows, num_blocks * 16)
+            scales = np.concatenate([d, m], axis=2)
+        else:
+            qs = blocks[:, :, 2:].reshape(rows, num_blocks * BLOCK).view(np.int8)
+            scales = d.reshape(rows, num_blocks)
+        return cls(kind, torch.from_numpy(np.ascontiguousarray(qs)),
+                   torch.from_numpy(np.ascontiguousarray(scales)))
+
+    def map_rows(self, function) -> QuantizedWeight:
+        """The same weight with its output rows rearranged by `function` (a row permutation
+        written for [out, ...] tensors)."""
+        return replace(self, qs=function(self.qs), scales=function(self.scales))
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
+        """Output rows (dim 0) or input columns (dim 1, whole blocks) start:start+length, as
+        Tensor.narrow: a tensor-parallel shard of the weight."""
+        if dim == 0:
+            return replace(self, qs=self.qs[start : start + length],
+                           scales=self.scales[start : start + length])
+        if dim != 1 or start % BLOCK or length % BLOCK:
+            raise ValueError("GGUF blocks split along the input only at whole 32-weight blocks.")
+        per_byte = 2 if self.kind == "Q4_1" else 1
+        return replace(
+            self,
+            qs=self.qs[:, start // per_byte : (start + length) // per_byte].contiguous(),
+            scales=self.scales[:, start // BLOCK : (start + length) // BLOCK].contiguous(),
+        )
+
+    @staticmethod
+    def concat(parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+        """Parts stacked along the output rows (fused q/k/v, gate/up); None if they differ in kind."""
+        if len({part.kind for part in parts}) != 1 or len({part.shape[1] for part in parts}) != 1:
+            return None
+        return replace(
+            parts[0],
+            qs=torch.cat([part.qs for part in parts]),
+            scales=torch.cat([part.scales for part in parts]),
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight (what gguf's dequantization gives), for tests and checks."""
+        if self.kind == "Q4_1":
+            qs = self.qs.reshape(self.qs.shape[0], -1, 16)
+            q = torch.cat([qs & 0x0F, qs >> 4], dim=2).to(torch.float32)
+            weight = q * self.scales[:, :, 0:1] + self.scales[:, :, 1:2]
+        else:
+            q = self.qs.reshape(self.qs.shape[0], -1, BLOCK).to(torch.float32)
+            weight = q * self.scales[:, :, None]
+        return weight.reshape(self.shape)
+
+    @property
+    def _fits_panels(self) -> bool:
+        """Whether the many-row kernel takes this weight (its output rows in whole panels)."""
+        return self.shape[0] % QuantLinearOps.PANEL == 0
+
+    @property
+    def row_limit(self) -> int:
+        """The most rows of a product sent here: the few-row kernel's limit, or the many-row
+        kernel's where the weight fits its panels."""
+        return max(self.max_rows, self.gemm_max_rows if self._fits_panels else 0)
+
+    def takes(self, rows: int) -> bool:
+        """Whether a product of `rows` rows is sent here (else to the float weight)."""
+        return rows <= self.row_limit
+
+    def matmul(self, x: torch.Tensor, panels: bool | None = None) -> torch.Tensor:
+        """x [rows, in] float32 → x · Wᵀ [rows, out]. `panels` picks the kernel; by
+        default the many-row one for more than max_rows rows, where it applies."""
+        if panels is None:
+            panels = x.shape[0] > self.max_rows and self._fits_panels
+        return self._kernels(x.contiguous(), panels)
+
+    @functools.cached_property
+    def _kernels(self) -> BoundQuantLinear:
+        """The kernels bound to this weight (checked once; qs and scales are not reassigned:
+        map_rows, narrow and concat make new weights)."""
+        ops = quant_linear.load()
+        if ops is None:
+            raise RuntimeError("the quantized linear kernel is unavailable")
+        return ops.bind(self.kind, self.qs, self.scales)
+
+
+class GGUFLinearMethod(UnquantizedLinearMethod):
+    """A GGUF model's linear layers: the dense (oneDNN-packed) float32 weight, dequantized
+    from the file, and beside it the file's Q4_1 / Q8_0 blocks (`layer.blocks`) for products
+    of few rows. A layer whose checkpoint parts are not all in one of those kinds keeps the
+    dense weight alone."""
+
+    def __init__(self, max_rows: int, gemm_max_rows: int, use_onednn: bool = True) -> None:
+        super().__init__(use_onednn)
+        self.max_rows, self.gemm_max_rows = max_rows, gemm_max_rows
+        self.num_block_weights = 0  # how many layers got their blocks, for the log
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        params_dtype: torch.dtype,
+    ) -> None:
+        super().create_weights(layer, input_size_per_partition, output_partition_sizes,
+                               params_dtype)
+        layer.gguf_parts = {}  # first output row → the blocks loaded for the rows from there
+        layer.blocks = None
+
+    def load_weight(self, layer: nn.Module, loaded_weight, rows: Rows) -> None:
+        if not isinstance(loaded_weight, QuantizedWeight):
+            super().load_weight(layer, loaded_weight, rows)
+            return
+        first, count = rows if rows is not None else (0, layer.weight.shape[0])
+        if loaded_weight.shape[0] != count:
+            raise ValueError(f"GGUF blocks of {loaded_weight.shape[0]} rows for {count} rows.")
+        layer.gguf_parts[first] = loaded_weight
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if layer.gguf_parts:
+            layer.blocks = self._join(layer.gguf_parts, tuple(layer.weight.shape))
+            layer.gguf_parts = {}
+            self.num_block_weights += layer.blocks is not None
+        super().process_weights_after_loading(layer)
+
+    def _join(
+        self, parts: dict[int, QuantizedWeight], shape: tuple[int, ...]
+    ) -> QuantizedWeight | None:
+        """The parts as one weight of `shape` (fused q/k/v, gate/up), if they cover it in one
+        kind the kernels take; else None."""
+        firsts = sorted(parts)
+        ordered = [parts[first] for first in firsts]
+        joined = QuantizedWeight.concat(ordered)
+        # Each part starts where the one before ends.
+        covered = firsts == [0, *itertools.accumulate(part.shape[0] for part in ordered)][:-1]
+        if joined is None or not covered or joined.shape != shape:
+            return None
+        return replace(joined, max_rows=self.max_rows, gemm_max_rows=self.gemm_max_rows)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        blocks = layer.blocks
+        if blocks is not None and x.dim() == 2 and blocks.takes(x.shape[0]):
+            out = blocks.matmul(x)
+            return out if bias is None else out.add_(bias)
+        return super().apply(layer, x, bias)
+
+    def __str__(self) -> str:
+        return (
+            f"{self.num_block_weights} weights also in their GGUF blocks for products of up to "
+            f"{max(self.max_rows, self.gemm_max_rows)} rows; " + super().__str__()
+        )
