@@ -80,6 +80,19 @@ def test_a_decode_row_is_scheduled_with_its_drafts():
     assert scheduler.schedule().num_scheduled_tokens == {"r": 1}
 
 
+def test_drafts_are_dropped_where_sampling_cannot_verify_them():
+    """Seeded random sampling and structured outputs take no drafts: the step schedules
+    one token for them, as without a proposer."""
+    scheduler = make_scheduler()
+    seeded = add(scheduler, "seeded", temperature=1.0, seed=3)
+    seeded_greedy = add(scheduler, "seeded-greedy", prompt=(4, 5, 6), temperature=0.0, seed=3)
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, runner_output({"seeded": [5], "seeded-greedy": [5]}))
+    scheduler.update_draft_token_ids({"seeded": [7, 8], "seeded-greedy": [7, 8]})
+    assert seeded.spec_token_ids == []
+    assert scheduler.schedule().num_scheduled_tokens == {"seeded": 1, "seeded-greedy": 3}
+
+
 def test_rejected_drafts_are_rolled_back_and_the_row_goes_on():
     scheduler = make_scheduler()
     request = add(scheduler)

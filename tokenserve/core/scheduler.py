@@ -210,10 +210,15 @@ class Scheduler:
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
         """Take a proposer's draft tokens (they replace earlier ones): a running request
-        verifies them in the next step that schedules it (speculative decoding's hook)."""
+        verifies them in the next step that schedules it (speculative decoding's hook).
+        Drafts for a request whose sampling cannot verify them exactly are dropped."""
         for request_id, token_ids in draft_token_ids.items():
             request = self.requests.get(request_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
+            if (
+                request is not None
+                and request.status == RequestStatus.RUNNING
+                and request.sampling_params.verifies_drafts
+            ):
                 request.spec_token_ids = list(token_ids)
 
     def make_stats(self) -> SchedulerStats:
