@@ -5,12 +5,10 @@ kernel, the many-row kernel, then oneDNN; the method chosen from the model's for
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
 
+from tests.gguf_blocks import random_quantized
 from tokenserve.config import KernelConfig
 from tokenserve.kernels import quant_linear
 from tokenserve.model.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -20,14 +18,6 @@ from tokenserve.model.layers.quantization import (
     get_linear_method,
 )
 from tokenserve.model.layers.quantization.gguf import QuantizedWeight
-
-
-def _quantized(kind: str, rows: int, width: int, seed: int = 0):
-    """A random weight in `kind` blocks, and gguf's own dequantization of those blocks."""
-    weight = np.random.default_rng(seed).standard_normal((rows, width)).astype(np.float32)
-    blocks = quantize(weight, GGMLQuantizationType[kind])
-    reference = dequantize(blocks, GGMLQuantizationType[kind]).reshape(rows, width)
-    return QuantizedWeight.from_blocks(kind, blocks), torch.from_numpy(reference.copy())
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,7 +40,7 @@ def test_unquantized_method_packs_for_onednn_and_frees_the_dense_weight():
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("num_rows", [1, 4, 7, 16, 40])
 def test_gguf_method_equals_the_dense_product_on_dequantized_weights(kind, num_rows):
-    blocks, reference = _quantized(kind, 32, 96)
+    blocks, reference = random_quantized(kind, 32, 96)
     bias = torch.randn(32)
     method = GGUFLinearMethod(max_rows=4, gemm_max_rows=16, use_onednn=True)
     layer = ReplicatedLinear(96, 32, bias=True, quant_method=method)
@@ -67,7 +57,7 @@ def test_gguf_method_equals_the_dense_product_on_dequantized_weights(kind, num_r
 def test_gguf_method_routes_by_rows_to_each_kernel_then_onednn(monkeypatch):
     # Blocks that deliberately differ from the dense weight show which one ran.
     dense_weight = torch.randn(16, 64)
-    blocks, reference = _quantized("Q8_0", 16, 64)
+    blocks, reference = random_quantized("Q8_0", 16, 64)
     method = GGUFLinearMethod(max_rows=4, gemm_max_rows=8)
     layer = ReplicatedLinear(64, 16, bias=True, quant_method=method)
     layer.weight.weight_loader(layer.weight, dense_weight)
@@ -96,7 +86,7 @@ def test_gguf_method_routes_by_rows_to_each_kernel_then_onednn(monkeypatch):
 
 
 def test_gguf_blocks_of_merged_parts_join_only_whole_and_of_one_kind():
-    (q, q_ref), (k, k_ref), (v, v_ref) = (_quantized("Q4_1", rows, 64, seed)
+    (q, q_ref), (k, k_ref), (v, v_ref) = (random_quantized("Q4_1", rows, 64, seed)
                                           for seed, rows in enumerate((32, 16, 16)))
     method = GGUFLinearMethod(max_rows=4, gemm_max_rows=8)
     layer = QKVParallelLinear(64, 16, 2, 1, quant_method=method)
@@ -107,7 +97,7 @@ def test_gguf_blocks_of_merged_parts_join_only_whole_and_of_one_kind():
     assert torch.equal(layer.blocks.dequantize(), torch.cat([q_ref, k_ref, v_ref]))
     assert (layer.blocks.max_rows, layer.blocks.gemm_max_rows) == (4, 8)
 
-    other = _quantized("Q8_0", 16, 64)[0]
+    other = random_quantized("Q8_0", 16, 64)[0]
     for parts in ({"q": q, "k": k}, {"q": q, "k": k, "v": other}):  # a part missing; mixed kinds
         layer = QKVParallelLinear(64, 16, 2, 1, quant_method=method)
         for shard_id, blocks in parts.items():
@@ -117,7 +107,7 @@ def test_gguf_blocks_of_merged_parts_join_only_whole_and_of_one_kind():
 
 
 def test_gguf_blocks_shard_like_the_dense_weight():
-    blocks, reference = _quantized("Q4_1", 32, 128)
+    blocks, reference = random_quantized("Q4_1", 32, 128)
     for rank in (0, 1):
         method = GGUFLinearMethod(max_rows=4, gemm_max_rows=8, use_onednn=False)
         layer = RowParallelLinear(128, 32, quant_method=method, tp_size=2, tp_rank=rank,
