@@ -13,6 +13,23 @@ from typing import Any
 import torch
 
 
+# The runners a model can run under (vLLM's --runner): sampling tokens, or pooling a prompt.
+RUNNERS = ("auto", "generate", "pooling")
+# Pooling types (vLLM's names): the last token's hidden state, the mean over the prompt, the
+# first token's (CLS).
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+@dataclass
+class PoolerConfig:
+    """How a pooling model turns a prompt's hidden states into one vector: from a
+    sentence-transformers directory (1_Pooling, 2_Normalize), else the architecture's
+    default (model/pooler_config.py)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+
 @dataclass
 class ModelConfig:
     model: str
@@ -28,6 +45,15 @@ class ModelConfig:
     # Prefill chunks sharing a long cached prefix attend to it in one call
     # (attention/torch_sdpa.py); True turns that off.
     disable_cascade_attn: bool = False
+    # "generate" or "pooling" (resolved from "auto" by the architecture).
+    runner: str = "generate"
+    # Pooling runner only: the tasks the model serves and how it pools.
+    pooling_tasks: tuple[str, ...] = ()
+    pooler_config: PoolerConfig | None = None
+    # Encoder-only (BERT): bidirectional attention, no KV cache, no chunked prefill.
+    is_encoder_only: bool = False
+    # Matryoshka embeddings: `dimensions` may shorten them.
+    is_matryoshka: bool = False
 
     @property
     def num_layers(self) -> int:

@@ -1,4 +1,5 @@
-"""What the engine returns to its users: RequestOutput and CompletionOutput."""
+"""What the engine returns to its users: RequestOutput and CompletionOutput; for pooling
+requests PoolingRequestOutput and its embedding / classification / scoring forms."""
 
 from __future__ import annotations
 
@@ -66,3 +67,71 @@ class RequestOutput:
     # Prompt tokens served from the prefix cache (for n > 1: the most any sample was served).
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result as the model gives it (vLLM's `PoolingOutput.data`)."""
+
+    data: list[float]
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One pooling request, finished: `outputs` is a PoolingOutput, or the task's own output
+    in the typed subclasses below (vLLM's shapes)."""
+
+    request_id: str
+    outputs: PoolingOutput | EmbeddingOutput | ClassificationOutput | ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    prompt: str | None = None
+    metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        assert isinstance(output.outputs, PoolingOutput)
+        return cls(**{**vars(output), "outputs": EmbeddingOutput(output.outputs.data)})
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> ClassificationRequestOutput:
+        assert isinstance(output.outputs, PoolingOutput)
+        return cls(**{**vars(output), "outputs": ClassificationOutput(output.outputs.data)})
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput):
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> ScoringRequestOutput:
+        assert isinstance(output.outputs, PoolingOutput)
+        return cls(**{**vars(output), "outputs": ScoringOutput(output.outputs.data[0])})

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenserve.messages.engine_core import EngineCoreRequest
+from tokenserve.pooling_params import PoolingParams
 from tokenserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ class Request:
     cache_salt: str | None = None
     # Requests that need every position's logits (prompt logprobs) must compute them all.
     skip_prefix_cache: bool = False
+    # A pooling request: finishes when its prompt is computed, with the pooled result.
+    pooling_params: PoolingParams | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -88,6 +91,7 @@ class Request:
             priority=request.priority,
             cache_salt=request.cache_salt,
             skip_prefix_cache=request.skip_prefix_cache,
+            pooling_params=request.pooling_params,
         )
 
     def to_engine_core_request(self) -> EngineCoreRequest:
@@ -101,6 +105,7 @@ class Request:
             priority=self.priority,
             cache_salt=self.cache_salt,
             skip_prefix_cache=self.skip_prefix_cache,
+            pooling_params=self.pooling_params,
         )
 
     @property

@@ -206,7 +206,24 @@ class Scheduler:
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request)
+        for request_id, pooled in model_runner_output.pooler_output.items():
+            request = self.requests.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                outputs.append(self._finish_pooling(request, pooled))
         return outputs
+
+    def _finish_pooling(self, request: Request, pooled: list[float]) -> EngineCoreOutput:
+        """A pooling request ends with its prompt: its pooled result is its only output."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        self.running.remove(request)
+        self._free_request(request)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=request.status.finish_reason,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            pooling_output=pooled,
+        )
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
         """Take a proposer's draft tokens (they replace earlier ones): a running request
@@ -435,6 +452,7 @@ class Scheduler:
             block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
             num_computed_tokens=request.num_computed_tokens,
             eos_token_id=request.eos_token_id,
+            pooling_params=request.pooling_params,
         )
 
 

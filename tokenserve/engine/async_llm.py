@@ -29,7 +29,8 @@ from tokenserve.messages.engine_core import SchedulerStats
 from tokenserve.metrics.log_stats import LOG_INTERVAL_S, LoggingStatLogger
 from tokenserve.metrics.stats import RequestStatsTracker, StatLogger
 from tokenserve.model.loader import load_tokenizer
-from tokenserve.outputs import CompletionOutput, RequestOutput
+from tokenserve.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from tokenserve.pooling_params import PoolingParams
 from tokenserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -40,10 +41,10 @@ class RequestOutputCollector:
 
     def __init__(self, output_kind: RequestOutputKind) -> None:
         self.output_kind = output_kind
-        self.pending: RequestOutput | BaseException | None = None
+        self.pending: RequestOutput | PoolingRequestOutput | BaseException | None = None
         self.ready = asyncio.Event()
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: RequestOutput | PoolingRequestOutput | BaseException) -> None:
         pending = self.pending
         if (
             isinstance(item, RequestOutput)
@@ -56,7 +57,7 @@ class RequestOutputCollector:
             self.pending = item
         self.ready.set()
 
-    async def get(self) -> RequestOutput:
+    async def get(self) -> RequestOutput | PoolingRequestOutput:
         while self.pending is None:
             await self.ready.wait()
         item, self.pending = self.pending, None
@@ -111,7 +112,7 @@ class RequestOutputStream:
     def __aiter__(self) -> RequestOutputStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> RequestOutput | PoolingRequestOutput:
         if self.finished or self.closed:
             raise StopAsyncIteration
         try:
@@ -206,6 +207,21 @@ class AsyncLLM:
             async for output in outputs:
                 yield output
 
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """A pooling request's one output (vLLM's `encode`); closing the generator aborts it."""
+        collector = await self.add_request(request_id, prompt, pooling_params, priority, cache_salt)
+        async with contextlib.aclosing(self.iterate_outputs(request_id, collector)) as outputs:
+            async for output in outputs:
+                assert isinstance(output, PoolingRequestOutput)
+                yield output
+
     def iterate_outputs(
         self, request_id: str, collector: RequestOutputCollector
     ) -> RequestOutputStream:
@@ -216,7 +232,7 @@ class AsyncLLM:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
@@ -233,10 +249,10 @@ class AsyncLLM:
             request_id,
             prompt_text,
             request.prompt_token_ids,
-            request.sampling_params,
+            request.pooling_params or request.sampling_params,
             request.arrival_time,
         )
-        collector = RequestOutputCollector(params.output_kind)
+        collector = RequestOutputCollector(request.sampling_params.output_kind)
         self.collectors[request_id] = collector
         try:
             # n > 1: the children go to the engine core together, to share the prompt's blocks.
@@ -253,7 +269,8 @@ class AsyncLLM:
     @property
     def num_unfinished_requests(self) -> int:
         """Engine-core requests added and not yet finished (a request with n > 1 counts n)."""
-        return len(self.output_processor.request_states)
+        processor = self.output_processor
+        return len(processor.request_states) + len(processor.pooling_states)
 
     def abort(self, request_id: str) -> None:
         """Drop a request here and in the engine core (its blocks are freed there)."""

@@ -76,6 +76,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                          default=defaults.quantized_gemm_max_rows,
                          help="GGUF models: products of more rows, up to this many, read the "
                               "blocks with the many-row kernel; oneDNN above (0: off).")
+    parser.add_argument("--runner", choices=["auto", "generate", "pooling"],
+                        default=defaults.runner,
+                        help="'generate' samples tokens; 'pooling' serves embeddings, scores and "
+                             "classes (/v1/embeddings, /score, /rerank, /classify); 'auto' "
+                             "picks by the architecture (BertModel, *ForSequenceClassification: "
+                             "pooling).")
+    parser.add_argument("--pooler-config", default=None,
+                        help="Pooling runner: JSON overriding the model's pooling, e.g. "
+                             "'{\"pooling_type\": \"MEAN\", \"normalize\": false}'.")
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
                         default=defaults.scheduling_policy, help="Order of admission and preemption.")
     parser.add_argument("--prefill-order", choices=list(PREFILL_ORDERS),

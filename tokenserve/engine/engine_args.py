@@ -25,6 +25,7 @@ from tokenserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from tokenserve.engine.runner_config import RunnerSettings, configure_runner
 from tokenserve.model.loader import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,10 @@ class EngineArgs:
     disable_fused_decode: bool = False
     quantized_max_rows: int = DEFAULT_QUANTIZED_MAX_ROWS
     quantized_gemm_max_rows: int = DEFAULT_QUANTIZED_GEMM_MAX_ROWS
+    # vLLM's --runner: "generate", "pooling" (embeddings, scores, classes) or "auto" (by
+    # the architecture); --pooler-config overrides the pooling ({"pooling_type", "normalize"}).
+    runner: str = "auto"
+    pooler_config: dict | str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -144,6 +149,13 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             disable_cascade_attn=self.disable_cascade_attn,
         )
+        settings = configure_runner(
+            model_config,
+            self.runner,
+            self.pooler_config,
+            RunnerSettings(self.enable_chunked_prefill, self.enable_prefix_caching),
+        )
+        enable_chunked_prefill = settings.enable_chunked_prefill
 
         cache_dtype = self._resolve_kv_cache_dtype(model_config.dtype)
         num_blocks = self._resolve_num_blocks(model_config, cache_dtype)
@@ -162,10 +174,10 @@ class EngineArgs:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = (
                 DEFAULT_MAX_NUM_BATCHED_TOKENS
-                if self.enable_chunked_prefill
+                if enable_chunked_prefill
                 else max(model_config.max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
             )
-        if not self.enable_chunked_prefill and max_num_batched_tokens < model_config.max_model_len:
+        if not enable_chunked_prefill and max_num_batched_tokens < model_config.max_model_len:
             raise ValueError(
                 f"With chunked prefill disabled, max_num_batched_tokens ({max_num_batched_tokens}) "
                 f"must be at least max_model_len ({model_config.max_model_len}), or a long prompt "
@@ -174,7 +186,7 @@ class EngineArgs:
         cache_config = CacheConfig(
             block_size=self.block_size,
             num_blocks=num_blocks,
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=settings.enable_prefix_caching,
             prefix_caching_hash_algo=self.prefix_caching_hash_algo,
             dtype=cache_dtype,
         )
@@ -182,7 +194,7 @@ class EngineArgs:
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
             max_model_len=model_config.max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_chunked_prefill=enable_chunked_prefill,
             policy=self.scheduling_policy,
             target_step_ms=self.target_step_ms,
             prefill_order=self.prefill_order,

@@ -17,7 +17,8 @@ from tokenserve.engine.parallel_sampling import fan_out
 from tokenserve.engine.processor import Processor, PromptType
 from tokenserve.messages.engine_core import SchedulerStats
 from tokenserve.model.loader import load_tokenizer
-from tokenserve.outputs import RequestOutput
+from tokenserve.outputs import PoolingRequestOutput, RequestOutput
+from tokenserve.pooling_params import PoolingParams
 from tokenserve.sampling_params import SamplingParams
 
 
@@ -37,7 +38,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
@@ -49,7 +50,7 @@ class LLMEngine:
             request_id,
             prompt_text,
             request.prompt_token_ids,
-            request.sampling_params,
+            request.pooling_params or request.sampling_params,
             request.arrival_time,
         )
         # n > 1: the n children go in together, so they are admitted in the same step and
@@ -60,7 +61,7 @@ class LLMEngine:
     def abort_request(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(self.output_processor.abort_requests(request_ids))
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         processed = self.output_processor.process_outputs(self.engine_core.step())
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)

@@ -29,11 +29,14 @@ from tokenserve.engine.parallel_sampling import (
 from tokenserve.messages.engine_core import EngineCoreOutput
 from tokenserve.outputs import (
     CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
     SampleLogprobs,
 )
+from tokenserve.pooling_params import PoolingParams
 from tokenserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -60,8 +63,18 @@ class RequestState:
 
 
 @dataclass
+class PoolingRequestState:
+    """A pooling request until its one output arrives (no text, no tokens to follow)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+
+
+@dataclass
 class OutputProcessorOutput:
-    request_outputs: list[RequestOutput]
+    request_outputs: list[RequestOutput | PoolingRequestOutput]
     # Requests the detokenizer finished (a stop string): the engine core must drop them.
     reqs_to_abort: list[str]
 
@@ -74,17 +87,27 @@ class OutputProcessor:
         self.request_states: dict[str, RequestState] = {}
         # n > 1 requests, keyed by the user's request id.
         self.parent_requests: dict[str, ParentRequest] = {}
+        self.pooling_states: dict[str, PoolingRequestState] = {}
 
     def add_request(
         self,
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float,
     ) -> None:
-        if request_id in self.request_states or request_id in self.parent_requests:
+        if (
+            request_id in self.request_states
+            or request_id in self.parent_requests
+            or request_id in self.pooling_states
+        ):
             raise ValueError(f"Request id {request_id!r} is already in use.")
+        if isinstance(params, PoolingParams):
+            self.pooling_states[request_id] = PoolingRequestState(
+                request_id, prompt, prompt_token_ids, RequestMetrics(arrival_time=arrival_time)
+            )
+            return
         if params.n == 1:
             self.request_states[request_id] = self._new_state(
                 request_id, prompt, prompt_token_ids, params, arrival_time
@@ -111,11 +134,12 @@ class OutputProcessor:
             ids = parent.child_ids if parent is not None else [request_id]
             for core_id in ids:
                 self.request_states.pop(core_id, None)
+                self.pooling_states.pop(core_id, None)
             core_ids.extend(ids)
         return core_ids
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.request_states)
+        return bool(self.request_states) or bool(self.pooling_states)
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> OutputProcessorOutput:
         """Fold one step's engine-core outputs in; RequestOutputs as each output_kind asks."""
@@ -123,6 +147,9 @@ class OutputProcessor:
         request_outputs = []
         reqs_to_abort = []
         for output in outputs:
+            if output.request_id in self.pooling_states:
+                request_outputs.append(self._pooling_output(output, now))
+                continue
             state = self.request_states.get(output.request_id)
             if state is None:
                 continue
@@ -159,6 +186,19 @@ class OutputProcessor:
                 request_output = merged
             request_outputs.append(request_output)
         return OutputProcessorOutput(request_outputs, reqs_to_abort)
+
+    def _pooling_output(self, output: EngineCoreOutput, now: float) -> PoolingRequestOutput:
+        state = self.pooling_states.pop(output.request_id)
+        state.metrics.first_token_time = state.metrics.finished_time = now
+        return PoolingRequestOutput(
+            request_id=state.request_id,
+            outputs=PoolingOutput(list(output.pooling_output or [])),
+            prompt_token_ids=state.prompt_token_ids,
+            finished=True,
+            num_cached_tokens=output.num_cached_tokens,
+            prompt=state.prompt,
+            metrics=state.metrics,
+        )
 
     def _new_state(
         self,

@@ -13,7 +13,13 @@ from typing import Any, Union
 
 from tokenserve.config import EngineConfig
 from tokenserve.core.request import Request
-from tokenserve.sampling_params import SamplingParams
+from tokenserve.engine.pooling_requests import (
+    check_pooling_params,
+    token_type_start,
+    truncate_length,
+)
+from tokenserve.pooling_params import PoolingParams
+from tokenserve.sampling_params import RequestOutputKind, SamplingParams
 
 # A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids".
 PromptType = Union[str, Sequence[int], Mapping[str, Any]]
@@ -32,21 +38,24 @@ class Processor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> tuple[str | None, Request]:
         """Returns the prompt text (None for token-id prompts) and the engine-core Request."""
+        if isinstance(params, PoolingParams):
+            return self._process_pooling(
+                request_id, prompt, params, arrival_time, priority, cache_salt
+            )
+        if self.config.model_config.runner == "pooling":
+            raise ValueError(
+                "This model runs the 'pooling' runner: it serves embeddings, scores and "
+                "classes, and does not generate text."
+            )
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
-        if priority != 0 and self.config.scheduler_config.policy != "priority":
-            raise ValueError(
-                "priority is only honoured with scheduling_policy='priority'; "
-                f"this engine uses {self.config.scheduler_config.policy!r}."
-            )
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError("cache_salt must be a non-empty string.")
+        self._check_priority_and_salt(priority, cache_salt)
         params = self._process_sampling_params(params)
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)
@@ -62,6 +71,67 @@ class Processor:
             skip_prefix_cache=params.prompt_logprobs is not None,
         )
         return text, request
+
+    def _process_pooling(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams,
+        arrival_time: float | None,
+        priority: int,
+        cache_salt: str | None,
+    ) -> tuple[str | None, Request]:
+        """A pooling request: its params against the model, its prompt truncated (a text's
+        first tokens, token ids' last), a text pair's token types; it samples nothing."""
+        model_config = self.config.model_config
+        params = check_pooling_params(params, model_config)
+        self._check_priority_and_salt(priority, cache_salt)
+        keep = truncate_length(params, self.max_model_len)
+        text = prompt.get("prompt") if isinstance(prompt, Mapping) else prompt
+        if keep is not None and isinstance(text, str) and not (
+            isinstance(prompt, Mapping) and "prompt_token_ids" in prompt
+        ):
+            token_ids = list(self.tokenizer.encode(text, truncation=True, max_length=keep))
+            token_ids = self._token_ids(token_ids)
+        else:
+            text, token_ids = self._tokenize(prompt)
+            if keep is not None:
+                token_ids = token_ids[-keep:]
+        if isinstance(prompt, Mapping) and prompt.get("token_type_ids") is not None:
+            params = dataclasses.replace(
+                params, token_type_start=token_type_start(prompt["token_type_ids"], len(token_ids))
+            )
+        if not token_ids:
+            raise ValueError("The prompt is empty: it must contain at least one token.")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"The prompt is {len(token_ids)} tokens long, but max_model_len is "
+                f"{self.max_model_len}; truncate it (truncate_prompt_tokens) or shorten it."
+            )
+        pooling_type = model_config.pooler_config.pooling_type if model_config.pooler_config else None
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            # Nothing is sampled: the request ends when its prompt is computed.
+            sampling_params=SamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY),
+            eos_token_id=None,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
+            cache_salt=cache_salt,
+            # Mean and first-token pooling read every prompt position: none from the cache.
+            skip_prefix_cache=pooling_type != "LAST",
+            pooling_params=params,
+        )
+        return text, request
+
+    def _check_priority_and_salt(self, priority: int, cache_salt: str | None) -> None:
+        if priority != 0 and self.config.scheduler_config.policy != "priority":
+            raise ValueError(
+                "priority is only honoured with scheduling_policy='priority'; "
+                f"this engine uses {self.config.scheduler_config.policy!r}."
+            )
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string.")
 
     def _process_sampling_params(self, params: SamplingParams) -> SamplingParams:
         """Checks that need the vocabulary; returns a copy with bad_words as token ids."""

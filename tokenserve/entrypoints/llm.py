@@ -1,4 +1,6 @@
-"""The offline API: `LLM(model).generate(prompts, sampling_params)` and `.chat(messages)`."""
+"""The offline API: `LLM(model).generate(prompts, sampling_params)` and `.chat(messages)`;
+with `runner="pooling"`, `.embed(prompts)`, `.classify(prompts)`, `.score(text_1, text_2)`
+and `.encode(prompts)`."""
 
 from __future__ import annotations
 
@@ -13,7 +15,16 @@ from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.engine.llm_engine import LLMEngine
 from tokenserve.engine.processor import PromptType
 from tokenserve.entrypoints.chat_utils import render_chat
-from tokenserve.outputs import RequestOutput
+from tokenserve.entrypoints.scoring import cosine_similarity, cross_encoder_prompt, score_pairs
+from tokenserve.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from tokenserve.pooling_params import PoolingParams
 from tokenserve.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
@@ -95,9 +106,84 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Pool every prompt (a pooling model, runner="pooling"); outputs in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast(pooling_params or PoolingParams(), len(prompt_list), "pooling_params")
+        request_ids: list[str] = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                if not isinstance(params, PoolingParams):
+                    raise ValueError(
+                        f"pooling_params must be PoolingParams, got {type(params).__name__}."
+                    )
+                if pooling_task is not None:
+                    params = dataclasses.replace(params, task=pooling_task)
+                request_id = str(next(self._request_counter))
+                self.llm_engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except Exception:
+            self.llm_engine.abort_request(request_ids)
+            raise
+        return cast(list[PoolingRequestOutput], self._run_engine(request_ids, use_tqdm))
+
+    def embed(self, prompts, pooling_params=None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (`outputs.embedding`)."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="embed")
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
+
+    def classify(
+        self, prompts, pooling_params=None, use_tqdm: bool = True
+    ) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (`outputs.probs`)."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="classify")
+        return [ClassificationRequestOutput.from_base(output) for output in outputs]
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """One score per pair (one text_1 against each text_2, or pairwise): a cross-encoder's
+        relevance, or an embedding model's cosine similarity."""
+        pairs = score_pairs(text_1, text_2)
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        model_config = self.llm_engine.config.model_config
+        if "score" in model_config.pooling_tasks:
+            prompts = [
+                cross_encoder_prompt(self.get_tokenizer(), a, b, params.truncate_prompt_tokens)
+                for a, b in pairs
+            ]
+            outputs = self.encode(prompts, params, use_tqdm, pooling_task="score")
+            return [ScoringRequestOutput.from_base(output) for output in outputs]
+        texts = [text for pair in pairs for text in pair]
+        embeddings = self.embed(texts, params, use_tqdm)
+        results = []
+        for first, second in zip(embeddings[::2], embeddings[1::2]):
+            score = cosine_similarity(first.outputs.embedding, second.outputs.embedding)
+            results.append(
+                ScoringRequestOutput(
+                    request_id=f"{first.request_id}_{second.request_id}",
+                    outputs=ScoringOutput(score),
+                    prompt_token_ids=first.prompt_token_ids + second.prompt_token_ids,
+                )
+            )
+        return results
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[Any]:
         pending = set(request_ids)
-        finished: dict[str, RequestOutput] = {}
+        finished: dict[str, Any] = {}
         progress = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         try:
             while pending:

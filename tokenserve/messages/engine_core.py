@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from tokenserve.pooling_params import PoolingParams
 from tokenserve.sampling_params import SamplingParams
 
 
@@ -35,6 +36,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     cache_salt: str | None = None
     skip_prefix_cache: bool = False
+    # A pooling request (its prompt pooled, nothing sampled); None for a generate request.
+    pooling_params: PoolingParams | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):
@@ -67,6 +70,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: LogprobsLists | None = None
     # Every prompt position but the first, once, with the first new token.
     new_prompt_logprobs: LogprobsLists | None = None
+    # A pooling request's result (embedding, class probabilities or [score]), when it finishes.
+    pooling_output: list[float] | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):

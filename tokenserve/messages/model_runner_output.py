@@ -18,3 +18,5 @@ class ModelRunnerOutput:
     # samples the first token) the whole prompt's.
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Pooling requests whose prompt this step completed → their pooled result.
+    pooler_output: dict[str, list[float]] = field(default_factory=dict)

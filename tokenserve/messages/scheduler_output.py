@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenserve.pooling_params import PoolingParams
 from tokenserve.sampling_params import SamplingParams
 
 
@@ -22,6 +23,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass

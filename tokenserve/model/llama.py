@@ -103,6 +103,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # The attention a model of the family uses (Qwen3 adds q/k norms: model/qwen3.py).
+    attention_class: ClassVar[type[LlamaAttention]] = LlamaAttention
+
     def __init__(
         self,
         config,
@@ -114,7 +117,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, use_c_kernels)
-        self.self_attn = LlamaAttention(config, rotary_emb, backend, linear_method, dtype)
+        self.self_attn = self.attention_class(config, rotary_emb, backend, linear_method, dtype)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype, use_c_kernels
         )
@@ -142,6 +145,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    decoder_layer_class: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
+
     def __init__(
         self,
         config,
@@ -159,7 +164,9 @@ class LlamaModel(nn.Module):
         # One table of cos/sin for all layers.
         rotary_emb = RotaryEmbedding(config, _head_dim(config), max_position, dtype, use_c_kernels)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, backend, linear_method, dtype, use_c_kernels)
+            self.decoder_layer_class(
+                config, rotary_emb, backend, linear_method, dtype, use_c_kernels
+            )
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, use_c_kernels)
@@ -193,6 +200,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    model_class: ClassVar[type[LlamaModel]] = LlamaModel
 
     def __init__(
         self,
@@ -207,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         self.dtype = dtype
         self.linear_method = linear_method
-        self.model = LlamaModel(
+        self.model = self.model_class(
             hf_config, dtype, attention, max_position, linear_method, kernel_config
         )
         self.lm_head = ParallelLMHead(

