@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-
 # The runners a model can run under (vLLM's --runner): sampling tokens, or pooling a prompt.
 RUNNERS = ("auto", "generate", "pooling")
 # Pooling types (vLLM's names): the last token's hidden state, the mean over the prompt, the

@@ -74,5 +74,5 @@ def _override(config: PoolerConfig, override: dict[str, Any] | str | None) -> Po
     pooling_type = check_pooling_type(str(override.get("pooling_type", config.pooling_type)).upper())
     normalize = override.get("normalize", config.normalize)
     if not isinstance(normalize, bool):
-        raise ValueError(f"pooler_config.normalize must be true or false, got {normalize!r}.")
+        raise ValueError(f"pooler_config.normalize must be true or false, got {normalize!r}.")  # noqa: TRY004
     return PoolerConfig(pooling_type=pooling_type, normalize=normalize)

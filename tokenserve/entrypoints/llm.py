@@ -120,7 +120,7 @@ class LLM:
         try:
             for prompt, params in zip(prompt_list, params_list):
                 if not isinstance(params, PoolingParams):
-                    raise ValueError(
+                    raise ValueError(  # noqa: TRY004 - bad input is a ValueError here
                         f"pooling_params must be PoolingParams, got {type(params).__name__}."
                     )
                 if pooling_task is not None:

@@ -24,7 +24,7 @@ def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> lis
         )
     for text in (*first, *second):
         if not isinstance(text, str):
-            raise ValueError(f"Texts to score must be strings, got {type(text).__name__}.")
+            raise ValueError(f"Texts to score must be strings, got {type(text).__name__}.")  # noqa: TRY004
     return list(zip(first, second))
 
 

@@ -9,6 +9,7 @@ module names follow the checkpoint's, so weights load by name; q/k/v are one mer
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import ClassVar
 
@@ -80,7 +81,7 @@ class BertSelfAttention(nn.Module):
         qkv = self.qkv_proj(hidden_states).view(num_tokens, 3, self.num_heads, self.head_dim)
         output = torch.empty_like(hidden_states)
         # Each prompt attends to itself only, every position to every other (no causal mask).
-        for start, end in zip(query_start_loc[:-1], query_start_loc[1:]):
+        for start, end in itertools.pairwise(query_start_loc):
             q, k, v = qkv[start:end].permute(1, 2, 0, 3)  # each [heads, len, head_dim]
             attended = F.scaled_dot_product_attention(q, k, v)
             output[start:end] = attended.transpose(0, 1).reshape(end - start, hidden)
@@ -228,7 +229,7 @@ class BertPoolingModel(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[tuple[str, str | None]] = set()
         for name, loaded_weight in weights:
-            if name.endswith("position_ids") or name.endswith("token_type_ids"):
+            if name.endswith(("position_ids", "token_type_ids")):
                 continue  # buffers some checkpoints carry
             param_name, shard_id = self._checkpoint_to_param(name)
             param = params.get(param_name) if param_name else None

@@ -37,9 +37,12 @@ class Qwen3Attention(LlamaAttention):
         q, k, v = self.qkv_proj(hidden_states).split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1
         )
-        q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        # Normed in place: q and k stay views of the fused QKV, as rotary's kernel reads them.
+        q.copy_(self.q_norm(q))
+        k.copy_(self.k_norm(k))
         q, k = self.rotary_emb(positions, q, k)
         attn_output = self.attn(q, k, v, kv_cache, metadata)
         return self.o_proj(attn_output.reshape(num_tokens, self.q_size))

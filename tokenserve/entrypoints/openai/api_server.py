@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of an AsyncLLM.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /version, POST /tokenize, POST /detokenize, GET /metrics. With API keys, every
+GET /version, POST /tokenize, POST /detokenize, GET /metrics; for pooling models
+(serving_pooling.py) POST /v1/embeddings, /score, /rerank, /classify. With API keys, every
 route but /health and /metrics needs `Authorization: Bearer <key>`, and each key's
 requests use their own prefix-cache partition (auth.py). Requests are bounded in headers,
 body, samples and stop strings, and refused with 503 when the engine holds all it may
@@ -52,6 +53,7 @@ from tokenserve.entrypoints.openai.protocol import (
 from tokenserve.entrypoints.openai.serving_base import ClientDisconnected, EventStream
 from tokenserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenserve.entrypoints.openai.serving_pooling import register_pooling_routes
 from tokenserve.metrics.prometheus import PrometheusStatLogger
 from tokenserve.version import __version__
 
@@ -94,6 +96,8 @@ def build_app(
     completion = OpenAIServingCompletion(engine, served_model_names, chat_template, limits)
     chat = OpenAIServingChat(engine, served_model_names, chat_template, limits, parsing)
     max_model_len = engine.config.model_config.max_model_len
+    # /v1/embeddings, /score, /rerank, /classify (a 400 on a generate model).
+    register_pooling_routes(app, engine, served_model_names, limits)
 
     @app.get("/health")
     async def health() -> Response:
