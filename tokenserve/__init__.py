@@ -2,7 +2,16 @@
 
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.entrypoints.llm import LLM
-from tokenserve.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenserve.outputs import (
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
+from tokenserve.pooling_params import PoolingParams
 from tokenserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tokenserve.version import __version__
 
@@ -14,6 +23,11 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
+    "ClassificationRequestOutput",
+    "ScoringRequestOutput",
     "EngineArgs",
     "__version__",
 ]

@@ -80,6 +80,8 @@ class RequestStatsTracker:
                 times.last_token_time = now
                 times.num_generation_tokens += num_new_tokens
                 stats.num_generation_tokens += num_new_tokens
+            elif output.pooling_output is not None:
+                stats.num_prompt_tokens += times.num_prompt_tokens  # a pooled prompt, no tokens
             if output.finish_reason is not None:
                 self._finish(output.request_id, output.finish_reason, now, stats)
         for request_id in stopped_request_ids:
