@@ -14,16 +14,18 @@ from sentence_transformers.sentence_transformer.modules import Normalize, Poolin
 
 from tests.conftest import TINY_INITIALIZER_RANGE, write_tiny_tokenizer
 
-_WORDS = (
+_TRAINING_WORDS = (
     "the quick brown fox jumps over lazy dog a journey of thousand miles begins with single "
     "step capital france is paris and italy rome water boils at degrees what meaning life "
     "where do penguins live most in southern hemisphere why sky blue because air scatters"
-).split()
+)
+_WORDS = _TRAINING_WORDS.split()
 
 
 def write_bert_tokenizer(directory: str | Path) -> transformers.PreTrainedTokenizerBase:
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *sorted(set(_WORDS))]
-    vocab += list("abcdefghijklmnopqrstuvwxyz0123456789.,?!'") + [f"##{c}" for c in "abcdefghijklmnopqrstuvwxyz"]
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    vocab += list(letters + "0123456789.,?!'") + [f"##{c}" for c in letters]
     Path(directory).mkdir(parents=True, exist_ok=True)
     vocab_file = Path(directory) / "vocab.txt"
     vocab_file.write_text("\n".join(vocab) + "\n")
@@ -39,7 +41,9 @@ def bert_config(vocab_size: int, **extra) -> transformers.BertConfig:
     )
 
 
-def build_bert_st_dir(directory: Path, pooling_mode: str, normalize: bool = True) -> SentenceTransformer:
+def build_bert_st_dir(
+    directory: Path, pooling_mode: str, normalize: bool = True
+) -> SentenceTransformer:
     """A BertModel as a sentence-transformers directory at `directory`; returns the model."""
     base = directory / "base"
     tokenizer = write_bert_tokenizer(base)

@@ -35,13 +35,17 @@ def test_runner_settings_are_checked(tiny_model_dirs, default_model_path):
     with pytest.raises(ValueError, match="runner must be one of"):
         EngineArgs(model=model, runner="embed", num_kv_blocks=4).create_engine_config()
     with pytest.raises(ValueError, match="pooler_config applies only"):
-        EngineArgs(model=model, pooler_config={"pooling_type": "MEAN"}, num_kv_blocks=4).create_engine_config()
+        EngineArgs(
+            model=model, pooler_config={"pooling_type": "MEAN"}, num_kv_blocks=4
+        ).create_engine_config()
     with pytest.raises(ValueError, match="pooling_type must be one of"):
         EngineArgs(
             model=model, runner="pooling", pooler_config={"pooling_type": "MAX"}, num_kv_blocks=4
         ).create_engine_config()
     with pytest.raises(ValueError, match="not GGUF"):
-        EngineArgs(model=default_model_path, runner="pooling", num_kv_blocks=4).create_engine_config()
+        EngineArgs(
+            model=default_model_path, runner="pooling", num_kv_blocks=4
+        ).create_engine_config()
 
 
 def test_generate_model_refuses_pooling_and_pooling_request_frees_blocks(tiny_model_dirs):

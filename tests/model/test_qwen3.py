@@ -18,8 +18,10 @@ from tokenserve.sampling_params import SamplingParams
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
-    "Once upon a time there was a small village at the edge of a great forest. Every morning "
-    "the baker opened his shop, and the children walked to school.",
+    (
+        "Once upon a time there was a small village at the edge of a great forest. Every "
+        "morning the baker opened his shop, and the children walked to school."
+    ),
 ]
 # 16-token blocks and budget: the long prompt takes several chunks, and its full blocks can
 # be served from the prefix cache on a second request.

@@ -46,7 +46,8 @@ def configure_runner(
     model_config.is_encoder_only = bool(model_class.is_encoder_only)
     hf_config = model_config.hf_config
     model_config.is_matryoshka = bool(
-        getattr(hf_config, "matryoshka_dimensions", None) or getattr(hf_config, "is_matryoshka", False)
+        getattr(hf_config, "matryoshka_dimensions", None)
+        or getattr(hf_config, "is_matryoshka", False)
     )
     if model_config.is_encoder_only:
         # Bidirectional attention: a prompt's every position sees the whole prompt, so it is
@@ -71,7 +72,8 @@ def _override(config: PoolerConfig, override: dict[str, Any] | str | None) -> Po
             "pooler_config must be an object with 'pooling_type' and / or 'normalize', "
             f"got {override!r}."
         )
-    pooling_type = check_pooling_type(str(override.get("pooling_type", config.pooling_type)).upper())
+    pooling_type = str(override.get("pooling_type", config.pooling_type)).upper()
+    check_pooling_type(pooling_type)
     normalize = override.get("normalize", config.normalize)
     if not isinstance(normalize, bool):
         raise ValueError(f"pooler_config.normalize must be true or false, got {normalize!r}.")  # noqa: TRY004

@@ -115,7 +115,9 @@ class LLM:
     ) -> list[PoolingRequestOutput]:
         """Pool every prompt (a pooling model, runner="pooling"); outputs in prompt order."""
         prompt_list = _as_prompt_list(prompts)
-        params_list = _broadcast(pooling_params or PoolingParams(), len(prompt_list), "pooling_params")
+        params_list = _broadcast(
+            pooling_params or PoolingParams(), len(prompt_list), "pooling_params"
+        )
         request_ids: list[str] = []
         try:
             for prompt, params in zip(prompt_list, params_list):
@@ -133,7 +135,9 @@ class LLM:
             raise
         return cast(list[PoolingRequestOutput], self._run_engine(request_ids, use_tqdm))
 
-    def embed(self, prompts, pooling_params=None, use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+    def embed(
+        self, prompts, pooling_params=None, use_tqdm: bool = True
+    ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (`outputs.embedding`)."""
         outputs = self.encode(prompts, pooling_params, use_tqdm, pooling_task="embed")
         return [EmbeddingRequestOutput.from_base(output) for output in outputs]

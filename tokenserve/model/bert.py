@@ -38,13 +38,18 @@ _ACTIVATIONS = {
 def _activation(config):
     act = config.hidden_act
     if act not in _ACTIVATIONS:
-        raise ValueError(f"BERT hidden_act {act!r} is not supported; supported: {list(_ACTIVATIONS)}.")
+        raise ValueError(
+            f"BERT hidden_act {act!r} is not supported; supported: {list(_ACTIVATIONS)}."
+        )
     return _ACTIVATIONS[act]
 
 
 class BertEmbeddings(nn.Module):
     def __init__(self, config, dtype: torch.dtype) -> None:
         super().__init__()
+        position_type = getattr(config, "position_embedding_type", "absolute")
+        if position_type != "absolute":
+            raise ValueError(f"BERT position_embedding_type {position_type!r} is not supported.")
         hidden = config.hidden_size
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, hidden, params_dtype=dtype)
         self.position_embeddings = VocabParallelEmbedding(

@@ -76,7 +76,9 @@ def _read_st_pooling(module_dir: str) -> str:
 
 def check_pooling_type(pooling_type: str) -> str:
     if pooling_type not in POOLING_TYPES:
-        raise ValueError(f"pooling_type must be one of {list(POOLING_TYPES)}, got {pooling_type!r}.")
+        raise ValueError(
+            f"pooling_type must be one of {list(POOLING_TYPES)}, got {pooling_type!r}."
+        )
     return pooling_type
 
 

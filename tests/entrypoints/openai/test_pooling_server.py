@@ -145,7 +145,8 @@ def test_cross_encoder_score_rerank_classify(cross_encoder_server):
         for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
             body = http.post(path, json={"query": QUERY, "documents": DOCUMENTS, "top_n": 2}).json()
             assert [r["index"] for r in body["results"]] == order[:2]
-            assert [r["document"]["text"] for r in body["results"]] == [DOCUMENTS[i] for i in order[:2]]
+            texts = [r["document"]["text"] for r in body["results"]]
+            assert texts == [DOCUMENTS[i] for i in order[:2]]
             assert [r["relevance_score"] for r in body["results"]] == pytest.approx(
                 [expected[i] for i in order[:2]], abs=1e-5
             )

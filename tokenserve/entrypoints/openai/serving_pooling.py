@@ -57,7 +57,8 @@ class OpenAIServingPooling(OpenAIServing):
         outputs = await self._pool(request, _prompts(request.input), params, raw_request)
         data = [
             EmbeddingResponseData(
-                index=index, embedding=_encode_embedding(output.outputs.data, request.encoding_format)
+                index=index,
+                embedding=_encode_embedding(output.outputs.data, request.encoding_format),
             )
             for index, output in enumerate(outputs)
         ]
