@@ -52,15 +52,13 @@ def _logits_for_prompt(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     (runner,) = llm.llm_engine.collective_rpc(lambda worker: worker.model_runner)
     block_size = runner.block_size
     num_blocks = -(-len(token_ids) // block_size)
-    metadata = runner.attention.build_metadata(
-        CommonAttentionMetadata(
-            slot_mapping=torch.arange(len(token_ids)),
-            query_start_loc=[0, len(token_ids)],
-            seq_lens=[len(token_ids)],
-            block_tables=[list(range(num_blocks))],
-            block_size=block_size,
-        )
-    )
+    metadata = runner.attention.build_metadata(CommonAttentionMetadata(
+        slot_mapping=torch.arange(len(token_ids)),
+        query_start_loc=[0, len(token_ids)],
+        seq_lens=[len(token_ids)],
+        block_tables=[list(range(num_blocks))],
+        block_size=block_size,
+    ))
     with torch.inference_mode():
         hidden = runner.model(
             torch.tensor(token_ids), torch.arange(len(token_ids)), runner.kv_caches, metadata
@@ -107,31 +105,23 @@ def test_gguf_block_copies_hold_the_float_weights(default_llm):
     process_weights_after_loading(model)
     assert model.linear_method.num_block_weights == 4 * len(model.model.layers) + 1
     for layer in (model.model.layers[0], model.model.layers[-1]):
-        for linear in (
-            layer.self_attn.qkv_proj,
-            layer.self_attn.o_proj,
-            layer.mlp.gate_up_proj,
-            layer.mlp.down_proj,
-        ):
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                       layer.mlp.down_proj):
             assert torch.equal(linear.blocks.dequantize(), linear.weight)
     assert torch.equal(model.lm_head.blocks.dequantize(), model.model.embed_tokens.weight)
 
 
 def test_greedy_output_same_with_and_without_the_quantized_path(default_llm):
     (model,) = default_llm.llm_engine.collective_rpc(lambda worker: worker.model_runner.model)
-    copies = [
-        module.blocks for module in model.modules() if getattr(module, "blocks", None) is not None
-    ]
+    copies = [module.blocks for module in model.modules()
+              if getattr(module, "blocks", None) is not None]
     assert len(copies) == 4 * len(model.model.layers) + 1
     assert all(copy is not None for copy in copies) and copies[0].max_rows > 0
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
     params = SamplingParams(temperature=0.0, max_tokens=32)
 
     def greedy() -> list[list[int]]:
-        return [
-            list(o.outputs[0].token_ids)
-            for o in default_llm.generate(prompts, params, use_tqdm=False)
-        ]
+        return [list(o.outputs[0].token_ids) for o in default_llm.generate(prompts, params, use_tqdm=False)]
 
     with_blocks = greedy()
     limits = [(copy.max_rows, copy.gemm_max_rows) for copy in copies]
