@@ -110,3 +110,10 @@ def test_named_output_is_the_arguments():
     parsed = feed_all(NamedToolCallParser("get_weather"), ["{", '"city": ', '"Paris"}'])
     assert parsed.calls[0].name == "get_weather" and parsed.calls[0].arguments == ""
     assert [delta.arguments for delta in parsed.calls[1:]] == ["{", '"city": ', '"Paris"}']
+
+
+def test_a_raw_control_character_in_a_string_does_not_swallow_the_rest():
+    # A grammar may let one through; the call must still end at its own closing brace.
+    text = '[{"name": "get_weather", "parameters": {"city": "a\x18b"}}]'
+    extracted = RequiredToolCallsParser().extract(text)
+    assert extracted.calls == [FunctionCallText("get_weather", '{"city": "a\x18b"}')]
