@@ -253,6 +253,8 @@ def test_reasoning_items(reasoning_server):
     ).choices[0]
     expected = chat.message.model_extra["reasoning_content"]
     assert expected and reasoning.content[0].text == expected
+    # No `</think>` came: every output token was reasoning.
+    assert response.usage.output_tokens_details.reasoning_tokens == 8
     events = list(
         client.responses.create(input=QUESTION, max_output_tokens=8, stream=True, **GREEDY)
     )

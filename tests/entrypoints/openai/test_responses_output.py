@@ -11,6 +11,7 @@ from tests.entrypoints.openai.parser_streams import every_cut
 from tokenserve.entrypoints.openai.assistant_message import AssistantMessageParser
 from tokenserve.entrypoints.openai.reasoning_parsers import DeepSeekR1ReasoningParser
 from tokenserve.entrypoints.openai.responses_output import ResponseEvents, output_items
+from tokenserve.entrypoints.openai.serving_responses import count_tokens_through
 from tokenserve.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 
 OUTPUT = (
@@ -75,3 +76,11 @@ def test_event_order_per_item():
     [arguments_done] = [e for e in events if e["type"].endswith("arguments.done")]
     assert arguments_done["name"] == "get_weather"
     assert json.loads(arguments_done["arguments"]) == {"city": "Paris"}
+
+
+def test_reasoning_tokens_are_those_through_the_end_marker(tiny_tokenizer):
+    reasoning = tiny_tokenizer.encode("<think>The sky is blue.</think>", add_special_tokens=False)
+    answer = tiny_tokenizer.encode(" Because of the air.", add_special_tokens=False)
+    token_ids = reasoning + answer
+    assert count_tokens_through(tiny_tokenizer, token_ids, "</think>") == len(reasoning)
+    assert count_tokens_through(tiny_tokenizer, reasoning[:-2], "</think>") == len(reasoning) - 2

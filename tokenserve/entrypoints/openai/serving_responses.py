@@ -12,7 +12,7 @@ kept in memory for later requests (response_store.py).
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request as HTTPRequest
@@ -48,6 +48,7 @@ from tokenserve.entrypoints.openai.responses_protocol import (
     OutputItem,
     OutputTokensDetails,
     ReasoningInput,
+    ReasoningItem,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -117,9 +118,18 @@ class OpenAIServingResponses:
         [output] = final.outputs
         incomplete = output.finish_reason == "length"
         message = prepared.new_parser().parse(output.text)
-        response = _finished(shell, output_items(message, incomplete), final, len(output.token_ids))
+        items = output_items(message, incomplete)
+        response = _finished(shell, items, final, output.token_ids, self._reasoning_tokens)
         self._keep(request, response, conversation, owner)
         return response
+
+    def _reasoning_tokens(self, token_ids: list[int], items: list[OutputItem]) -> int:
+        """Output tokens up to and including the reasoning's end marker (all of them when
+        it never came); 0 without a reasoning item."""
+        reasoning_class = self.chat.parsing.reasoning_parser_class
+        if reasoning_class is None or not any(isinstance(i, ReasoningItem) for i in items):
+            return 0
+        return count_tokens_through(self.chat.tokenizer, token_ids, reasoning_class.end_marker)
 
     def retrieve(self, response_id: str, raw_request: HTTPRequest) -> ResponseObject:
         return self._stored(response_id, raw_request).response
@@ -165,13 +175,13 @@ class OpenAIServingResponses:
         yield events.event("response.created", response=shell.model_dump())
         yield events.event("response.in_progress", response=shell.model_dump())
         last: RequestOutput | None = None
-        num_output_tokens = 0
+        token_ids: list[int] = []
         finish_reason = None
         try:
             async for result in outputs:
                 last = result
                 for output in result.outputs:
-                    num_output_tokens += len(output.token_ids)
+                    token_ids += output.token_ids
                     deltas = parser.feed(output.text)
                     if output.finished:
                         deltas.extend(parser.finish())
@@ -183,7 +193,7 @@ class OpenAIServingResponses:
             for event in events.finish(incomplete):
                 yield event
             assert last is not None  # a request's stream ends with its finished output
-            response = _finished(shell, events.items, last, num_output_tokens)
+            response = _finished(shell, events.items, last, token_ids, self._reasoning_tokens)
             self._keep(request, response, conversation, owner)
             done = "response.incomplete" if incomplete else "response.completed"
             yield events.event(done, response=response.model_dump())
@@ -332,17 +342,37 @@ def _response_shell(request: ResponsesRequest, response_id: str, model: str) -> 
     )
 
 
+def count_tokens_through(tokenizer: Any, token_ids: list[int], marker: str) -> int:
+    """How many of `token_ids` it takes for their text to hold `marker` (all if never)."""
+    if marker not in tokenizer.decode(token_ids):
+        return len(token_ids)
+    low, high = 1, len(token_ids)  # a prefix holding the marker: its extensions hold it too
+    while low < high:
+        middle = (low + high) // 2
+        if marker in tokenizer.decode(token_ids[:middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
 def _finished(
-    shell: ResponseObject, items: list[OutputItem], final: RequestOutput, num_output_tokens: int
+    shell: ResponseObject,
+    items: list[OutputItem],
+    final: RequestOutput,
+    token_ids: list[int],
+    reasoning_tokens: Callable[[list[int], list[OutputItem]], int],
 ) -> ResponseObject:
     incomplete = bool(final.outputs) and final.outputs[0].finish_reason == "length"
     num_input_tokens = len(final.prompt_token_ids)
     usage = ResponseUsage(
         input_tokens=num_input_tokens,
         input_tokens_details=InputTokensDetails(cached_tokens=final.num_cached_tokens),
-        output_tokens=num_output_tokens,
-        output_tokens_details=OutputTokensDetails(),
-        total_tokens=num_input_tokens + num_output_tokens,
+        output_tokens=len(token_ids),
+        output_tokens_details=OutputTokensDetails(
+            reasoning_tokens=reasoning_tokens(token_ids, items)
+        ),
+        total_tokens=num_input_tokens + len(token_ids),
     )
     return shell.model_copy(
         update={
