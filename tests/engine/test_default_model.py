@@ -31,6 +31,22 @@ def test_chat_answers_paris(default_llm):
     assert output.outputs[0].finish_reason in ("stop", "length")
 
 
+def test_max_tokens_inside_a_character_drops_it(default_llm):
+    """Issue 25: these max_tokens end inside an emoji; the text ends before it, no U+FFFD."""
+    conversation = [{"role": "user", "content": "Repeat exactly: 🎉🚀 naïve café 日本語 😀"}]
+    lengths = (38, 40, 41)
+    params = [SamplingParams(temperature=0.0, max_tokens=n) for n in lengths]
+    outputs = default_llm.chat([conversation] * len(lengths), params, use_tqdm=False)
+    tokenizer = default_llm.get_tokenizer()
+    for output in outputs:
+        [completion] = output.outputs
+        assert completion.finish_reason == "length"
+        assert "\ufffd" not in completion.text
+        # The cut is real: the tokens' own decode ends in the replacement character.
+        full = tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        assert full.endswith("\ufffd") and completion.text == full.rstrip("\ufffd")
+
+
 def _logits_for_prompt(llm: LLM, token_ids: list[int]) -> torch.Tensor:
     """Every position's logits from our model, for one prompt written into fresh blocks."""
     (runner,) = llm.llm_engine.collective_rpc(lambda worker: worker.model_runner)

@@ -67,7 +67,8 @@ def test_emoji_and_cjk_deltas_join_to_the_text(tokenizer):
     skip_special_tokens=st.booleans(),
 )
 def test_deltas_join_to_the_full_decode(tokenizer, prompt, token_ids, skip_special_tokens):
-    """Any token sequence, valid UTF-8 or not: the deltas add up to the tokenizer's decode."""
+    """Any token sequence, valid UTF-8 or not: the deltas add up to the tokenizer's decode,
+    less the incomplete character a finish may cut (its trailing "\ufffd")."""
     processor = OutputProcessor(tokenizer)
     params = SamplingParams(
         skip_special_tokens=skip_special_tokens, output_kind=RequestOutputKind.DELTA
@@ -80,7 +81,28 @@ def test_deltas_join_to_the_full_decode(tokenizer, prompt, token_ids, skip_speci
             [EngineCoreOutput("r", [token_id], finish_reason=finish_reason)]
         )
         text += processed.request_outputs[0].outputs[0].text
-    assert text == tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    decoded = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    assert text == decoded.rstrip("\ufffd")
+
+
+CUT_TEXT = "Repeat exactly: 🎉🚀 naïve café 日本語 😀"
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
+def test_a_character_cut_by_max_tokens_is_dropped_not_replaced(tokenizer, kind):
+    """Issue 25: max_tokens ending inside a multi-byte character gave a final "\ufffd"."""
+    token_ids = tokenizer.encode(CUT_TEXT)
+    cuts = [
+        n for n in range(1, len(token_ids)) if tokenizer.decode(token_ids[:n]).endswith("\ufffd")
+    ]
+    assert cuts  # the text has characters that span tokens
+    for n in range(1, len(token_ids) + 1):
+        outputs, _ = run(tokenizer, token_ids[:n], SamplingParams(output_kind=kind))
+        text = "".join(o.outputs[0].text for o in outputs)
+        assert "\ufffd" not in text, n
+        # Every complete character is kept: only the cut one is missing.
+        assert text == tokenizer.decode(token_ids[:n]).rstrip("\ufffd"), n
+        assert CUT_TEXT.startswith(text)
 
 
 def test_cumulative_and_final_only(tokenizer):

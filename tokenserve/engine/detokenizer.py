@@ -4,7 +4,8 @@ Text is decoded over a small sliding window (prefix offset / read offset): the w
 text minus the text of its first part is what the newest tokens add. A token that ends
 in the middle of a UTF-8 character (byte-level BPE pieces of emoji or CJK) decodes to
 "\ufffd"; nothing is emitted until a later token completes the character, so deltas never
-split one. The window starts a few prompt tokens back, so the first generated token
+split one. A character still incomplete when the request finishes (max_tokens cut it) is
+dropped, not replaced: the final text never ends in a "\ufffd" of its own making. The window starts a few prompt tokens back, so the first generated token
 decodes with its context (a leading space stays a space).
 
 With skip_special_tokens=False the text equals the tokenizer's own decode, as vLLM's
@@ -100,9 +101,10 @@ class IncrementalDetokenizer:
         return new_text
 
     def _flush(self) -> str:
-        """At the end: whatever the window still holds, incomplete characters included."""
+        """At the end: whatever the window still holds, less a trailing incomplete character
+        (its bytes would decode to "\ufffd"; as vLLM, the text ends before it)."""
         text = self._decode(self._ids[self._prefix_offset :])
-        new_text = text[len(self._prefix_text) :]
+        new_text = text[len(self._prefix_text) :].rstrip(_REPLACEMENT_CHAR)
         self._restart_window()
         return new_text
 

@@ -25,6 +25,22 @@ def test_models_lists_the_served_name(tiny_client):
     assert [model.id for model in tiny_client.models.list().data] == [TINY_MODEL_NAME]
 
 
+def test_models_retrieve_one_by_id(tiny_server, tiny_client):
+    [listed] = tiny_client.models.list().data
+    model = tiny_client.models.retrieve(TINY_MODEL_NAME)
+    assert model.id == TINY_MODEL_NAME and model.object == "model"
+    assert model.model_dump() == listed.model_dump() | {"created": model.created}
+    with pytest.raises(openai.NotFoundError) as caught:
+        tiny_client.models.retrieve("org/no-such-model")
+    assert caught.value.body["code"] == "model_not_found"
+    with tiny_server.http() as http:
+        error = http.get("/v1/models/org/no-such-model").json()["error"]
+    assert (
+        set(error) == {"message", "type", "param", "code"}
+        and "org/no-such-model" in error["message"]
+    )
+
+
 def test_completion_counts_tokens_and_stops_at_max_tokens(tiny_server, tiny_client):
     prompt = "The capital of France is"
     response = complete(tiny_client, prompt, max_tokens=8, **GREEDY)

@@ -9,8 +9,8 @@ with the fields that nearly always make fuzzed input a 400 (numbers out of range
 model, priority under FCFS, ...) left out, so fuzzed text, stop strings, bad words, seeds
 and salts reach the engine too. Hypothesis is derandomized: the same cases every run.
 
-Bounded: at most MAX_EXAMPLES generated cases per operation (8 operations; ~250 requests
-in all, ~50 s), each request at most REQUEST_TIMEOUT_S.
+Bounded: at most MAX_EXAMPLES generated cases per operation (13 operations
+with /v1/responses and /v1/models/{id}; ~55 s in all), each request at most REQUEST_TIMEOUT_S.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of an AsyncLLM.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /version, POST /tokenize, POST /detokenize, GET /metrics; for pooling models
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET,
+DELETE, POST .../cancel of /v1/responses/{id}), GET /v1/models, GET /v1/models/{id},
+GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics; for pooling models
 (serving_pooling.py) POST /v1/embeddings, /score, /rerank, /classify. With API keys, every
 route but /health and /metrics needs `Authorization: Bearer <key>`, and each key's
 requests use their own prefix-cache partition (auth.py). Requests are bounded in headers,
@@ -50,10 +51,17 @@ from tokenserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from tokenserve.entrypoints.openai.response_store import ResponseStore
+from tokenserve.entrypoints.openai.responses_protocol import (
+    DeletedResponse,
+    ResponseObject,
+    ResponsesRequest,
+)
 from tokenserve.entrypoints.openai.serving_base import ClientDisconnected, EventStream
 from tokenserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenserve.entrypoints.openai.serving_pooling import register_pooling_routes
+from tokenserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from tokenserve.metrics.prometheus import PrometheusStatLogger
 from tokenserve.version import __version__
 
@@ -95,6 +103,7 @@ def build_app(
     )
     completion = OpenAIServingCompletion(engine, served_model_names, chat_template, limits)
     chat = OpenAIServingChat(engine, served_model_names, chat_template, limits, parsing)
+    responses = OpenAIServingResponses(chat, ResponseStore())
     max_model_len = engine.config.model_config.max_model_len
     # /v1/embeddings, /score, /rerank, /classify (a 400 on a generate model).
     register_pooling_routes(app, engine, served_model_names, limits)
@@ -114,15 +123,25 @@ def build_app(
         body = metrics.render() if metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(
+            id=name, root=engine.config.model_config.model, max_model_len=max_model_len
+        )
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        root = engine.config.model_config.model
-        return ModelList(
-            data=[
-                ModelCard(id=name, root=root, max_model_len=max_model_len)
-                for name in served_model_names
-            ]
-        )
+        return ModelList(data=[model_card(name) for name in served_model_names])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        if model_id not in served_model_names:
+            raise OpenAIError(
+                404,
+                f"The model `{model_id}` does not exist.",
+                param="model",
+                code="model_not_found",
+            )
+        return model_card(model_id)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: HTTPRequest) -> Response:
@@ -135,6 +154,23 @@ def build_app(
     ) -> Response:
         request.cache_salt = effective_cache_salt(raw_request, request.cache_salt)
         return await _respond(chat.create_chat_completion(request, raw_request))
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: HTTPRequest) -> Response:
+        request.cache_salt = effective_cache_salt(raw_request, request.cache_salt)
+        return await _respond(responses.create_response(request, raw_request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, raw_request: HTTPRequest) -> ResponseObject:
+        return responses.retrieve(response_id, raw_request)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, raw_request: HTTPRequest) -> DeletedResponse:
+        return responses.delete(response_id, raw_request)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, raw_request: HTTPRequest) -> ResponseObject:
+        return responses.cancel(response_id, raw_request)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 
 from fastapi import Request as HTTPRequest
 
@@ -56,6 +57,17 @@ from tokenserve.entrypoints.openai.structured_outputs import (
 )
 from tokenserve.outputs import CompletionOutput, RequestOutput
 from tokenserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request made ready to run (also how /v1/responses runs its requests)."""
+
+    model_name: str
+    text: str  # the rendered prompt
+    token_ids: list[int]
+    params: SamplingParams
+    new_parser: Callable[[], AssistantMessageParser]  # one per choice
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -157,9 +169,8 @@ class OpenAIServingChat(OpenAIServing):
             structured = after_reasoning(structured, self.reasoning_end_token_ids)
         return structured
 
-    async def create_chat_completion(
-        self, request: ChatCompletionRequest, raw_request: HTTPRequest
-    ) -> ChatCompletionResponse | EventStream:
+    def prepare(self, request: ChatCompletionRequest) -> PreparedChat:
+        """The checked request as prompt, sampling params and message parsers; 4xx if bad."""
         model_name = self.check_model(request.model)
         tool_choice = self.check_tool_choice(request)
         text = self.render_messages(
@@ -188,9 +199,20 @@ class OpenAIServingChat(OpenAIServing):
         new_parser = functools.partial(
             self.parsing.new_message_parser, tool_choice, reasoning_ended
         )
+        return PreparedChat(model_name, text, token_ids, params, new_parser)
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, raw_request: HTTPRequest
+    ) -> ChatCompletionResponse | EventStream:
+        prepared = self.prepare(request)
+        model_name, params, new_parser = prepared.model_name, prepared.params, prepared.new_parser
         request_id = random_id("chatcmpl")
         [outputs] = await self.add_requests(
-            request_id, [(text, token_ids)], params, request.priority, request.cache_salt
+            request_id,
+            [(prepared.text, prepared.token_ids)],
+            params,
+            request.priority,
+            request.cache_salt,
         )
         if request.stream:
             return EventStream(

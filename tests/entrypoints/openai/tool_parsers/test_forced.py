@@ -73,10 +73,33 @@ def test_required_output_is_read_whole_and_streamed_alike():
         assert parsed.content == ""
 
 
-def test_required_output_cut_off_is_content():
-    text = REQUIRED_OUTPUT[:40]
+@pytest.mark.parametrize("end", range(len(REQUIRED_OUTPUT)))
+def test_required_output_cut_off_is_the_calls_read_so_far_never_content(end):
+    """Issue 25: a cut "required" output leaked its raw JSON as content when whole, and
+    gave the calls read so far when streamed; now both give the streamed calls."""
+    text = REQUIRED_OUTPUT[:end]
     extracted = RequiredToolCallsParser().extract(text)
-    assert extracted.calls == [] and extracted.content == text
+    assert extracted.content is None
+    for cut in every_cut(text) if text else [[]]:
+        assert join_call_deltas(feed_all(RequiredToolCallsParser(), cut).calls) == extracted.calls
+    if end <= len('[{"name": "get_weather", "parameters": '):
+        assert extracted.calls == []  # no name read yet
+    else:
+        [first, *_] = extracted.calls
+        assert first.name == "get_weather" and REQUIRED_OUTPUT.find(first.arguments) > 0
+
+
+@pytest.mark.parametrize("end", range(1, 18))
+def test_named_output_cut_off_is_still_the_call(end):
+    """Issue 25: a cut named call was content when whole and a call when streamed."""
+    text = '{"city": "Paris"}'[:end]
+    extracted = NamedToolCallParser("get_weather").extract(text)
+    assert extracted.content is None
+    assert extracted.calls == [FunctionCallText("get_weather", text)]
+    for cut in every_cut(text):
+        assert join_call_deltas(feed_all(NamedToolCallParser("get_weather"), cut).calls) == [
+            FunctionCallText("get_weather", text)
+        ]
 
 
 def test_named_output_is_the_arguments():
@@ -87,3 +110,10 @@ def test_named_output_is_the_arguments():
     parsed = feed_all(NamedToolCallParser("get_weather"), ["{", '"city": ', '"Paris"}'])
     assert parsed.calls[0].name == "get_weather" and parsed.calls[0].arguments == ""
     assert [delta.arguments for delta in parsed.calls[1:]] == ["{", '"city": ', '"Paris"}']
+
+
+def test_a_raw_control_character_in_a_string_does_not_swallow_the_rest():
+    # A grammar may let one through; the call must still end at its own closing brace.
+    text = '[{"name": "get_weather", "parameters": {"city": "a\x18b"}}]'
+    extracted = RequiredToolCallsParser().extract(text)
+    assert extracted.calls == [FunctionCallText("get_weather", '{"city": "a\x18b"}')]

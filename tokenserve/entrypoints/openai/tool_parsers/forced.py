@@ -6,7 +6,11 @@
   allows one item only.
 - named: the output is the named function's arguments, valid against its schema.
 
-These need no tool-call parser flag: the format is the server's own.
+These need no tool-call parser flag: the format is the server's own. Being forced, the
+output is never content: a whole output reads as its stream joins, so an output cut by
+max_tokens still answers with the calls read so far (named: its one call, with the arguments
+as generated; required: the calls whose names were read, none if none). Output that is all
+reasoning (cut before the grammar began) has no call yet.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenserve.entrypoints.openai.tool_parsers.abstract import (
+    ExtractedToolCalls,
     ParsedDelta,
     ToolCallDelta,
     ToolParser,
+    join_call_deltas,
 )
 from tokenserve.entrypoints.openai.tool_parsers.json_calls import (
     JsonCallSequence,
@@ -53,7 +59,17 @@ def required_calls_schema(
     return schema
 
 
-class RequiredToolCallsParser(ToolParser):
+class ForcedToolParser(ToolParser):
+    """A format the grammar forced: no content, and a whole output gives what its stream
+    gives, even cut off (no fallback to content as for free text)."""
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        parsed = self.feed(text)
+        parsed.extend(self.finish())
+        return ExtractedToolCalls(content=None, calls=join_call_deltas(parsed.calls))
+
+
+class RequiredToolCallsParser(ForcedToolParser):
     """Reads `[{"name": ..., "parameters": ...}, ...]`; nothing of it is content."""
 
     def __init__(self) -> None:
@@ -80,7 +96,7 @@ class RequiredToolCallsParser(ToolParser):
         return ParsedDelta()
 
 
-class NamedToolCallParser(ToolParser):
+class NamedToolCallParser(ForcedToolParser):
     """The whole output is the arguments of the one function `name`."""
 
     def __init__(self, name: str) -> None:

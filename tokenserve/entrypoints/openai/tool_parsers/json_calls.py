@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from tokenserve.entrypoints.openai.tool_parsers.abstract import ToolCallDelta
 
 ARGUMENT_KEYS = ("arguments", "parameters")
-_DECODER = json.JSONDecoder()
+# Raw control characters in strings are read, not refused: a grammar may let them through,
+# and a call must still end where its object ends.
+_DECODER = json.JSONDecoder(strict=False)
 _WHITESPACE = " \t\n\r"
 
 
