@@ -21,7 +21,9 @@ $PYTHON -m tokenserve.kernels
 # The browser test of /dashboard drives Debian's chromium through its chromedriver.
 if [[ "${1:-}" == "--test" ]] && ! command -v chromedriver >/dev/null; then
     if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null \
+        export DEBIAN_FRONTEND=noninteractive
+        { apt-get install -y -q chromium chromium-driver \
+            || { apt-get update -q && apt-get install -y -q chromium chromium-driver; }; } >/dev/null \
             || echo "install.sh: chromium could not be installed; the browser test will skip" >&2
     else
         echo "install.sh: install Debian's chromium and chromium-driver for the browser test" >&2
