@@ -2,6 +2,7 @@
 
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.entrypoints.llm import LLM
+from tokenserve.lora.request import LoRARequest
 from tokenserve.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenserve.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tokenserve.version import __version__
@@ -15,5 +16,6 @@ __all__ = [
     "CompletionOutput",
     "Logprob",
     "EngineArgs",
+    "LoRARequest",
     "__version__",
 ]

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tokenserve.lora.request import LoRARequest
 from tokenserve.messages.engine_core import EngineCoreRequest
 from tokenserve.sampling_params import SamplingParams
 
@@ -56,6 +57,8 @@ class Request:
     cache_salt: str | None = None
     # Requests that need every position's logits (prompt logprobs) must compute them all.
     skip_prefix_cache: bool = False
+    # The adapter it runs with (LoRA): a block-hash extra key, so adapters share no KV.
+    lora_request: LoRARequest | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -88,6 +91,7 @@ class Request:
             priority=request.priority,
             cache_salt=request.cache_salt,
             skip_prefix_cache=request.skip_prefix_cache,
+            lora_request=request.lora_request,
         )
 
     def to_engine_core_request(self) -> EngineCoreRequest:
@@ -101,6 +105,7 @@ class Request:
             priority=self.priority,
             cache_salt=self.cache_salt,
             skip_prefix_cache=self.skip_prefix_cache,
+            lora_request=self.lora_request,
         )
 
     @property

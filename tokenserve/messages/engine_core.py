@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from tokenserve.lora.request import LoRARequest
 from tokenserve.sampling_params import SamplingParams
 
 
@@ -35,6 +36,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     cache_salt: str | None = None
     skip_prefix_cache: bool = False
+    # The adapter the request runs with (LoRA); None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenserve.lora.request import LoRARequest
 from tokenserve.sampling_params import SamplingParams
 
 
@@ -22,6 +23,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_id: int | None = None
+    # Its adapter (the runner maps its tokens to the adapter's slot); None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
