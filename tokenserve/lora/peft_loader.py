@@ -128,7 +128,7 @@ def _tensor_shapes(weight_file: str) -> dict[str, tuple[int, ...]]:
         from safetensors import safe_open
 
         with safe_open(weight_file, framework="pt") as file:
-            return {key: tuple(file.get_slice(key).get_shape()) for key in file}
+            return {key: tuple(file.get_slice(key).get_shape()) for key in file.keys()}  # noqa: SIM118
     return {key: tuple(value.shape) for key, value in _read_tensors(weight_file).items()}
 
 

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of an AsyncLLM.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /version, POST /tokenize, POST /detokenize, GET /metrics. With API keys, every
+GET /version, POST /tokenize, POST /detokenize, GET /metrics; with
+--allow-runtime-lora-updating, POST /v1/load_lora_adapter and /v1/unload_lora_adapter. With API keys, every
 route but /health and /metrics needs `Authorization: Bearer <key>`, and each key's
 requests use their own prefix-cache partition (auth.py). Requests are bounded in headers,
 body, samples and stop strings, and refused with 503 when the engine holds all it may
@@ -44,14 +45,16 @@ from tokenserve.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from tokenserve.entrypoints.openai.serving_base import ClientDisconnected, EventStream
 from tokenserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenserve.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_module
 from tokenserve.metrics.prometheus import PrometheusStatLogger
 from tokenserve.version import __version__
 
@@ -71,7 +74,9 @@ def build_app(
     limits: ServingLimits | None = None,
     shared_prefix_cache_across_keys: bool = False,
     parsing: ChatParsing | None = None,
+    models: OpenAIServingModels | None = None,
 ) -> FastAPI:
+    """`models`: the LoRA adapters beside the served names (serving_models.py)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
@@ -93,6 +98,8 @@ def build_app(
     )
     completion = OpenAIServingCompletion(engine, served_model_names, chat_template, limits)
     chat = OpenAIServingChat(engine, served_model_names, chat_template, limits, parsing)
+    models = models or OpenAIServingModels(engine, served_model_names)
+    completion.models = chat.models = models
     max_model_len = engine.config.model_config.max_model_len
 
     @app.get("/health")
@@ -111,14 +118,19 @@ def build_app(
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> ModelList:
-        root = engine.config.model_config.model
-        return ModelList(
-            data=[
-                ModelCard(id=name, root=root, max_model_len=max_model_len)
-                for name in served_model_names
-            ]
-        )
+    async def list_models() -> ModelList:
+        return models.model_list()
+
+    if models.allow_runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+            message = models.load_lora_adapter(request.lora_name, request.lora_path)
+            return Response(message, media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+            return Response(models.unload_lora_adapter(request.lora_name), media_type="text/plain")
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: HTTPRequest) -> Response:
@@ -236,6 +248,12 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     metrics = PrometheusStatLogger(served_model_names[0])
     engine = AsyncLLM(config, log_stats=not args.disable_log_stats, stat_loggers=[metrics])
     try:
+        models = OpenAIServingModels(
+            engine,
+            served_model_names,
+            [parse_lora_module(value) for value in args.lora_modules or []],
+            args.allow_runtime_lora_updating,
+        )
         app = build_app(
             engine,
             served_model_names,
@@ -245,6 +263,7 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             limits,
             args.shared_prefix_cache_across_keys,
             parsing,
+            models,
         )
         server = uvicorn.Server(
             uvicorn.Config(

@@ -190,7 +190,8 @@ class OpenAIServingChat(OpenAIServing):
         )
         request_id = random_id("chatcmpl")
         [outputs] = await self.add_requests(
-            request_id, [(text, token_ids)], params, request.priority, request.cache_salt
+            request_id, [(text, token_ids)], params, request.priority, request.cache_salt,
+            self.lora_request_for(model_name),
         )
         if request.stream:
             return EventStream(
