@@ -38,16 +38,22 @@ class LoRALinear(nn.Module):
         self.part_names = part_names
         self.mapping = mapping
         self.num_parts = len(part_names)
-        self.slot_width = self.num_parts * mapping.max_rank
-        columns = mapping.max_loras * self.slot_width
+        # A part's columns: [slots · max_rank], slot s at s · max_rank (of A: after the
+        # earlier parts' columns; of B: in the part's own output rows).
+        self.part_width = mapping.max_loras * mapping.max_rank
         dtype, device = mapping.dtype, mapping.device
         self.register_buffer(
             "lora_a",
-            torch.zeros(columns, base_layer.input_size_per_partition, dtype=dtype, device=device),
+            torch.zeros(
+                self.num_parts * self.part_width, base_layer.input_size_per_partition,
+                dtype=dtype, device=device,
+            ),
         )
         self.register_buffer(
             "lora_b",
-            torch.zeros(base_layer.output_size_per_partition, columns, dtype=dtype, device=device),
+            torch.zeros(
+                base_layer.output_size_per_partition, self.part_width, dtype=dtype, device=device
+            ),
         )
         self.is_row_parallel = isinstance(base_layer, RowParallelLinear)
 
@@ -55,12 +61,17 @@ class LoRALinear(nn.Module):
         output = self.base_layer(x)
         if not self.mapping.has_adapters:
             return output
-        return add_lora(output, x, self.lora_a, self.lora_b, self.mapping.mask(self.num_parts))
+        return add_lora(
+            output, x, self.lora_a, self.lora_b, self.base_layer.output_partition_sizes,
+            self.mapping.mask,
+        )
 
     def clear_slot(self, slot: int) -> None:
-        columns = slice(slot * self.slot_width, (slot + 1) * self.slot_width)
-        self.lora_a[columns] = 0
-        self.lora_b[:, columns] = 0
+        rank = self.mapping.max_rank
+        for part in range(self.num_parts):
+            column = part * self.part_width + slot * rank
+            self.lora_a[column : column + rank] = 0
+        self.lora_b[:, slot * rank : (slot + 1) * rank] = 0
 
     def set_slot(self, slot: int, adapter: LoRAAdapter, layer_index: int) -> None:
         """Put the adapter's pairs for this layer's parts in `slot` (zeros where it has none)."""
@@ -76,8 +87,9 @@ class LoRALinear(nn.Module):
                 else:
                     lora_b = rank_slice(lora_b, 0, base.tp_size, base.tp_rank)
                 rank = lora_a.shape[0]
-                column = slot * self.slot_width + part * self.mapping.max_rank
-                self.lora_a[column : column + rank] = lora_a.to(self.lora_a.device)
+                column = slot * self.mapping.max_rank
+                a_column = part * self.part_width + column
+                self.lora_a[a_column : a_column + rank] = lora_a.to(self.lora_a.device)
                 self.lora_b[first_row : first_row + rows, column : column + rank] = lora_b.to(
                     self.lora_b.device
                 )
