@@ -1,25 +1,35 @@
 """The cost of the first request to a cold LoRA adapter, against the same request warm.
 
-One engine (`--enable-lora --max-loras N --max-cpu-loras N`, prefix caching off so that
-every request computes its whole prompt); for each adapter in turn: one request while the
-adapter is cold (never loaded: the API-side check of its files, reading its weights,
-filling a slot), then the same request again, warm. A base-model request is timed the same
-way. Prints each pair and the median cold − warm difference.
+One engine (`--enable-lora`, `max_loras` = `max_cpu_loras` = the number of adapters, prefix
+caching off so that every request computes its whole prompt). The first adapter warms the
+operator-by-operator path adapter steps take; then, `--repeats` times, each adapter under
+a fresh `lora_int_id` (so it is cold: checked in the API-side processor, its weights read,
+a slot filled) runs one request, and the same request again, warm. Separately, the
+worker's part alone (reading the weights and filling a slot) is timed through
+`collective_rpc`. Prints the medians as JSON.
 
 usage: python benchmarks/lora_cold_start.py NAME=PATH [NAME=PATH ...] [--model GGUF_OR_DIR]
-                                            [--input-len 256] [--output-len 16]
+                                            [--input-len 256] [--output-len 16] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
 
-from tokenserve import LLM, SamplingParams
+from tokenserve import LLM, LoRARequest, SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
 from tokenserve.benchmarks.throughput import lora_requests_from
+
+
+def _worker_load_seconds(worker, lora_request: LoRARequest) -> float:
+    manager = worker.model_runner.lora_manager
+    started = time.perf_counter()
+    manager.set_active_loras([lora_request], [1])
+    return time.perf_counter() - started
 
 
 def main() -> None:
@@ -28,6 +38,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     loras = lora_requests_from(args.lora_modules)
     llm = LLM(args.model, enable_lora=True, max_loras=len(loras), max_cpu_loras=len(loras),
@@ -41,21 +52,28 @@ def main() -> None:
         llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False, lora_request=lora)
         return time.perf_counter() - started
 
-    timed(None)  # warm the engine itself (kernels, allocations)
-    rows = [{"adapter": None, "first_s": timed(None), "again_s": timed(None)}]
-    for lora in loras:
-        rows.append({"adapter": lora.lora_name, "first_s": timed(lora), "again_s": timed(lora)})
-    for row in rows:
-        row["cold_cost_s"] = row["first_s"] - row["again_s"]
-        print(json.dumps(row))
-    cold = [row["cold_cost_s"] for row in rows[1:]]
-    warm_lora = statistics.median(row["again_s"] for row in rows[1:])
+    for lora in (None, None, loras[0], loras[0]):  # warm the engine and the adapter path
+        timed(lora)
+    fresh_ids = itertools.count(1000)
+    cold, warm, base, worker = [], [], [], []
+    for _ in range(args.repeats):
+        base.append(timed(None))
+        for lora in loras:
+            fresh = LoRARequest(f"{lora.lora_name}-{next(fresh_ids)}", next(fresh_ids),
+                                lora.lora_path)
+            cold.append(timed(fresh))
+            warm.append(timed(fresh))
+            again = LoRARequest(fresh.lora_name + "-w", next(fresh_ids), lora.lora_path)
+            worker.extend(llm.llm_engine.collective_rpc(_worker_load_seconds, (again,)))
     print(json.dumps({
-        "median_cold_cost_s": statistics.median(cold),
-        "median_warm_adapter_request_s": warm_lora,
-        "base_request_s": rows[0]["again_s"],
+        "median_cold_request_s": statistics.median(cold),
+        "median_warm_request_s": statistics.median(warm),
+        "median_cold_cost_s": statistics.median(c - w for c, w in zip(cold, warm)),
+        "median_worker_load_and_slot_s": statistics.median(worker),
+        "median_base_request_s": statistics.median(base),
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "samples": len(cold),
     }))
 
 
