@@ -43,6 +43,9 @@ def steps_seen(llm: LLM) -> list[list]:
             seen.append(list(lora_requests))
             original(lora_requests, num_tokens)
             assert len(manager.slot_of) <= manager.config.max_loras
+            # The fused decode layer knows no adapters: it takes base-only steps only.
+            has_adapter = any(lora is not None for lora in lora_requests)
+            assert manager.layer_stack.enabled == (manager.fused_enabled and not has_adapter)
 
         manager.set_active_loras = recording
 
@@ -97,6 +100,7 @@ def test_adapters_never_share_kv_blocks(lora_base, lora_adapters, lora_prompts):
     prompt = lora_prompts[2]  # 45 tokens: two full blocks of 16
     loras = lora_requests(lora_adapters)
     llm = LLM(lora_base, kv_cache_memory="64MiB", block_size=16, enable_lora=True, max_loras=2)
+    seen = steps_seen(llm)
     order = [None, "a0", "a1", "a0", None]
     hits = []
     for name in order:
@@ -110,6 +114,7 @@ def test_adapters_never_share_kv_blocks(lora_base, lora_adapters, lora_prompts):
             [(prompt, name)], MAX_TOKENS,
         )[0]
     assert hits == [0, 0, 0, 32, 32]
+    assert any(all(lora is None for lora in step) for step in seen)  # base-only steps too
 
 
 def _broken_copy(source: str, destination, change) -> str:
