@@ -19,6 +19,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from tokenserve.model import loader
 
+# The LoRA fixtures (peft adapters of the tiny llama), for tests/lora/ and the server tests.
+pytest_plugins = ["tests.lora.peft_adapters"]
+
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"

@@ -2,6 +2,7 @@
 
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.entrypoints.llm import LLM
+from tokenserve.lora.request import LoRARequest
 from tokenserve.outputs import (
     ClassificationRequestOutput,
     CompletionOutput,
@@ -29,5 +30,6 @@ __all__ = [
     "ClassificationRequestOutput",
     "ScoringRequestOutput",
     "EngineArgs",
+    "LoRARequest",
     "__version__",
 ]

@@ -1,5 +1,5 @@
-"""Resolved engine configuration: the model, the KV cache, the scheduler, the executor and
-the CPU kernels.
+"""Resolved engine configuration: the model, the KV cache, the scheduler, the executor,
+the CPU kernels and LoRA.
 
 `EngineArgs` (engine/engine_args.py) turns user-facing arguments into these; every
 value here is validated and final.
@@ -168,9 +168,33 @@ class KernelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA (`enable_lora`): how many adapters one step mixes (`max_loras`, each in a
+    slot of the wrapped layers), the largest rank a slot holds, and how many adapters the
+    workers keep loaded in memory (`max_cpu_loras`, least recently used dropped first)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                f"({self.max_loras}): the adapters of one step are all loaded."
+            )
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     kernel_config: KernelConfig = field(default_factory=KernelConfig)
+    # None: LoRA off (no layer is wrapped; a request with an adapter is refused).
+    lora_config: LoRAConfig | None = None

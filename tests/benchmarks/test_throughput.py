@@ -41,3 +41,12 @@ def test_bench_throughput_refuses_bad_lengths(tiny_model_dirs, tmp_path, capsys)
     argv = ["bench", "throughput", "--model", tiny_model_dirs["llama"], "--output-len", "0"]
     assert main(argv) == 2
     assert "--output-len must be at least 1" in capsys.readouterr().err
+
+
+def test_bench_throughput_takes_lora_adapters_in_turn(tiny_model_dirs, lora_adapters, tmp_path):
+    result = run_bench(
+        tiny_model_dirs, tmp_path, "--enable-lora", "--max-loras", "2", "--lora-modules",
+        f"a0={lora_adapters['a0']}", f"a1={lora_adapters['a1']}",
+    )
+    assert result["lora_modules"] == ["a0", "a1"]
+    assert result["output_tokens"] == 4 * 4

@@ -1,7 +1,8 @@
 """`tokenserve bench throughput`: offline throughput of LLM.generate on random prompts (W1).
 
 All prompts are submitted at once; greedy, EOS ignored, so every request generates exactly
-`--output-len` tokens. Model loading is timed apart from generation.
+`--output-len` tokens. Model loading is timed apart from generation. With
+`--lora-modules` (and `--enable-lora`), request i runs with adapter i mod their number.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenserve.benchmarks.datasets import random_token_prompts
+from tokenserve.lora.request import LoRARequest
 from tokenserve.sampling_params import SamplingParams
 
 
@@ -26,6 +28,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="Tokens of a prefix shared by all prompts.")
     group.add_argument("--dataset-seed", type=int, default=0, help="Seed of the random prompts.")
     group.add_argument("--output-json", default=None, help="Write the result here as JSON.")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT directories; needs --enable-lora): the requests "
+                            "take them in turn.")
+
+
+def lora_requests_from(values: list[str] | None) -> list[LoRARequest]:
+    requests = []
+    for index, value in enumerate(values or []):
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {value!r}: expected NAME=PATH.")
+        requests.append(LoRARequest(name, index + 1, path))
+    return requests
 
 
 def run(
@@ -46,8 +61,13 @@ def run(
         args.num_prompts, args.input_len, vocab_size, args.dataset_seed, args.prefix_len
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    loras = lora_requests_from(getattr(args, "lora_modules", None))
+    per_prompt = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
     started = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+        lora_request=per_prompt,
+    )
     elapsed = time.perf_counter() - started
 
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
@@ -69,6 +89,7 @@ def run(
         "total_tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
         "num_preemptions": stats.num_preemptions,
         "prefix_cache_hit_rate": stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1),
+        "lora_modules": [lora.lora_name for lora in loras],
         "engine_args": dict(engine_kwargs),
     }
     print(

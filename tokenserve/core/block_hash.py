@@ -1,7 +1,8 @@
 """Hashes of full KV blocks, chained so that equal hashes mean equal prefixes.
 
 A block's hash covers its parent's hash, its own token ids and the extra keys that
-change the KV beyond the tokens (`cache_salt`, on the first block only).
+change the KV beyond the tokens (`cache_salt`, on the first block only; the LoRA
+adapter's key, on every block).
 """
 
 from __future__ import annotations
@@ -49,13 +50,18 @@ def extend_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     cache_salt: str | None,
+    lora_key: str | None = None,
 ) -> None:
     """Append the hashes of every full block of `token_ids` not hashed yet."""
     num_full_blocks = len(token_ids) // block_size
     for index in range(len(block_hashes), num_full_blocks):
         start = index * block_size
         parent = block_hashes[-1] if block_hashes else None
-        extra = (cache_salt,) if index == 0 and cache_salt else ()
+        extra: tuple[str, ...] = (cache_salt,) if index == 0 and cache_salt else ()
+        if lora_key:
+            # The first block's salt slot is always there with an adapter ("" without a
+            # salt), so that a salt can never spell an adapter's key.
+            extra = ((extra or ("",)) if index == 0 else ()) + (lora_key,)
         block_hashes.append(
             hash_block(hash_fn, parent, token_ids[start : start + block_size], extra)
         )

@@ -50,7 +50,7 @@ class EngineCore:
             self.step_cost_model = StepCostModel()
         self.clock = time.perf_counter
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, self.step_cost_model
+            config.scheduler_config, config.cache_config, self.step_cost_model, config.lora_config
         )
         self.structured_output_manager = StructuredOutputManager(config, load_tokenizer)
         # What the latest step scheduled; the engine-core process reads it for its stats.

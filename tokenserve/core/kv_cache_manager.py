@@ -137,5 +137,6 @@ class KVCacheManager:
             request.all_token_ids[:num_tokens],
             self.block_size,
             request.cache_salt,
+            request.lora_request.block_hash_key if request.lora_request else None,
         )
         return request.block_hashes

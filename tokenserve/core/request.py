@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tokenserve.lora.request import LoRARequest
 from tokenserve.messages.engine_core import EngineCoreRequest
 from tokenserve.pooling_params import PoolingParams
 from tokenserve.sampling_params import SamplingParams
@@ -59,6 +60,8 @@ class Request:
     skip_prefix_cache: bool = False
     # A pooling request: finishes when its prompt is computed, with the pooled result.
     pooling_params: PoolingParams | None = None
+    # The adapter it runs with (LoRA): a block-hash extra key, so adapters share no KV.
+    lora_request: LoRARequest | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -92,6 +95,7 @@ class Request:
             cache_salt=request.cache_salt,
             skip_prefix_cache=request.skip_prefix_cache,
             pooling_params=request.pooling_params,
+            lora_request=request.lora_request,
         )
 
     def to_engine_core_request(self) -> EngineCoreRequest:
@@ -106,6 +110,7 @@ class Request:
             cache_salt=self.cache_salt,
             skip_prefix_cache=self.skip_prefix_cache,
             pooling_params=self.pooling_params,
+            lora_request=self.lora_request,
         )
 
     @property

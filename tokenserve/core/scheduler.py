@@ -30,9 +30,10 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from tokenserve.config import PREFILL_ORDERS, CacheConfig, SchedulerConfig
+from tokenserve.config import PREFILL_ORDERS, CacheConfig, LoRAConfig, SchedulerConfig
 from tokenserve.core.kv_cache_manager import KVCacheManager
 from tokenserve.core.kv_lookahead import admission_fits
+from tokenserve.core.lora_admission import admissible_by_adapter
 from tokenserve.core.request import Request, RequestStatus
 from tokenserve.core.request_queue import create_request_queue, order_for_prefill
 from tokenserve.core.step_cost import PrefillBudget, StepCostModel, StepShape, TargetStepBudget
@@ -86,15 +87,18 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         step_cost_model: StepCostModel | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """`step_cost_model`: what sizes each step's prefill under `target_step_ms` (the
-        engine core records into it); one is made if the config has a target and none is given."""
+        engine core records into it); one is made if the config has a target and none is given.
+        `lora_config`: a step holds at most its `max_loras` adapters (core/lora_admission.py)."""
         if scheduler_config.prefill_order not in PREFILL_ORDERS:
             raise ValueError(
                 f"prefill_order must be 'shortest' or 'arrival', "
                 f"got {scheduler_config.prefill_order!r}."
             )
         self.config = scheduler_config
+        self.lora_config = lora_config
         self.kv_cache_manager = KVCacheManager(
             num_blocks=cache_config.num_blocks,
             block_size=cache_config.block_size,
@@ -317,11 +321,14 @@ class Scheduler:
     def _admission_window(self, plan: StepPlan) -> list[Request]:
         """The waiting requests this step may admit, in queue order: as many as `max_num_seqs`
         leaves room for, none in a step that preempted. Requests whose grammar is still
-        compiling are passed over and keep their place."""
+        compiling are passed over and keep their place, as are those whose adapter would
+        exceed `max_loras` (core/lora_admission.py)."""
         room = self.config.max_num_seqs - len(self.running)
         if plan.preempted or room <= 0 or plan.token_budget == 0:
             return []
         ready = (r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_GRAMMAR)
+        if self.lora_config is not None:
+            ready = admissible_by_adapter(ready, self.running, self.lora_config.max_loras)
         return list(itertools.islice(ready, room))
 
     def _schedule_prompt_chunk(
@@ -453,6 +460,7 @@ class Scheduler:
             num_computed_tokens=request.num_computed_tokens,
             eos_token_id=request.eos_token_id,
             pooling_params=request.pooling_params,
+            lora_request=request.lora_request,
         )
 
 

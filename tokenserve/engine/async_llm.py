@@ -25,6 +25,7 @@ from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.engine.output_processor import OutputProcessor
 from tokenserve.engine.parallel_sampling import fan_out
 from tokenserve.engine.processor import Processor, PromptType
+from tokenserve.lora.request import LoRARequest
 from tokenserve.messages.engine_core import SchedulerStats
 from tokenserve.metrics.log_stats import LOG_INTERVAL_S, LoggingStatLogger
 from tokenserve.metrics.stats import RequestStatsTracker, StatLogger
@@ -194,6 +195,7 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes; closing the generator aborts it.
 
@@ -201,7 +203,7 @@ class AsyncLLM:
         EngineDeadError when the engine core is gone.
         """
         collector = await self.add_request(
-            request_id, prompt, sampling_params, priority, cache_salt, arrival_time
+            request_id, prompt, sampling_params, priority, cache_salt, arrival_time, lora_request
         )
         async with contextlib.aclosing(self.iterate_outputs(request_id, collector)) as outputs:
             async for output in outputs:
@@ -236,6 +238,7 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutputCollector:
         if self.engine_core.is_dead:
             raise EngineDeadError(self.engine_core.dead_reason)
@@ -243,7 +246,7 @@ class AsyncLLM:
         if request_id in self.collectors:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         prompt_text, request = self.processor.process(
-            request_id, prompt, params, arrival_time, priority, cache_salt
+            request_id, prompt, params, arrival_time, priority, cache_salt, lora_request
         )
         self.output_processor.add_request(
             request_id,

@@ -85,6 +85,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
     parser.add_argument("--pooler-config", default=None,
                         help="Pooling runner: JSON overriding the model's pooling, e.g. "
                              "'{\"pooling_type\": \"MEAN\", \"normalize\": false}'.")
+    lora = parser.add_argument_group("LoRA adapters (docs/LORA.md)")
+    lora.add_argument("--enable-lora", action="store_true", default=defaults.enable_lora,
+                      help="Serve LoRA adapters (PEFT directories) over the base model, several "
+                           "in one batch.")
+    lora.add_argument("--max-loras", type=int, default=defaults.max_loras,
+                      help="Most distinct adapters in one batch (each takes a slot in the layers).")
+    lora.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank,
+                      help="Largest adapter rank accepted.")
+    lora.add_argument("--max-cpu-loras", type=int, default=defaults.max_cpu_loras,
+                      help="Adapters kept loaded in memory, least recently used dropped first "
+                           "(default: --max-loras).")
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
                         default=defaults.scheduling_policy, help="Order of admission and preemption.")
     parser.add_argument("--prefill-order", choices=list(PREFILL_ORDERS),

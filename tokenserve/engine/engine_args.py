@@ -21,6 +21,7 @@ from tokenserve.config import (
     CacheConfig,
     EngineConfig,
     KernelConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -119,6 +120,12 @@ class EngineArgs:
     # the architecture); --pooler-config overrides the pooling ({"pooling_type", "normalize"}).
     runner: str = "auto"
     pooler_config: dict | str | None = None
+    # Multi-LoRA (docs/LORA.md): adapters in one step (max_loras), the largest rank, and
+    # adapters kept loaded (max_cpu_loras; None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -126,6 +133,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         self._validate_numbers()
+        self._lora_config()  # LoRA settings fail before any weight is read
         parallel_config = ParallelConfig(self.distributed_executor_backend)
         kernel_config = KernelConfig(
             disable_c_kernels=self.disable_c_kernels,
@@ -201,8 +209,15 @@ class EngineArgs:
             admission_lookahead_tokens=self.admission_lookahead_tokens,
         )
         return EngineConfig(
-            model_config, cache_config, scheduler_config, parallel_config, kernel_config
+            model_config, cache_config, scheduler_config, parallel_config, kernel_config,
+            self._lora_config(),
         )
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        max_cpu_loras = self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+        return LoRAConfig(self.max_loras, self.max_lora_rank, max_cpu_loras)
 
     def _validate_numbers(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):

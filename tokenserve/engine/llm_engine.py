@@ -15,6 +15,7 @@ from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.engine.output_processor import OutputProcessor
 from tokenserve.engine.parallel_sampling import fan_out
 from tokenserve.engine.processor import Processor, PromptType
+from tokenserve.lora.request import LoRARequest
 from tokenserve.messages.engine_core import SchedulerStats
 from tokenserve.model.loader import load_tokenizer
 from tokenserve.outputs import PoolingRequestOutput, RequestOutput
@@ -42,9 +43,10 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         prompt_text, request = self.processor.process(
-            request_id, prompt, params, arrival_time, priority, cache_salt
+            request_id, prompt, params, arrival_time, priority, cache_salt, lora_request
         )
         self.output_processor.add_request(
             request_id,

@@ -51,6 +51,7 @@ def fan_out(request: Request) -> list[Request]:
                 priority=request.priority,
                 cache_salt=request.cache_salt,
                 skip_prefix_cache=child_params.prompt_logprobs is not None,
+                lora_request=request.lora_request,
             )
         )
     return children

@@ -18,6 +18,8 @@ from tokenserve.engine.pooling_requests import (
     token_type_start,
     truncate_length,
 )
+from tokenserve.lora.peft_loader import check_adapter
+from tokenserve.lora.request import LoRARequest
 from tokenserve.pooling_params import PoolingParams
 from tokenserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -33,6 +35,8 @@ class Processor:
         self.vocab_size = config.model_config.vocab_size
         self.eos_token_id = _eos_token_id(tokenizer, config.model_config.hf_config)
         self.max_logprobs = config.model_config.max_logprobs
+        # Adapters checked so far, by id (an id names one adapter for the engine's life).
+        self.lora_requests: dict[int, LoRARequest] = {}
 
     def process(
         self,
@@ -42,9 +46,12 @@ class Processor:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[str | None, Request]:
         """Returns the prompt text (None for token-id prompts) and the engine-core Request."""
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError("LoRA adapters serve generate requests only, not pooling ones.")
             return self._process_pooling(
                 request_id, prompt, params, arrival_time, priority, cache_salt
             )
@@ -56,6 +63,8 @@ class Processor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}.")
         self._check_priority_and_salt(priority, cache_salt)
+        if lora_request is not None:
+            self.check_lora_request(lora_request)
         params = self._process_sampling_params(params)
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)
@@ -69,6 +78,7 @@ class Processor:
             cache_salt=cache_salt,
             # Prompt logprobs need every prompt position's logits: nothing may come from the cache.
             skip_prefix_cache=params.prompt_logprobs is not None,
+            lora_request=lora_request,
         )
         return text, request
 
@@ -132,6 +142,26 @@ class Processor:
             )
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError("cache_salt must be a non-empty string.")
+
+    def check_lora_request(self, lora_request: LoRARequest) -> None:
+        """The adapter fits this engine and its base model (files, rank, targets, shapes)."""
+        lora_config = self.config.lora_config
+        if lora_config is None:
+            raise ValueError("This engine serves no LoRA adapters: start it with enable_lora.")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(
+                f"lora_request must be a LoRARequest, got {type(lora_request).__name__}."
+            )
+        known = self.lora_requests.get(lora_request.lora_int_id)
+        if known == lora_request:
+            return
+        if known is not None:
+            raise ValueError(
+                f"lora_int_id {lora_request.lora_int_id} already names the adapter "
+                f"{known.lora_name!r} ({known.lora_path}); give each adapter its own id."
+            )
+        check_adapter(lora_request, self.config.model_config.hf_config, lora_config.max_lora_rank)
+        self.lora_requests[lora_request.lora_int_id] = lora_request
 
     def _process_sampling_params(self, params: SamplingParams) -> SamplingParams:
         """Checks that need the vocabulary; returns a copy with bad_words as token ids."""

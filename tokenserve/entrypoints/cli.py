@@ -112,6 +112,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Most stop strings in one request.")
     parser.add_argument("--max-stop-string-length", type=int, default=limits.max_stop_string_length,
                         help="Longest stop string, in characters.")
+    parser.add_argument("--lora-modules", nargs="+", default=None,
+                        help="LoRA adapters to serve (with --enable-lora): name=path, or JSON "
+                             '\'{"name": ..., "path": ..., "base_model_name": ...}\'. A request\'s '
+                             "model picks one by name.")
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: "
+                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING), behind the API key.")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="On SIGINT/SIGTERM, seconds in-flight requests get to finish before "
                              "they are cut off.")

@@ -16,6 +16,7 @@ from tokenserve.engine.llm_engine import LLMEngine
 from tokenserve.engine.processor import PromptType
 from tokenserve.entrypoints.chat_utils import render_chat
 from tokenserve.entrypoints.scoring import cosine_similarity, cross_encoder_prompt, score_pairs
+from tokenserve.lora.request import LoRARequest
 from tokenserve.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -57,21 +58,28 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
         cache_salt: str | Sequence[str | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the order of the prompts."""
+        """Generate for every prompt; outputs come back in the order of the prompts.
+        `lora_request`: one adapter for every prompt, or one (or None) per prompt."""
         prompt_list = _as_prompt_list(prompts)
         count = len(prompt_list)
         params_list = _broadcast(sampling_params or SamplingParams(), count, "sampling_params")
         priorities = _broadcast(priority if priority is not None else 0, count, "priority")
         salts = _broadcast(cache_salt, count, "cache_salt")
+        loras = _broadcast(lora_request, count, "lora_request")
 
         request_ids: list[str] = []
         try:
-            for prompt, params, prio, salt in zip(prompt_list, params_list, priorities, salts):
+            for prompt, params, prio, salt, lora in zip(
+                prompt_list, params_list, priorities, salts, loras
+            ):
                 # Offline, only the final output of each request is of use.
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 request_id = str(next(self._request_counter))
-                self.llm_engine.add_request(request_id, prompt, params, priority=prio, cache_salt=salt)
+                self.llm_engine.add_request(
+                    request_id, prompt, params, priority=prio, cache_salt=salt, lora_request=lora
+                )
                 request_ids.append(request_id)
         except Exception:
             # One bad prompt refuses the whole call; nothing of it stays in the engine.
@@ -88,8 +96,10 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate (with
+        `lora_request`: one adapter, or one per conversation)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts = []
@@ -104,7 +114,7 @@ class LLM:
             )
             token_ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": token_ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def encode(
         self,

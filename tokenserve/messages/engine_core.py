@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from tokenserve.lora.request import LoRARequest
 from tokenserve.pooling_params import PoolingParams
 from tokenserve.sampling_params import SamplingParams
 
@@ -38,6 +39,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     skip_prefix_cache: bool = False
     # A pooling request (its prompt pooled, nothing sampled); None for a generate request.
     pooling_params: PoolingParams | None = None
+    # The adapter the request runs with (LoRA); None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenserve.lora.request import LoRARequest
 from tokenserve.pooling_params import PoolingParams
 from tokenserve.sampling_params import SamplingParams
 
@@ -24,6 +25,8 @@ class NewRequestData:
     num_computed_tokens: int
     eos_token_id: int | None = None
     pooling_params: PoolingParams | None = None
+    # Its adapter (the runner maps its tokens to the adapter's slot); None: the base model.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

@@ -32,13 +32,15 @@ def _blocks(linear: nn.Module) -> QuantizedWeight | None:
 
 
 def _projections(layer: nn.Module) -> dict[str, nn.Module]:
-    """A llama decoder layer's four linear layers, by decode_layer.c's names for them."""
-    return {
+    """A llama decoder layer's four linear layers, by decode_layer.c's names for them (a
+    LoRA wrapper's base layer: steps with adapters never come here, lora/manager.py)."""
+    linears = {
         "qkv": layer.self_attn.qkv_proj,
         "o": layer.self_attn.o_proj,
         "gate_up": layer.mlp.gate_up_proj,
         "down": layer.mlp.down_proj,
     }
+    return {part: getattr(linear, "base_layer", linear) for part, linear in linears.items()}
 
 
 class FusedDecodeLayerStack(LayerStack):
@@ -100,7 +102,7 @@ class FusedDecodeLayerStack(LayerStack):
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_size,
             hidden=hidden_states.shape[1],
-            intermediate=first.mlp.down_proj.input_size_per_partition,
+            intermediate=_projections(first)["down"].input_size_per_partition,
             eps=first.input_layernorm.eps,
             scale=attn.scale,
             positions=positions.contiguous(),

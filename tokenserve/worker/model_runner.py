@@ -22,6 +22,7 @@ import torch
 from tokenserve.attention.backend import CommonAttentionMetadata
 from tokenserve.attention.selector import get_attention_backend
 from tokenserve.config import EngineConfig
+from tokenserve.lora.manager import LoRAModelManager
 from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.messages.scheduler_output import SchedulerOutput
 from tokenserve.model.registry import get_model
@@ -64,11 +65,19 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         # --runner pooling: prompts pooled instead of tokens sampled (pooling_runner.py).
         self.pooling = PoolingRunner(config) if model_config.runner == "pooling" else None
+        # With enable_lora: the adapters' slots in the wrapped layers (lora/manager.py).
+        self.lora_manager: LoRAModelManager | None = None
 
     def load_model(self) -> None:
         self.model = get_model(
             self.config.model_config, self.attention, self.config.kernel_config, self.device
         )
+        if self.config.lora_config is not None:
+            model_config = self.config.model_config
+            self.lora_manager = LoRAModelManager(
+                self.model, self.config.lora_config, model_config.hf_config,
+                model_config.dtype, self.device,
+            )
 
     def initialize_kv_cache(self) -> None:
         model_config = self.config.model_config
@@ -138,6 +147,12 @@ class ModelRunner:
                 last = query_start_loc[-1] - 1
                 logits_indices.extend(range(last - len(drafts), last + 1))
 
+        if self.lora_manager is not None:
+            # Each request's tokens → its adapter's slot (batch order, contiguous).
+            self.lora_manager.set_active_loras(
+                [self.requests[r].lora_request for r in request_ids],
+                [scheduler_output.num_scheduled_tokens[r] for r in request_ids],
+            )
         metadata = self.attention.build_metadata(
             CommonAttentionMetadata(
                 slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
@@ -290,6 +305,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 eos_token_id=new.eos_token_id,
+                lora_request=new.lora_request,
             )
             if params.seed is not None and new.request_id not in self.generators:
                 self.generators[new.request_id] = torch.Generator(self.device).manual_seed(

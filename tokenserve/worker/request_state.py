@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tokenserve.lora.request import LoRARequest
 from tokenserve.sampling_params import SamplingParams
 
 
@@ -26,6 +27,8 @@ class CachedRequestState:
     eos_token_id: int | None
     token_buffer: np.ndarray  # int64, capacity >= num_tokens
     num_tokens: int
+    # The adapter its tokens run with (LoRA); None: the base model.
+    lora_request: LoRARequest | None = None
     # Per-request tensors, built on first use (see the module docstring).
     cached_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -39,6 +42,7 @@ class CachedRequestState:
         block_ids: list[int],
         num_computed_tokens: int,
         eos_token_id: int | None,
+        lora_request: LoRARequest | None = None,
     ) -> CachedRequestState:
         capacity = len(token_ids) + min(sampling_params.max_tokens or 256, 256)
         buffer = np.empty(capacity, dtype=np.int64)
@@ -52,6 +56,7 @@ class CachedRequestState:
             eos_token_id=eos_token_id,
             token_buffer=buffer,
             num_tokens=len(token_ids),
+            lora_request=lora_request,
         )
 
     @property

@@ -3,7 +3,9 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (and GET,
 DELETE, POST .../cancel of /v1/responses/{id}), GET /v1/models, GET /v1/models/{id},
 GET /health, GET /version, POST /tokenize, POST /detokenize, GET /metrics; for pooling models
-(serving_pooling.py) POST /v1/embeddings, /score, /rerank, /classify. With API keys, every
+(serving_pooling.py) POST /v1/embeddings, /score, /rerank, /classify; with
+--allow-runtime-lora-updating, POST /v1/load_lora_adapter and /v1/unload_lora_adapter. With
+API keys, every
 route but /health and /metrics needs `Authorization: Bearer <key>`, and each key's
 requests use their own prefix-cache partition (auth.py). Requests are bounded in headers,
 body, samples and stop strings, and refused with 503 when the engine holds all it may
@@ -46,10 +48,12 @@ from tokenserve.entrypoints.openai.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from tokenserve.entrypoints.openai.response_store import ResponseStore
 from tokenserve.entrypoints.openai.responses_protocol import (
@@ -60,6 +64,7 @@ from tokenserve.entrypoints.openai.responses_protocol import (
 from tokenserve.entrypoints.openai.serving_base import ClientDisconnected, EventStream
 from tokenserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenserve.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_module
 from tokenserve.entrypoints.openai.serving_pooling import register_pooling_routes
 from tokenserve.entrypoints.openai.serving_responses import OpenAIServingResponses
 from tokenserve.metrics.prometheus import PrometheusStatLogger
@@ -81,7 +86,9 @@ def build_app(
     limits: ServingLimits | None = None,
     shared_prefix_cache_across_keys: bool = False,
     parsing: ChatParsing | None = None,
+    models: OpenAIServingModels | None = None,
 ) -> FastAPI:
+    """`models`: the LoRA adapters beside the served names (serving_models.py)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
@@ -103,6 +110,8 @@ def build_app(
     )
     completion = OpenAIServingCompletion(engine, served_model_names, chat_template, limits)
     chat = OpenAIServingChat(engine, served_model_names, chat_template, limits, parsing)
+    models = models or OpenAIServingModels(engine, served_model_names)
+    completion.models = chat.models = models
     responses = OpenAIServingResponses(chat, ResponseStore())
     max_model_len = engine.config.model_config.max_model_len
     # /v1/embeddings, /score, /rerank, /classify (a 400 on a generate model).
@@ -123,25 +132,24 @@ def build_app(
         body = metrics.render() if metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    def model_card(name: str) -> ModelCard:
-        return ModelCard(
-            id=name, root=engine.config.model_config.model, max_model_len=max_model_len
-        )
-
     @app.get("/v1/models")
-    async def models() -> ModelList:
-        return ModelList(data=[model_card(name) for name in served_model_names])
+    async def list_models() -> ModelList:
+        return models.model_list()
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> ModelCard:
-        if model_id not in served_model_names:
-            raise OpenAIError(
-                404,
-                f"The model `{model_id}` does not exist.",
-                param="model",
-                code="model_not_found",
-            )
-        return model_card(model_id)
+        return models.model_card(model_id)
+
+    if models.allow_runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+            message = models.load_lora_adapter(request.lora_name, request.lora_path)
+            return Response(message, media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+            return Response(models.unload_lora_adapter(request.lora_name), media_type="text/plain")
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: HTTPRequest) -> Response:
@@ -276,6 +284,12 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     metrics = PrometheusStatLogger(served_model_names[0])
     engine = AsyncLLM(config, log_stats=not args.disable_log_stats, stat_loggers=[metrics])
     try:
+        models = OpenAIServingModels(
+            engine,
+            served_model_names,
+            [parse_lora_module(value) for value in args.lora_modules or []],
+            args.allow_runtime_lora_updating,
+        )
         app = build_app(
             engine,
             served_model_names,
@@ -285,6 +299,7 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             limits,
             args.shared_prefix_cache_across_keys,
             parsing,
+            models,
         )
         server = uvicorn.Server(
             uvicorn.Config(

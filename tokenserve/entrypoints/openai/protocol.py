@@ -102,12 +102,28 @@ class ModelCard(OpenAIModel):
     created: int = Field(default_factory=now_seconds)
     owned_by: str = "tokenserve"
     root: str | None = None
+    # A LoRA adapter's base model (vLLM's field); None for a base model.
+    parent: str | None = None
     max_model_len: int | None = None
 
 
 class ModelList(OpenAIModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """POST /v1/unload_lora_adapter (vLLM's body)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 # ---- structured outputs --------------------------------------------------------------

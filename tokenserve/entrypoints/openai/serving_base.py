@@ -15,6 +15,8 @@ from tokenserve.engine.async_llm import AsyncLLM, RequestOutputCollector, Reques
 from tokenserve.entrypoints.openai.errors import OpenAIError, error_from_exception
 from tokenserve.entrypoints.openai.limits import ServingLimits, server_full_error
 from tokenserve.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
+from tokenserve.entrypoints.openai.serving_models import OpenAIServingModels
+from tokenserve.lora.request import LoRARequest
 from tokenserve.outputs import RequestOutput
 from tokenserve.sampling_params import SamplingParams
 
@@ -63,9 +65,13 @@ class OpenAIServing:
         self.capacity = (
             engine.config.scheduler_config.max_num_seqs + self.limits.max_waiting_requests
         )
+        # The base names and LoRA adapters, when the app has them (serving_models.py).
+        self.models: OpenAIServingModels | None = None
 
     def check_model(self, model: str | None) -> str:
         """The served name to answer with; 404 for a model this server does not serve."""
+        if self.models is not None:
+            return self.models.check_model(model)
         if model is None:
             return self.served_model_names[0]
         if model not in self.served_model_names:
@@ -73,6 +79,10 @@ class OpenAIServing:
                 404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
             )
         return model
+
+    def lora_request_for(self, model_name: str) -> LoRARequest | None:
+        """The adapter a checked model name picks; None for the base model."""
+        return self.models.lora_request(model_name) if self.models is not None else None
 
     def check_prompt_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """400 unless the prompt, plus max_tokens when given, fits in max_model_len."""
@@ -96,6 +106,7 @@ class OpenAIServing:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutputStream]:
         """Add one engine request per (text, token ids) prompt; all or none are added.
 
@@ -124,6 +135,7 @@ class OpenAIServing:
                     params,
                     priority=priority,
                     cache_salt=cache_salt,
+                    lora_request=lora_request,
                 )
                 added.append((engine_request_id, collector))
         except BaseException:

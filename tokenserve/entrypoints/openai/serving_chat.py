@@ -213,6 +213,7 @@ class OpenAIServingChat(OpenAIServing):
             params,
             request.priority,
             request.cache_salt,
+            self.lora_request_for(model_name),
         )
         if request.stream:
             return EventStream(

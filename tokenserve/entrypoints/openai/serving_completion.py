@@ -59,7 +59,8 @@ class OpenAIServingCompletion(OpenAIServing):
         )
         request_id = random_id("cmpl")
         generators = await self.add_requests(
-            request_id, prompts, params, request.priority, request.cache_salt
+            request_id, prompts, params, request.priority, request.cache_salt,
+            self.lora_request_for(model_name),
         )
         if request.stream:
             return EventStream(

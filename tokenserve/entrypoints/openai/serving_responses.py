@@ -109,6 +109,7 @@ class OpenAIServingResponses:
             prepared.params,
             request.priority,
             request.cache_salt,
+            self.chat.lora_request_for(prepared.model_name),
         )
         shell = _response_shell(request, response_id, prepared.model_name)
         if request.stream:
