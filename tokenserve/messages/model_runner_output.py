@@ -18,3 +18,6 @@ class ModelRunnerOutput:
     # samples the first token) the whole prompt's.
     logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Speculative decoding: the proposer's drafts for the requests sampled this step, for
+    # the scheduler's `update_draft_token_ids`.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
