@@ -23,7 +23,7 @@ from tokenserve.attention.backend import CommonAttentionMetadata
 from tokenserve.config import EngineConfig
 from tokenserve.messages.scheduler_output import SchedulerOutput
 from tokenserve.model.registry import get_model
-from tokenserve.spec_decode.proposer import ProposerRequest, draft_room
+from tokenserve.spec_decode.proposer import ProposerRequest, attention_rows, draft_room
 
 if TYPE_CHECKING:
     from tokenserve.attention.backend import AttentionBackend
@@ -174,9 +174,12 @@ class DraftModelProposer:
                 block_table[request_positions // self.block_size] * self.block_size
                 + request_positions % self.block_size
             )
-            query_start_loc.append(query_start_loc[-1] + len(tokens))
-            seq_lens.append(start + len(tokens))
-            block_tables.append(state.block_ids)
+            # A few tokens after a context (accepted drafts, the new token) as decode rows.
+            split = start > 0 and len(tokens) <= self.spec.num_speculative_tokens + 1
+            for query_len, seq_len in attention_rows(start, start + len(tokens), split):
+                query_start_loc.append(query_start_loc[-1] + query_len)
+                seq_lens.append(seq_len)
+                block_tables.append(state.block_ids)
         metadata = self.attention.build_metadata(
             CommonAttentionMetadata(
                 slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),

@@ -100,6 +100,16 @@ def draft_room(state: ProposerRequest, k: int, max_model_len: int) -> int:
     return max(0, room)
 
 
+def attention_rows(start: int, end: int, split: bool) -> list[tuple[int, int]]:
+    """(query length, context length) of the attention rows for positions [start, end) of
+    one request: one row, or with `split` one decode row per token. A run of drafts split
+    so attends with the decode kernels (fused on CPU) and gives the very results of decoding
+    its tokens one at a time: every row's K/V is written before any row attends."""
+    if not split:
+        return [(end - start, end)]
+    return [(1, position + 1) for position in range(start, end)]
+
+
 def build_proposer(
     config: EngineConfig, attention: AttentionBackend, device: torch.device
 ) -> Proposer | None:

@@ -30,7 +30,7 @@ from tokenserve.sample.logits_processors import GrammarMask
 from tokenserve.sample.logprobs import LogprobsLists, LogprobsTensors, compute_logprobs
 from tokenserve.sample.rejection_sampler import RejectionSampler
 from tokenserve.sample.sampler import Sampler
-from tokenserve.spec_decode.proposer import build_proposer
+from tokenserve.spec_decode.proposer import attention_rows, build_proposer
 from tokenserve.worker.request_state import CachedRequestState
 from tokenserve.worker.sampling_inputs import build_sampling_metadata
 
@@ -132,9 +132,11 @@ class ModelRunner:
                 first, count = self._prompt_logprob_positions(state, start, known_end)
                 if count > 0:
                     prompt_rows[request_id] = (first, query_start_loc[-1] + first - start, count)
-            query_start_loc.append(query_start_loc[-1] + num_tokens)
-            seq_lens.append(end)
-            block_tables.append(state.block_ids)
+            # A verifying row's tokens attend as decode rows, one each (attention_rows).
+            for query_len, seq_len in attention_rows(start, end, split=bool(drafts)):
+                query_start_loc.append(query_start_loc[-1] + query_len)
+                seq_lens.append(seq_len)
+                block_tables.append(state.block_ids)
             if known_end >= state.num_tokens:
                 # The request's last known token is computed: its logits give the next one,
                 # and each draft's logits the token after that draft.
