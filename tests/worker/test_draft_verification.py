@@ -12,8 +12,8 @@ import pytest
 from tokenserve.core.engine_core import EngineCore
 from tokenserve.core.request import Request
 from tokenserve.engine.engine_args import EngineArgs
-from tokenserve.sampling_params import SamplingParams
 from tokenserve.sample.rejection_sampler import accept_greedy
+from tokenserve.sampling_params import SamplingParams
 
 from ..core.invariants import check_block_pool_invariants
 

@@ -101,8 +101,10 @@ _ENDINGS = ("before the first light of morning.", "while the rain kept falling o
             "during the coldest week of the winter.", "because nobody else had the time.")
 _INSTRUCTIONS = (
     "Repeat the following passage exactly, word for word.",
-    "Copy the following passage, but replace the word \"the\" with \"this\" where it "
-    "starts a sentence.",
+    (
+        "Copy the following passage, but replace the word \"the\" with \"this\" where it "
+        "starts a sentence."
+    ),
     "Rewrite the following passage exactly, with each sentence on its own line.",
     "Repeat the following passage, correcting nothing and adding nothing.",
 )

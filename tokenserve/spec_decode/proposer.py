@@ -1,5 +1,5 @@
-"""The model runner's one handle on speculative decoding: `build_proposer` and the
-`Proposer` interface both proposers implement.
+"""What the model runner sees of a proposer: the `Proposer` interface, the n-gram one behind
+it, and the rules both share (how many drafts can count, decode-row splitting).
 
 After each step's sampling the runner calls `propose`; its drafts reach the scheduler in
 `ModelRunnerOutput.draft_token_ids` (vLLM V1's shape). `draft_probs` gives the
@@ -9,7 +9,7 @@ distribution a request's scheduled drafts were drawn from, for the rejection sam
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -18,9 +18,6 @@ from tokenserve.config import EngineConfig
 from tokenserve.messages.scheduler_output import SchedulerOutput
 from tokenserve.sampling_params import SamplingParams
 from tokenserve.spec_decode.ngram_proposer import NgramProposer
-
-if TYPE_CHECKING:
-    from tokenserve.attention.backend import AttentionBackend
 
 
 class ProposerRequest(Protocol):
@@ -108,16 +105,3 @@ def attention_rows(start: int, end: int, split: bool) -> list[tuple[int, int]]:
     if not split:
         return [(end - start, end)]
     return [(1, position + 1) for position in range(start, end)]
-
-
-def build_proposer(
-    config: EngineConfig, attention: AttentionBackend, device: torch.device
-) -> Proposer | None:
-    spec = config.speculative_config
-    if spec is None:
-        return None
-    if spec.method == "ngram":
-        return NgramRunnerProposer(config)
-    from tokenserve.spec_decode.draft_model_proposer import DraftModelProposer
-
-    return DraftModelProposer(config, attention, device)

@@ -30,7 +30,8 @@ from tokenserve.sample.logits_processors import GrammarMask
 from tokenserve.sample.logprobs import LogprobsLists, LogprobsTensors, compute_logprobs
 from tokenserve.sample.rejection_sampler import RejectionSampler
 from tokenserve.sample.sampler import Sampler
-from tokenserve.spec_decode.proposer import attention_rows, build_proposer
+from tokenserve.spec_decode.proposer import attention_rows
+from tokenserve.spec_decode.selector import build_proposer
 from tokenserve.worker.request_state import CachedRequestState
 from tokenserve.worker.sampling_inputs import build_sampling_metadata
 
