@@ -15,13 +15,13 @@ from tokenserve.sampling_params import SamplingParams
 MAX_TOKENS = 24
 # 16-token blocks, 32-token steps (prompts in chunks), a pool too small for every request at
 # once and no admission lookahead: preemptions happen.
-SETTINGS = dict(
-    block_size=16,
-    num_kv_blocks=16,
-    max_num_batched_tokens=32,
-    max_model_len=256,
-    admission_lookahead_tokens=0,
-)
+SETTINGS = {
+    "block_size": 16,
+    "num_kv_blocks": 16,
+    "max_num_batched_tokens": 32,
+    "max_model_len": 256,
+    "admission_lookahead_tokens": 0,
+}
 
 
 @pytest.fixture(scope="module")

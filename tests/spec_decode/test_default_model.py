@@ -18,17 +18,17 @@ PASSAGE = (
     "The old lighthouse stood at the end of the rocky point, its white paint peeling in long "
     "strips. Every night the keeper climbed the spiral stairs to light the lamp."
 )
-MAX_TOKENS = 32
+MAX_TOKENS = 24
 # 16-token blocks (the two prompts share whole blocks), 48-token steps (prompts in chunks),
 # and a pool that cannot hold both requests as they grow (admission lookahead off): both
 # hits and preemptions happen.
-SETTINGS = dict(
-    block_size=16,
-    num_kv_blocks=9,
-    max_model_len=144,
-    max_num_batched_tokens=48,
-    admission_lookahead_tokens=0,
-)
+SETTINGS = {
+    "block_size": 16,
+    "num_kv_blocks": 9,
+    "max_model_len": 144,
+    "max_num_batched_tokens": 48,
+    "admission_lookahead_tokens": 0,
+}
 
 
 def generate(default_model_path, speculative_config=None):

@@ -25,7 +25,7 @@ from tokenserve.entrypoints.llm import LLM
 from tokenserve.sampling_params import SamplingParams
 
 P_VALUE_THRESHOLD = 1e-3
-NUM_SAMPLES = 1500
+NUM_SAMPLES = 1000
 ALLOWED = [10, 20, 30, 40]
 LOGIT_BIAS = {10: 1.0, 20: 0.5}
 PRESENCE, FREQUENCY = 0.5, 0.3
