@@ -18,7 +18,7 @@ PASSAGE = (
     "The old lighthouse stood at the end of the rocky point, its white paint peeling in long "
     "strips. Every night the keeper climbed the spiral stairs to light the lamp."
 )
-MAX_TOKENS = 24
+MAX_TOKENS = 32
 # 16-token blocks (the two prompts share whole blocks), 48-token steps (prompts in chunks),
 # and a pool that cannot hold both requests as they grow (admission lookahead off): both
 # hits and preemptions happen.
