@@ -133,11 +133,3 @@ def test_structured_outputs_cross_to_the_engine_core(structured):
     wire = make_encoder().encode(request.to_engine_core_request())
     decoded = Request.from_engine_core_request(make_request_decoder().decode(wire))
     assert decoded.sampling_params == params
-
-
-def test_drafts_are_verifiable_except_under_a_seeded_draw_or_a_grammar():
-    assert SamplingParams(temperature=0.8).verifies_drafts
-    assert SamplingParams(temperature=0.0, seed=1).verifies_drafts
-    assert not SamplingParams(temperature=0.8, seed=1).verifies_drafts
-    grammar = StructuredOutputsParams(choice=["yes", "no"])
-    assert not SamplingParams(structured_outputs=grammar).verifies_drafts

@@ -167,6 +167,35 @@ class KernelConfig:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
 
 
+# Speculative decoding's proposers (spec_decode/), by vLLM's `method` names.
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, resolved from `speculative_config` (spec_decode/config.py)."""
+
+    method: str  # one of SPECULATIVE_METHODS
+    num_speculative_tokens: int
+    # ngram: the longest and shortest suffix of a request's tokens looked up earlier in them.
+    prompt_lookup_min: int = 0
+    prompt_lookup_max: int = 0
+    # draft_model: the smaller model's resolved config (a ModelConfig; same vocabulary).
+    draft_model_config: Any = None
+    # No drafts in a step whose running requests outnumber this; None: always.
+    disable_by_batch_size: int | None = None
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request needs past its scheduled tokens: a draft model writes its own
+        drafts' K/V there while it proposes (the same block table as the target's)."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+    def speculates(self, num_running_reqs: int) -> bool:
+        limit = self.disable_by_batch_size
+        return limit is None or num_running_reqs <= limit
+
+
 @dataclass
 class LoRAConfig:
     """Multi-LoRA (`enable_lora`): how many adapters one step mixes (`max_loras`, each in a
@@ -198,3 +227,4 @@ class EngineConfig:
     kernel_config: KernelConfig = field(default_factory=KernelConfig)
     # None: LoRA off (no layer is wrapped; a request with an adapter is refused).
     lora_config: LoRAConfig | None = None
+    speculative_config: SpeculativeConfig | None = None

@@ -261,13 +261,6 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPSILON
 
     @property
-    def verifies_drafts(self) -> bool:
-        """Whether draft tokens can be verified exactly by sampling each position in turn:
-        not with a seeded generator that samples (rejected positions would shift its
-        sequence), nor under a grammar (its bitmask covers one position)."""
-        return self.structured_outputs is None and (self.seed is None or self.is_greedy)
-
-    @property
     def uses_penalties(self) -> bool:
         return (
             self.presence_penalty != 0.0

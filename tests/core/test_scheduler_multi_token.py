@@ -80,17 +80,32 @@ def test_a_decode_row_is_scheduled_with_its_drafts():
     assert scheduler.schedule().num_scheduled_tokens == {"r": 1}
 
 
-def test_drafts_are_dropped_where_sampling_cannot_verify_them():
-    """Seeded random sampling and structured outputs take no drafts: the step schedules
-    one token for them, as without a proposer."""
+def test_seeded_random_rows_take_drafts():
+    """The rejection sampler verifies seeded random rows exactly: their drafts are scheduled."""
     scheduler = make_scheduler()
     seeded = add(scheduler, "seeded", temperature=1.0, seed=3)
     seeded_greedy = add(scheduler, "seeded-greedy", prompt=(4, 5, 6), temperature=0.0, seed=3)
     output = scheduler.schedule()
     scheduler.update_from_output(output, runner_output({"seeded": [5], "seeded-greedy": [5]}))
     scheduler.update_draft_token_ids({"seeded": [7, 8], "seeded-greedy": [7, 8]})
-    assert seeded.spec_token_ids == []
-    assert scheduler.schedule().num_scheduled_tokens == {"seeded": 1, "seeded-greedy": 3}
+    assert seeded.spec_token_ids == [7, 8] and seeded_greedy.spec_token_ids == [7, 8]
+    assert scheduler.schedule().num_scheduled_tokens == {"seeded": 3, "seeded-greedy": 3}
+
+
+def test_a_grammar_keeps_only_the_drafts_it_accepts():
+    scheduler = make_scheduler()
+    request = add(scheduler, ignore_eos=True)
+    grammar: Future = Future()
+    grammar.set_result(FakeGrammar(terminal_token=8, refused=9))
+    request.structured_output_request = StructuredOutputRequest(grammar, stop_token_ids=[8])
+    assert request.structured_output_request.poll_grammar()
+    prefill(scheduler, request)
+    scheduler.update_draft_token_ids({"r": [7, 9, 7]})
+    assert request.spec_token_ids == [7]
+    scheduler.update_draft_token_ids({"r": [7, 8, 7]})  # nothing after the grammar ends
+    assert request.spec_token_ids == [7, 8]
+    # Walking the drafts left the grammar where the sampled tokens put it.
+    assert request.structured_output_request.matcher.accepted == [5]
 
 
 def test_rejected_drafts_are_rolled_back_and_the_row_goes_on():
@@ -200,7 +215,9 @@ def test_grammar_termination_within_the_new_tokens_ends_the_request():
     request.structured_output_request = StructuredOutputRequest(grammar, stop_token_ids=[8])
     assert request.structured_output_request.poll_grammar()
     prefill(scheduler, request)
-    _, [core_output] = verify_step(scheduler, request, [7, 8, 9], [7, 8, 9, 10])
+    # The grammar ends at 8: draft 9 is not even scheduled.
+    output, [core_output] = verify_step(scheduler, request, [7, 8, 9], [7, 8, 10])
+    assert output.scheduled_spec_decode_tokens == {"r": [7, 8]}
     assert core_output.new_token_ids == [7, 8] and core_output.finish_reason == "stop"
     # The grammar saw the kept tokens, each once, and nothing after the stop.
     assert request.structured_output_request.matcher.accepted == [5, 7, 8]
@@ -221,24 +238,32 @@ def test_only_verified_tokens_enter_the_prefix_cache():
 
 
 class FakeMatcher:
-    def __init__(self, terminal_token: int) -> None:
+    def __init__(self, terminal_token: int, refused: int | None = None) -> None:
         self.terminal_token = terminal_token
+        self.refused = refused
         self.accepted: list[int] = []
 
     def accept_token(self, token_id: int) -> bool:
+        if token_id == self.refused:
+            return False
         self.accepted.append(token_id)
         return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            del self.accepted[-num_tokens:]
 
     def is_terminated(self) -> bool:
         return self.accepted[-1:] == [self.terminal_token]
 
 
 class FakeGrammar:
-    def __init__(self, terminal_token: int) -> None:
+    def __init__(self, terminal_token: int, refused: int | None = None) -> None:
         self.terminal_token = terminal_token
+        self.refused = refused
 
     def new_matcher(self, stop_token_ids: list[int]) -> FakeMatcher:
-        return FakeMatcher(self.terminal_token)
+        return FakeMatcher(self.terminal_token, self.refused)
 
 
 # ---- drafts never change outputs ------------------------------------------------------

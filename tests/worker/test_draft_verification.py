@@ -12,9 +12,8 @@ import pytest
 from tokenserve.core.engine_core import EngineCore
 from tokenserve.core.request import Request
 from tokenserve.engine.engine_args import EngineArgs
-from tokenserve.messages.scheduler_output import NewRequestData, SchedulerOutput
-from tokenserve.sampling_params import SamplingParams, StructuredOutputsParams
-from tokenserve.worker.model_runner import _verify_drafts
+from tokenserve.sample.rejection_sampler import accept_greedy
+from tokenserve.sampling_params import SamplingParams
 
 from ..core.invariants import check_block_pool_invariants
 
@@ -180,13 +179,13 @@ def test_a_mix_of_right_and_wrong_drafts_alongside_a_chunked_prefill(core, refer
 
 
 def test_verification_rule():
-    assert _verify_drafts([], [4]) == [4]
-    assert _verify_drafts([1, 2, 3], [1, 2, 3, 4]) == [1, 2, 3, 4]
-    assert _verify_drafts([1, 2, 3], [1, 5, 3, 4]) == [1, 5]
-    assert _verify_drafts([1, 2, 3], [6, 2, 3, 4]) == [6]
+    assert accept_greedy([], [4]) == [4]
+    assert accept_greedy([1, 2, 3], [1, 2, 3, 4]) == [1, 2, 3, 4]
+    assert accept_greedy([1, 2, 3], [1, 5, 3, 4]) == [1, 5]
+    assert accept_greedy([1, 2, 3], [6, 2, 3, 4]) == [6]
 
 
-def test_random_rows_verify_drafts(core):
+def test_random_rowsaccept_greedy(core):
     """Unseeded temperature sampling with drafts: the step runs and returns 1 to k + 1
     tokens per row (its distribution is the sampler's; exactness is for greedy)."""
     core.add_request(
@@ -199,28 +198,24 @@ def test_random_rows_verify_drafts(core):
     assert total == 8
 
 
-@pytest.mark.parametrize(
-    "params, match",
-    [
-        (SamplingParams(max_tokens=4, temperature=1.0, seed=3), "seeded"),
-        (
-            SamplingParams(
-                max_tokens=4, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
-            ),
-            "structured-output",
-        ),
-    ],
-)
-def test_drafts_are_refused_where_verification_would_not_be_exact(core, params, match):
-    worker = core.collective_rpc(lambda worker: worker)[0]
-    new = NewRequestData("x", [5, 6, 7, 8], 3, params, [0], 3)
-    with pytest.raises(NotImplementedError, match=match):
-        worker.execute_model(
-            SchedulerOutput(
-                scheduled_new_reqs=[new],
-                num_scheduled_tokens={"x": 2},
-                total_num_scheduled_tokens=2,
-                scheduled_spec_decode_tokens={"x": [1]},
+def test_seeded_random_rows_verify_drafts_reproducibly(core):
+    """A seeded random row with drafts draws from its own generator only: the same seed and
+    the same drafts give the same tokens, whatever else runs."""
+
+    def generate(others: int) -> list[int]:
+        params = SamplingParams(max_tokens=8, temperature=1.0, seed=11)
+        core.add_request(Request("s", [5, 6, 7], params, eos_token_id=None))
+        for index in range(others):
+            core.add_request(
+                Request(f"o{index}", [9, 8], SamplingParams(max_tokens=8), eos_token_id=None)
             )
-        )
-    assert "x" not in worker.model_runner.requests
+        tokens: list[int] = []
+        while core.has_unfinished_requests():
+            core.scheduler.update_draft_token_ids({"s": [1, 2, 3]})
+            for output in core.step():
+                if output.request_id == "s":
+                    tokens += output.new_token_ids
+        return tokens
+
+    alone = generate(0)
+    assert len(alone) == 8 and generate(2) == alone

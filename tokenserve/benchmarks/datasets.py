@@ -1,4 +1,5 @@
-"""Benchmark prompts as WORKLOADS.md defines them: random token ids from a fixed seed.
+"""Benchmark prompts as WORKLOADS.md defines them: random token ids from a fixed seed, and
+W6's input-grounded chats (repeat or lightly edit a passage, `grounded_edit_conversations`).
 
 `random_token_prompts` feeds the offline benchmark; `BenchRequest` lists (with their send
 times) feed the serving benchmark: `random`, `shared-prefix` and `mixed` (long requests at
@@ -83,3 +84,48 @@ def mixed_requests(
             "short",
         )
     )
+
+
+# W6: passages of sentences drawn from these parts by a seeded generator (about 300 tokens
+# with SmolLM2's tokenizer), and the instructions that ask to repeat or lightly edit them.
+_SUBJECTS = ("The old keeper", "A young engineer", "The village council", "Our neighbour",
+             "The river pilot", "A travelling merchant", "The head librarian", "The night nurse")
+_VERBS = ("carefully inspected", "quietly repaired", "proudly described", "slowly painted",
+          "briefly visited", "patiently measured", "eagerly photographed", "often cleaned")
+_OBJECTS = ("the wooden bridge over the river", "the lamp at the top of the lighthouse",
+            "the stone wall behind the market", "the clock in the town hall tower",
+            "the narrow road to the northern farms", "the boats resting in the harbour",
+            "the garden beside the railway station", "the maps kept in the archive")
+_ENDINGS = ("before the first light of morning.", "while the rain kept falling outside.",
+            "as the bells rang for the evening.", "after the long and busy market day.",
+            "during the coldest week of the winter.", "because nobody else had the time.")
+_INSTRUCTIONS = (
+    "Repeat the following passage exactly, word for word.",
+    (
+        "Copy the following passage, but replace the word \"the\" with \"this\" where it "
+        "starts a sentence."
+    ),
+    "Rewrite the following passage exactly, with each sentence on its own line.",
+    "Repeat the following passage, correcting nothing and adding nothing.",
+)
+GROUNDED_PASSAGE_SENTENCES = 16
+
+
+def grounded_passage(rng: np.random.Generator, num_sentences: int) -> str:
+    parts = (_SUBJECTS, _VERBS, _OBJECTS, _ENDINGS)
+    return " ".join(
+        " ".join(choices[int(rng.integers(len(choices)))] for choices in parts)
+        for _ in range(num_sentences)
+    )
+
+
+def grounded_edit_conversations(num_prompts: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    """W6: one user turn each, an instruction to repeat or lightly edit a passage and the
+    passage, from a fixed seed (outputs that copy their input: speculative decoding's case)."""
+    rng = np.random.default_rng(seed)
+    conversations = []
+    for index in range(num_prompts):
+        passage = grounded_passage(rng, GROUNDED_PASSAGE_SENTENCES)
+        instruction = _INSTRUCTIONS[index % len(_INSTRUCTIONS)]
+        conversations.append([{"role": "user", "content": f"{instruction}\n\n{passage}"}])
+    return conversations

@@ -50,7 +50,11 @@ class EngineCore:
             self.step_cost_model = StepCostModel()
         self.clock = time.perf_counter
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, self.step_cost_model, config.lora_config
+            config.scheduler_config,
+            config.cache_config,
+            self.step_cost_model,
+            config.speculative_config,
+            config.lora_config,
         )
         self.structured_output_manager = StructuredOutputManager(config, load_tokenizer)
         # What the latest step scheduled; the engine-core process reads it for its stats.
@@ -85,6 +89,8 @@ class EngineCore:
         grammar_bitmask = self.structured_output_manager.grammar_bitmask(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output, grammar_bitmask)
         outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
+        if runner_output.draft_token_ids:
+            self.scheduler.update_draft_token_ids(runner_output.draft_token_ids)
         if self.step_cost_model is not None and not scheduler_output.is_empty:
             self.step_cost_model.record(StepShape.of(scheduler_output), self.clock() - started)
         if scheduler_output.is_empty and self.structured_output_manager.has_compiling_requests:

@@ -82,17 +82,21 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Give the request room for `num_new_tokens` more tokens.
 
         `new_computed_blocks` are prefix-cache hits to take over first (only for a
-        request being admitted). Returns the newly allocated blocks, or None when the
-        pool cannot supply them; on None nothing has changed.
+        request being admitted). `num_lookahead_tokens`: slots past those, for a draft
+        model's own drafts (speculative decoding); never cached. Returns the newly
+        allocated blocks, or None when the pool cannot supply them; on None nothing has
+        changed.
         """
         hits = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_new_blocks = max(0, cdiv(num_tokens_after, self.block_size) - len(blocks) - len(hits))
+        num_slots = num_tokens_after + num_lookahead_tokens
+        num_new_blocks = max(0, cdiv(num_slots, self.block_size) - len(blocks) - len(hits))
         # A hit on a free (cached, unreferenced) block takes that block out of the free queue.
         num_hits_from_free_queue = sum(1 for block in hits if block.ref_cnt == 0)
         if num_new_blocks + num_hits_from_free_queue > self.block_pool.num_free_blocks:

@@ -30,7 +30,13 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from tokenserve.config import PREFILL_ORDERS, CacheConfig, LoRAConfig, SchedulerConfig
+from tokenserve.config import (
+    PREFILL_ORDERS,
+    CacheConfig,
+    LoRAConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from tokenserve.core.kv_cache_manager import KVCacheManager
 from tokenserve.core.kv_lookahead import admission_fits
 from tokenserve.core.lora_admission import admissible_by_adapter
@@ -38,7 +44,12 @@ from tokenserve.core.request import Request, RequestStatus
 from tokenserve.core.request_queue import create_request_queue, order_for_prefill
 from tokenserve.core.step_cost import PrefillBudget, StepCostModel, StepShape, TargetStepBudget
 from tokenserve.core.stop_checks import append_until_stop
-from tokenserve.messages.engine_core import EngineCoreOutput, LogprobsLists, SchedulerStats
+from tokenserve.messages.engine_core import (
+    EngineCoreOutput,
+    LogprobsLists,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.messages.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -87,10 +98,12 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         step_cost_model: StepCostModel | None = None,
+        speculative_config: SpeculativeConfig | None = None,
         lora_config: LoRAConfig | None = None,
     ) -> None:
         """`step_cost_model`: what sizes each step's prefill under `target_step_ms` (the
         engine core records into it); one is made if the config has a target and none is given.
+        `speculative_config`: drafts are verified (and counted) only under one.
         `lora_config`: a step holds at most its `max_loras` adapters (core/lora_admission.py)."""
         if scheduler_config.prefill_order not in PREFILL_ORDERS:
             raise ValueError(
@@ -117,6 +130,12 @@ class Scheduler:
         self.min_prefill_tokens = min(MIN_PREFILL_TOKENS, scheduler_config.max_num_batched_tokens)
         self.last_token_budget = scheduler_config.max_num_batched_tokens
         self.last_predicted_step_ms: float | None = None
+        self.speculative_config = speculative_config
+        self.num_lookahead_tokens = 0
+        self.spec_decoding_stats: SpecDecodingStats | None = None
+        if speculative_config is not None:
+            self.num_lookahead_tokens = speculative_config.num_lookahead_tokens
+            self.spec_decoding_stats = SpecDecodingStats(speculative_config.num_speculative_tokens)
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -192,6 +211,8 @@ class Scheduler:
             assert 1 <= len(generated) <= len(drafts) + 1, "accepted drafts plus one token"
             # Rejected drafts were computed for nothing: their slots are written again later.
             request.num_computed_tokens -= len(drafts) + 1 - len(generated)
+            if drafts and self.spec_decoding_stats is not None:
+                self.spec_decoding_stats.observe(len(drafts), len(generated) - 1)
             new_token_ids = append_until_stop(request, generated, self.config.max_model_len)
             logprobs = model_runner_output.logprobs.get(request_id)
             if logprobs is not None and len(new_token_ids) < len(generated):
@@ -232,15 +253,15 @@ class Scheduler:
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
         """Take a proposer's draft tokens (they replace earlier ones): a running request
         verifies them in the next step that schedules it (speculative decoding's hook).
-        Drafts for a request whose sampling cannot verify them exactly are dropped."""
+        A structured-output request keeps the drafts its grammar accepts."""
         for request_id, token_ids in draft_token_ids.items():
             request = self.requests.get(request_id)
-            if (
-                request is not None
-                and request.status == RequestStatus.RUNNING
-                and request.sampling_params.verifies_drafts
-            ):
-                request.spec_token_ids = list(token_ids)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            token_ids = list(token_ids)
+            if request.structured_output_request is not None:
+                token_ids = request.structured_output_request.valid_drafts(token_ids)
+            request.spec_token_ids = token_ids
 
     def make_stats(self) -> SchedulerStats:
         stats = self.kv_cache_manager.prefix_cache_stats
@@ -253,6 +274,9 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             token_budget=self.last_token_budget,
             predicted_step_ms=self.last_predicted_step_ms,
+            spec_decoding_stats=self.spec_decoding_stats.copy()
+            if self.spec_decoding_stats is not None
+            else None,
         )
 
     # ---- composing a step ----------------------------------------------------------
@@ -275,7 +299,11 @@ class Scheduler:
     def _num_drafts(self, request: Request, room: int) -> int:
         """How many of a decode row's drafts its step verifies: as many as `room` tokens
         hold, none at a position no request computes (max_model_len - 1 and on: a request
-        ends when its token at max_model_len - 1 is appended)."""
+        ends when its token at max_model_len - 1 is appended), none while more requests run
+        than speculative decoding's `disable_by_batch_size`."""
+        spec = self.speculative_config
+        if spec is not None and not spec.speculates(len(self.running)):
+            return 0
         room = min(room, self.config.max_model_len - 1 - request.num_tokens)
         return max(0, min(len(request.spec_token_ids), room))
 
@@ -358,7 +386,11 @@ class Scheduler:
         (`_choose_victim`) until the tokens fit or the request itself is the victim.
         Returns whether the request was scheduled.
         """
-        while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new_tokens)) is None:
+        while (
+            new_blocks := self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
+            )
+        ) is None:
             if not may_preempt:
                 return False
             victim = self._choose_victim()
@@ -395,7 +427,7 @@ class Scheduler:
         if num_new_tokens == 0:
             return False
         new_blocks = self.kv_cache_manager.allocate_slots(
-            request, num_new_tokens, hits, num_hit_tokens
+            request, num_new_tokens, hits, num_hit_tokens, self.num_lookahead_tokens
         )
         if new_blocks is None:
             return False

@@ -10,6 +10,7 @@ import argparse
 
 from tokenserve.config import PREFILL_ORDERS
 from tokenserve.engine.engine_args import KV_CACHE_DTYPES, EngineArgs
+from tokenserve.spec_decode.config import parse_speculative_config_json
 
 MODEL_HELP = "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)."
 
@@ -117,6 +118,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                              "from the measured step cost to keep it within the target (every "
                              "decode still gets its token; prefill gets at least 16 tokens a step). "
                              "Default: no target, --max-num-batched-tokens alone limits a step.")
+    parser.add_argument("--speculative-config", type=_speculative_config, default=None,
+                        help='Speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
+                             '\'{"method": "draft_model", "model": PATH, '
+                             '"num_speculative_tokens": 4}\'; "disable_by_batch_size": N '
+                             "speculates only while at most N requests run.")
+
+
+def _speculative_config(text: str) -> dict:
+    try:
+        return parse_speculative_config_json(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def engine_args_from(namespace: argparse.Namespace) -> EngineArgs:

@@ -25,9 +25,11 @@ from tokenserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from tokenserve.engine.runner_config import RunnerSettings, configure_runner
 from tokenserve.model.loader import resolve_model
+from tokenserve.spec_decode.config import create_speculative_config
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +128,10 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding (vLLM's keys): {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": .., "prompt_lookup_max": ..} or {"method": "draft_model",
+    # "model": path, "num_speculative_tokens": k}, and "disable_by_batch_size" (spec_decode/).
+    speculative_config: dict | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -165,8 +171,9 @@ class EngineArgs:
         )
         enable_chunked_prefill = settings.enable_chunked_prefill
 
+        speculative_config = create_speculative_config(self.speculative_config, model_config)
         cache_dtype = self._resolve_kv_cache_dtype(model_config.dtype)
-        num_blocks = self._resolve_num_blocks(model_config, cache_dtype)
+        num_blocks = self._resolve_num_blocks(model_config, cache_dtype, speculative_config)
         capacity = num_blocks * self.block_size
         if model_config.max_model_len > capacity:
             if self.max_model_len is not None:
@@ -209,8 +216,13 @@ class EngineArgs:
             admission_lookahead_tokens=self.admission_lookahead_tokens,
         )
         return EngineConfig(
-            model_config, cache_config, scheduler_config, parallel_config, kernel_config,
-            self._lora_config(),
+            model_config,
+            cache_config,
+            scheduler_config,
+            parallel_config,
+            kernel_config,
+            lora_config=self._lora_config(),
+            speculative_config=speculative_config,
         )
 
     def _lora_config(self) -> LoRAConfig | None:
@@ -289,13 +301,22 @@ class EngineArgs:
             )
         return self.max_model_len
 
-    def _resolve_num_blocks(self, model_config: ModelConfig, cache_dtype: torch.dtype) -> int:
+    def _resolve_num_blocks(
+        self,
+        model_config: ModelConfig,
+        cache_dtype: torch.dtype,
+        speculative_config: SpeculativeConfig | None = None,
+    ) -> int:
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         memory = DEFAULT_CPU_KV_CACHE_MEMORY
         if self.kv_cache_memory is not None:
             memory = parse_memory(self.kv_cache_memory)
-        bytes_per_block = model_config.kv_bytes_per_token(cache_dtype) * self.block_size
+        bytes_per_token = model_config.kv_bytes_per_token(cache_dtype)
+        if speculative_config is not None and speculative_config.draft_model_config is not None:
+            # A draft model's cache has the same blocks: the memory holds both.
+            bytes_per_token += speculative_config.draft_model_config.kv_bytes_per_token(cache_dtype)
+        bytes_per_block = bytes_per_token * self.block_size
         num_blocks = memory // bytes_per_block
         if num_blocks < 1:
             raise ValueError(

@@ -77,6 +77,35 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     pooling_output: list[float] | None = None
 
 
+class SpecDecodingStats(msgspec.Struct, array_like=True):
+    """Speculative decoding since the engine started: drafts verified (one per request and
+    step), their tokens, the accepted ones, and the accepted ones per draft position."""
+
+    num_spec_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        if len(self.num_accepted_tokens_per_pos) < self.num_spec_tokens:
+            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for position in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[position] += 1
+
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(
+            self.num_spec_tokens,
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.num_accepted_tokens_per_pos),
+        )
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """The scheduler's state after a step (or an idle abort): gauges and counters."""
 
@@ -91,6 +120,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     token_budget: int | None = None
     # The step-cost model's prediction for the latest step (target step time only).
     predicted_step_ms: float | None = None
+    # Speculative decoding's counters (cumulative); None when it is off.
+    spec_decoding_stats: SpecDecodingStats | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -20,3 +20,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # Pooling requests whose prompt this step completed → their pooled result.
     pooler_output: dict[str, list[float]] = field(default_factory=dict)
+    # Speculative decoding: the proposer's drafts for the requests sampled this step, for
+    # the scheduler's `update_draft_token_ids`.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

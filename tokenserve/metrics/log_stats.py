@@ -1,11 +1,12 @@
-"""One log line every few seconds while the engine is busy: throughput, queues, KV, cache hits."""
+"""One log line every few seconds while the engine is busy: throughput, queues, KV, cache hits,
+and with speculative decoding its acceptance rate since the previous line."""
 
 from __future__ import annotations
 
 import logging
 import time
 
-from tokenserve.messages.engine_core import SchedulerStats
+from tokenserve.messages.engine_core import SchedulerStats, SpecDecodingStats
 from tokenserve.metrics.stats import IterationStats
 
 logger = logging.getLogger("tokenserve.stats")
@@ -20,6 +21,7 @@ class LoggingStatLogger:
         self.num_generation_tokens = 0
         self.scheduler_stats: SchedulerStats | None = None
         self._last_logged_prefix = (0, 0)  # (queries, hits) at the previous line
+        self._last_logged_spec = (0, 0, 0)  # (drafts, draft tokens, accepted) at the previous line
         self._was_busy = False
 
     def record(
@@ -58,7 +60,28 @@ class LoggingStatLogger:
                 100.0 * stats.kv_cache_usage if stats else 0.0,
                 100.0 * new_hits / new_queries if new_queries > 0 else 0.0,
             )
+            if stats is not None and stats.spec_decoding_stats is not None:
+                self._log_spec_decoding(stats.spec_decoding_stats)
         self._was_busy = busy
         self.last_log_time = now
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+
+    def _log_spec_decoding(self, spec: SpecDecodingStats) -> None:
+        """vLLM's SpecDecoding line: acceptance rate and mean accepted length since the last."""
+        drafts, draft_tokens, accepted = (
+            spec.num_drafts - self._last_logged_spec[0],
+            spec.num_draft_tokens - self._last_logged_spec[1],
+            spec.num_accepted_tokens - self._last_logged_spec[2],
+        )
+        self._last_logged_spec = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
+        if drafts == 0:
+            return
+        logger.info(
+            "SpecDecoding metrics: Draft acceptance rate: %.1f%%, Mean acceptance length: %.2f, "
+            "Accepted: %d tokens, Drafted: %d tokens",
+            100.0 * accepted / draft_tokens if draft_tokens else 0.0,
+            1.0 + accepted / drafts,
+            accepted,
+            draft_tokens,
+        )

@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tokenserve.messages.engine_core import SchedulerStats
+from tokenserve.messages.engine_core import SchedulerStats, SpecDecodingStats
 from tokenserve.metrics.stats import IterationStats
 
 PREFIX = "tokenserve:"
@@ -138,8 +138,25 @@ class PrometheusStatLogger:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens computed by one engine step.", _TOKEN_BUCKETS
         )
+        self.spec_decode_num_drafts = counter(
+            "spec_decode_num_drafts", "Draft runs verified (one per request and step)."
+        )
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Draft tokens verified."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted."
+        )
+        self.spec_decode_num_accepted_tokens_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0: the first).",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
         # The engine core's counters are cumulative; these turn them into increments.
         self._last_core_counters = (0, 0, 0)
+        self._last_spec_counters: tuple[int, ...] = (0, 0, 0)
+        self._last_accepted_per_pos: list[int] = []
 
     def record(
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats
@@ -165,6 +182,8 @@ class PrometheusStatLogger:
                 if new > old:
                     metric.inc(new - old)
             self._last_core_counters = counters
+            if scheduler_stats.spec_decoding_stats is not None:
+                self._record_spec_decoding(scheduler_stats.spec_decoding_stats)
         if iteration_stats.num_scheduled_tokens:
             self.iteration_tokens.observe(iteration_stats.num_scheduled_tokens)
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
@@ -178,6 +197,25 @@ class PrometheusStatLogger:
             self.e2e_request_latency.observe(finished.e2e_latency)
             if finished.queue_time is not None:
                 self.request_queue_time.observe(finished.queue_time)
+
+    def _record_spec_decoding(self, stats: SpecDecodingStats) -> None:
+        counters = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+        metrics = (
+            self.spec_decode_num_drafts,
+            self.spec_decode_num_draft_tokens,
+            self.spec_decode_num_accepted_tokens,
+        )
+        for metric, new, old in zip(metrics, counters, self._last_spec_counters):
+            if new > old:
+                metric.inc(new - old)
+        self._last_spec_counters = counters
+        per_pos = stats.num_accepted_tokens_per_pos
+        last = self._last_accepted_per_pos + [0] * (len(per_pos) - len(self._last_accepted_per_pos))
+        for position, (new, old) in enumerate(zip(per_pos, last)):
+            child = self.spec_decode_num_accepted_tokens_per_pos.labels(self.model_name, str(position))
+            if new > old:
+                child.inc(new - old)
+        self._last_accepted_per_pos = list(per_pos)
 
     def log(self) -> None:
         """Prometheus is scraped, not logged."""

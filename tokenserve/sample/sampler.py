@@ -56,13 +56,18 @@ class Sampler:
         greedy_tokens = logits.argmax(dim=-1)
         if metadata.all_greedy:
             return greedy_tokens
+        random_tokens = exponential_race(self.probs(logits, metadata), metadata.generators)
+        return torch.where(metadata.greedy, greedy_tokens, random_tokens)
+
+    @staticmethod
+    def probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The distribution a random row draws from: processed `logits` under temperature,
+        min-p, top-k and top-p (meaningless on greedy rows)."""
         logits = logits / metadata.temperature.unsqueeze(1)
         if metadata.min_p is not None:
             logits = apply_min_p(logits, metadata.min_p)
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        probs = logits.softmax(dim=-1)
-        random_tokens = _exponential_race(probs, metadata.generators)
-        return torch.where(metadata.greedy, greedy_tokens, random_tokens)
+        return logits.softmax(dim=-1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -103,7 +108,7 @@ def apply_top_k_top_p(
     return torch.full_like(logits, float("-inf")).scatter_(-1, sorted_index, sorted_logits)
 
 
-def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """argmax(p / q), q ~ Exp(1): a draw from p. q = -log(u), u ~ U[0, 1), which is
     several times faster than `exponential_` on CPU; u = 0 gives q = inf, a token that
     simply does not win."""

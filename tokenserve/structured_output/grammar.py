@@ -146,6 +146,11 @@ class GrammarMatcher:
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (drafts walked, not sampled)."""
+        if num_tokens > 0:
+            self._matcher.rollback(num_tokens)
+
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """Set logits[r, t] to -inf where bit t of bitmask[r] is 0, for each r in rows only.

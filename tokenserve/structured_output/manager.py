@@ -42,10 +42,16 @@ COMPILE_WORKERS = 2
 
 @dataclass
 class GrammarBitmask:
-    """The step's masks: bitmask[i] constrains the sampled row of request_ids[i]."""
+    """The step's masks: bitmask[i] constrains the sampled row of request_ids[i] at
+    positions[i] (0: its first sampled row; j: the row after its first j drafts)."""
 
     request_ids: list[str]
     bitmask: torch.Tensor  # [len(request_ids), ceil(vocab / 32)] int32
+    positions: list[int] | None = None  # None: every row at position 0
+
+    def rows(self) -> list[tuple[str, int]]:
+        positions = self.positions or [0] * len(self.request_ids)
+        return list(zip(self.request_ids, positions))
 
 
 class GrammarRequest(Protocol):
@@ -148,6 +154,8 @@ class StructuredOutputManager:
             self._requests.pop(request_id, None)
         bitmask = self._bitmask_buffer()
         request_ids: list[str] = []
+        positions: list[int] = []
+        all_drafts = scheduler_output.scheduled_spec_decode_tokens
         for request_id, request in self._requests.items():
             if request_id not in scheduler_output.num_scheduled_tokens:
                 continue
@@ -155,11 +163,15 @@ class StructuredOutputManager:
                 continue  # a prompt chunk that samples nothing yet
             structured = request.structured_output_request
             assert structured is not None
-            if structured.fill_bitmask(bitmask, len(request_ids)):
+            # One mask per sampled position: the first, then after each draft (speculation).
+            for position in structured.fill_bitmasks(
+                bitmask, len(request_ids), all_drafts.get(request_id, [])
+            ):
                 request_ids.append(request_id)
+                positions.append(position)
         if not request_ids:
             return None
-        return GrammarBitmask(request_ids, bitmask[: len(request_ids)])
+        return GrammarBitmask(request_ids, bitmask[: len(request_ids)], positions)
 
     # ---- helpers ---------------------------------------------------------------------
 
@@ -195,5 +207,7 @@ class StructuredOutputManager:
     def _bitmask_buffer(self) -> torch.Tensor:
         if self._bitmask is None:
             rows = self.config.scheduler_config.max_num_seqs
+            if self.config.speculative_config is not None:
+                rows *= 1 + self.config.speculative_config.num_speculative_tokens
             self._bitmask = torch.full((rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         return self._bitmask

@@ -61,6 +61,40 @@ class StructuredOutputRequest:
         assert self.matcher is not None
         return self.matcher.fill_bitmask(bitmask, row)
 
+    def fill_bitmasks(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> list[int]:
+        """Masks for a row and the rows after each of its `drafts` (speculative decoding),
+        written from bitmask[row] on; returns the positions that needed one. The grammar
+        walks the drafts and comes back: only sampled tokens are accepted for good."""
+        if not self.constrains_next_token:
+            return []
+        assert self.matcher is not None
+        positions = []
+        num_accepted = 0
+        for position in range(len(drafts) + 1):
+            if self.matcher.is_terminated():
+                break
+            if self.matcher.fill_bitmask(bitmask, row + len(positions)):
+                positions.append(position)
+            if position == len(drafts) or not self.matcher.accept_token(drafts[position]):
+                break  # rows after a draft the grammar refuses never count
+            num_accepted += 1
+        self.matcher.rollback(num_accepted)
+        return positions
+
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """The longest start of `drafts` the grammar accepts from where it is (none while
+        the grammar sleeps: its position in the output is not known yet)."""
+        if not self.constrains_next_token:
+            return []
+        assert self.matcher is not None
+        num_accepted = 0
+        for token_id in drafts:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
+                break
+            num_accepted += 1
+        self.matcher.rollback(num_accepted)
+        return drafts[:num_accepted]
+
     def accept_tokens(self, request_id: str, output_token_ids: list[int], num_new: int) -> None:
         """Advance the grammar over the last `num_new` tokens of `output_token_ids`."""
         assert self.matcher is not None, "a request is scheduled only once its grammar is ready"

@@ -7,8 +7,9 @@ Logits are computed for sampled rows and, for requests that asked for prompt log
 for every prompt position of their chunk (only those rows).
 
 A decode row with draft tokens (`scheduled_spec_decode_tokens`) computes its last token
-followed by its drafts, and is sampled at each of those 1 + k positions: see
-`_verify_drafts` for the acceptance rule and what it supports.
+followed by its drafts, and is sampled at each of those 1 + k positions by the rejection
+sampler (sample/rejection_sampler.py). With speculative decoding on, the proposer
+(spec_decode/) runs after sampling and its drafts go back in the output.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from tokenserve.messages.scheduler_output import SchedulerOutput
 from tokenserve.model.registry import get_model
 from tokenserve.sample.logits_processors import GrammarMask
 from tokenserve.sample.logprobs import LogprobsLists, LogprobsTensors, compute_logprobs
+from tokenserve.sample.rejection_sampler import RejectionSampler
 from tokenserve.sample.sampler import Sampler
+from tokenserve.spec_decode.proposer import attention_rows
+from tokenserve.spec_decode.selector import build_proposer
 from tokenserve.worker.pooling_runner import PoolingRunner
 from tokenserve.worker.request_state import CachedRequestState
 from tokenserve.worker.sampling_inputs import build_sampling_metadata
@@ -54,6 +58,8 @@ class ModelRunner:
             use_c_kernels=not config.kernel_config.disable_c_kernels,
         )
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
+        self.proposer = build_proposer(config, self.attention, self.device)
         self.requests: dict[str, CachedRequestState] = {}
         # Per-request generators outlive preemption: a resumed request keeps drawing
         # from where it stopped.
@@ -78,6 +84,8 @@ class ModelRunner:
                 self.model, self.config.lora_config, model_config.hf_config,
                 model_config.dtype, self.device,
             )
+        if self.proposer is not None:
+            self.proposer.load_model()
 
     def initialize_kv_cache(self) -> None:
         model_config = self.config.model_config
@@ -92,6 +100,8 @@ class ModelRunner:
             dtype=self.config.cache_config.dtype,
             device=self.device,
         )
+        if self.proposer is not None:
+            self.proposer.initialize_kv_cache()
 
     @torch.inference_mode()
     def execute_model(
@@ -137,9 +147,11 @@ class ModelRunner:
                 first, count = self._prompt_logprob_positions(state, start, known_end)
                 if count > 0:
                     prompt_rows[request_id] = (first, query_start_loc[-1] + first - start, count)
-            query_start_loc.append(query_start_loc[-1] + num_tokens)
-            seq_lens.append(end)
-            block_tables.append(state.block_ids)
+            # A verifying row's tokens attend as decode rows, one each (attention_rows).
+            for query_len, seq_len in attention_rows(start, end, split=bool(drafts)):
+                query_start_loc.append(query_start_loc[-1] + query_len)
+                seq_lens.append(seq_len)
+                block_tables.append(state.block_ids)
             if known_end >= state.num_tokens:
                 # The request's last known token is computed: its logits give the next one,
                 # and each draft's logits the token after that draft.
@@ -175,9 +187,16 @@ class ModelRunner:
         hidden_states = self.model(*model_inputs)
         for request_id, rows in prompt_rows.items():
             self._gather_prompt_logprobs(self.requests[request_id], hidden_states, *rows)
-        if not sampled_ids:
-            return ModelRunnerOutput()
-        return self._sample(sampled_ids, hidden_states[logits_indices], grammar_bitmask, all_drafts)
+        output = ModelRunnerOutput()
+        if sampled_ids:
+            output = self._sample(
+                sampled_ids, hidden_states[logits_indices], grammar_bitmask, all_drafts
+            )
+        if self.proposer is not None:
+            output.draft_token_ids = self.proposer.propose(
+                scheduler_output, self.requests, sampled_ids
+            )
+        return output
 
     def _sample(
         self,
@@ -204,20 +223,33 @@ class ModelRunner:
         )
         if grammar_bitmask is not None:
             metadata.processors.grammar = GrammarMask(
-                [first_row[request_id] for request_id in grammar_bitmask.request_ids],
+                [
+                    first_row[request_id] + position
+                    for request_id, position in grammar_bitmask.rows()
+                ],
                 grammar_bitmask.bitmask,
             )
-        sampler_output = self.sampler(logits, metadata)
-        sampled = sampler_output.token_ids.tolist()
+        if all_drafts:
+            drafts = [all_drafts.get(state.request_id, []) for state in states]
+            draft_probs = None
+            if self.proposer is not None:
+                draft_probs = [
+                    self.proposer.draft_probs(state.request_id, d) if d else None
+                    for state, d in zip(states, drafts)
+                ]
+            verified = self.rejection_sampler(logits, metadata, drafts, draft_probs)
+            per_request, row_logprobs = verified.new_token_ids, verified.logprobs
+        else:
+            sampler_output = self.sampler(logits, metadata)
+            per_request = [[token] for token in sampler_output.token_ids.tolist()]
+            row_logprobs = sampler_output.logprobs
 
         # Per sampled request its new tokens: one, or the accepted drafts and one more.
         output = ModelRunnerOutput(req_ids=sampled_ids)
         logprob_rows: list[int] = []
         logprob_counts: list[tuple[str, int, int]] = []  # request id, k, positions
-        for state in states:
+        for state, new_tokens in zip(states, per_request):
             row = first_row[state.request_id]
-            drafts = all_drafts.get(state.request_id, [])
-            new_tokens = _verify_drafts(drafts, sampled[row : row + len(drafts) + 1])
             prompt_logprobs = self.prompt_logprobs.get(state.request_id)
             if prompt_logprobs is not None and state.num_output_tokens == 0:
                 output.prompt_logprobs[state.request_id] = prompt_logprobs
@@ -231,8 +263,8 @@ class ModelRunner:
                 logprob_counts.append(
                     (state.request_id, state.sampling_params.logprobs, len(new_tokens))
                 )
-        if sampler_output.logprobs is not None and logprob_rows:
-            wanted = sampler_output.logprobs
+        if row_logprobs is not None and logprob_rows:
+            wanted = row_logprobs
             if len(logprob_rows) < len(row_states):
                 index = torch.tensor(logprob_rows, device=self.device)
                 wanted = LogprobsTensors(
@@ -325,25 +357,3 @@ def _with_drafts(state: CachedRequestState, drafts: list[int]) -> CachedRequestS
     the request's cached tensors, which depend only on its params and prompt."""
     buffer = np.concatenate([state.token_ids, np.asarray(drafts, dtype=np.int64)])
     return replace(state, token_buffer=buffer, num_tokens=len(buffer))
-
-
-def _verify_drafts(drafts: list[int], sampled: list[int]) -> list[int]:
-    """The new tokens of a request that verified `drafts`, given the token sampled at each of
-    its 1 + k positions (position i sampled with drafts[:i] taken as its output).
-
-    Draft i is accepted while it equals the token sampled at its position; the first
-    mismatch's sampled token replaces it and ends the run; when all k are accepted the token
-    sampled after the last one is added. This is exact for deterministic (point-mass)
-    proposals such as n-gram lookup or a greedy draft model: each new token is distributed
-    as the request's own sampler would draw it, and greedy rows give the tokens a step-by-
-    step run gives. A draft model proposing from its own distribution needs probabilistic
-    rejection sampling instead; it comes with speculative decoding.
-    """
-    assert len(sampled) == len(drafts) + 1
-    new_tokens = []
-    for draft, token in zip(drafts, sampled):
-        new_tokens.append(token)
-        if token != draft:
-            return new_tokens
-    new_tokens.append(sampled[-1])
-    return new_tokens

@@ -35,34 +35,4 @@ class Worker:
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
     ) -> ModelRunnerOutput:
-        if scheduler_output.scheduled_spec_decode_tokens:
-            self._check_drafts_supported(scheduler_output)
         return self.model_runner.execute_model(scheduler_output, grammar_bitmask)
-
-    def _check_drafts_supported(self, scheduler_output: SchedulerOutput) -> None:
-        """Refuse, before anything runs, draft tokens the runner cannot verify exactly.
-
-        The runner samples every draft position with the request's own sampler, seeing the
-        drafts before it as output (penalties, min_tokens and bad words included). Two
-        kinds of per-request state it does not advance position by position: a seeded
-        generator (a sampled row with `seed` draws one vector per step, and rejected
-        positions would shift the sequence) and a structured-output grammar (its bitmask
-        is for the first position only). A proposer must not propose drafts for those.
-        """
-        new_params = {
-            new.request_id: new.sampling_params for new in scheduler_output.scheduled_new_reqs
-        }
-        for request_id in scheduler_output.scheduled_spec_decode_tokens:
-            params = new_params.get(request_id)
-            if params is None:
-                params = self.model_runner.requests[request_id].sampling_params
-            if params.structured_outputs is not None:
-                raise NotImplementedError(
-                    f"Request {request_id}: draft tokens are not verified for structured-output "
-                    "requests (the grammar bitmask covers one position); do not propose for it."
-                )
-            if params.seed is not None and not params.is_greedy:
-                raise NotImplementedError(
-                    f"Request {request_id}: draft tokens are not verified for seeded random "
-                    "sampling (its generator would not stay in step); do not propose for it."
-                )
