@@ -175,3 +175,23 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(
     base_only = LLM(lora_base, kv_cache_memory="64MiB")
     with pytest.raises(ValueError, match="start it with enable_lora"):
         base_only.generate([1, 2, 3], GREEDY, use_tqdm=False, lora_request=good)
+
+
+def test_adapters_with_speculative_decoding(lora_base, lora_adapters, lora_prompts):
+    """Drafts from the base model (a draft model without the adapter) are verified by the
+    target with each request's adapter: outputs stay token-exact with peft."""
+    names = [None, "a0", "a1"]
+    adapters = {name: lora_adapters[name] for name in names[1:]}
+    requests = [(prompt, name) for prompt in lora_prompts[:2] for name in names]
+    expected = peft_greedy(lora_base, adapters, requests, MAX_TOKENS)
+    llm = LLM(
+        lora_base, kv_cache_memory="64MiB", enable_lora=True, max_loras=2,
+        speculative_config={"method": "draft_model", "model": lora_base,
+                            "num_speculative_tokens": 3},
+    )
+    loras = lora_requests(adapters)
+    assert run(llm, [(prompt, loras.get(name)) for prompt, name in requests]) == expected
+    spec = llm.llm_engine.engine_core.scheduler.make_stats().spec_decoding_stats
+    # Drafts were verified, and the adapters' requests rejected some of the base's.
+    assert spec.num_draft_tokens > 0
+    assert spec.num_accepted_tokens < spec.num_draft_tokens
