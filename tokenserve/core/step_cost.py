@@ -119,6 +119,27 @@ class StepCostModel:
     def is_ready(self) -> bool:
         return self.num_samples >= self.min_samples
 
+    def to_dict(self) -> dict[str, float | int]:
+        """The fit, as `tokenserve calibrate` writes it (cost.json)."""
+        intercept, per_token, per_pair = (float(c) for c in self.coefficients)
+        return {"intercept_ms": intercept, "ms_per_1k_tokens": per_token,
+                "ms_per_1m_attention_pairs": per_pair, "num_samples": self.num_samples}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, float | int]) -> StepCostModel:
+        """A model fitted elsewhere (`to_dict`'s form): ready, and it learns on from there."""
+        try:
+            coefficients = [float(data[name]) for name in
+                            ("intercept_ms", "ms_per_1k_tokens", "ms_per_1m_attention_pairs")]
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"Not a step-cost model: {error!r}.") from None
+        if not all(math.isfinite(c) and c >= 0 for c in coefficients):
+            raise ValueError(f"Step-cost coefficients must be finite and >= 0, got {coefficients}.")
+        model = cls(warmup_steps=0)
+        model.coefficients = np.array(coefficients)
+        model.num_samples = model.min_samples
+        return model
+
     def predict_ms(self, shape: StepShape) -> float:
         return float(self.coefficients @ shape.features())
 

@@ -74,6 +74,32 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     pooling_output: list[float] | None = None
 
 
+class RequestSnapshot(msgspec.Struct, array_like=True):
+    """One unfinished request as the dashboard shows it."""
+
+    request_id: str
+    status: str  # "running", "waiting" or "preempted"
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_tokens: int
+    num_preemptions: int
+
+
+# DashboardSnapshot.block_owners codes beside a request's index in `requests`.
+BLOCK_FREE = -1  # free, holding no cached prefix
+BLOCK_CACHED = -2  # free, but its prefix is cached: reusable until evicted
+BLOCK_SHARED = -3  # in use by several requests (a shared prefix)
+
+
+class DashboardSnapshot(msgspec.Struct, array_like=True):
+    """The KV block map and the queues, sent at a bounded rate for /dashboard."""
+
+    # Per block: the index in `requests` of the request holding it, or a BLOCK_* code.
+    block_owners: list[int]
+    # Running requests first (in running order), then the waiting queue (in its order).
+    requests: list[RequestSnapshot]
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """The scheduler's state after a step (or an idle abort): gauges and counters."""
 
@@ -88,6 +114,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     token_budget: int | None = None
     # The step-cost model's prediction for the latest step (target step time only).
     predicted_step_ms: float | None = None
+    # The KV block map and queues, at most every few hundred ms (for /dashboard).
+    dashboard: DashboardSnapshot | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -99,6 +127,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     scheduler_stats: SchedulerStats | None = None
     # Tokens the step computed (prompt chunks and decodes together); 0 for a stats-only message.
     num_scheduled_tokens: int = 0
+    # Of those, decode rows' tokens (rows of one token after the prompt); the rest is prefill.
+    num_decode_tokens: int = 0
     # Requests scheduled for the first time in this step → when the step started (time.time()).
     first_scheduled_times: dict[str, float] = {}
     # Set when the engine core failed and is about to exit.

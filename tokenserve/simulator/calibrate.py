@@ -1,0 +1,122 @@
+"""`tokenserve calibrate`: fit the step-cost model on this machine, for the simulator.
+
+Runs the real engine core (model loaded, in this process) through rounds of requests
+chosen to spread step shapes: prompt chunks of several lengths after several contexts,
+and decode batches of several sizes and contexts. Each step's wall time and shape go into
+a `StepCostModel` (core/step_cost.py, the one `--target-step-ms` learns online), whose
+fit is written as cost.json. The quick form (`simulate` without `--cost-model`) runs
+fewer rounds and takes well under a minute with the default model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tokenserve.config import EngineConfig
+from tokenserve.core.engine_core import EngineCore
+from tokenserve.core.request import Request
+from tokenserve.core.step_cost import StepCostModel, StepShape
+from tokenserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CalibrationRound:
+    """Requests submitted together: `count` prompts of `prompt_len`, `output_len` tokens each."""
+
+    count: int
+    prompt_len: int
+    output_len: int
+
+
+def calibration_rounds(max_model_len: int, max_num_seqs: int, quick: bool) -> list[CalibrationRound]:
+    """Prompt-heavy rounds (long prompts, chunked), then decode batches of rising size."""
+    longest = max(16, min(1024 if quick else 2048, max_model_len - 32))
+    batches = (1, 8, 32) if quick else (1, 2, 4, 8, 16, 32, 64)
+    rounds = [CalibrationRound(1, min(longest, 256), 2), CalibrationRound(1, longest, 2),
+              CalibrationRound(4, min(longest, 96), 2)]
+    if not quick:
+        rounds.append(CalibrationRound(2, min(longest, 1024), 2))
+    for batch in batches:
+        batch = min(batch, max_num_seqs)
+        rounds.append(CalibrationRound(batch, min(longest, 192), 8 if quick else 24))
+    if not quick:
+        rounds += [CalibrationRound(min(16, max_num_seqs), min(longest, 768), 24),
+                   CalibrationRound(8, min(longest, 64), 48)]
+    return rounds
+
+
+def calibrate(config: EngineConfig, quick: bool = False) -> tuple[StepCostModel, dict[str, Any]]:
+    """Fit a `StepCostModel` on this machine; also return the fit's quality figures."""
+    engine = EngineCore(config)
+    vocab_size = int(getattr(config.model_config.hf_config, "vocab_size", 32000))
+    rng = np.random.default_rng(0)
+    # Every sample counts alike (no forgetting): the fit is of the machine, not of a moment.
+    model = StepCostModel(forgetting=1.0)
+    samples: list[tuple[StepShape, float]] = []
+    started = time.perf_counter()
+    rounds = calibration_rounds(config.model_config.max_model_len,
+                                config.scheduler_config.max_num_seqs, quick)
+    try:
+        for number, round_ in enumerate(rounds):
+            for index in range(round_.count):
+                # Unique prompts: a prefix-cache hit would hide the prompt's cost.
+                prompt = rng.integers(100, vocab_size - 100, size=round_.prompt_len).tolist()
+                params = SamplingParams(temperature=0.0, max_tokens=round_.output_len, ignore_eos=True)
+                engine.add_request(Request(f"calibrate-{number}-{index}", prompt, params, None))
+            while engine.has_unfinished_requests():
+                step_started = time.perf_counter()
+                engine.step()
+                elapsed = time.perf_counter() - step_started
+                output = engine.last_scheduler_output
+                if output is not None and not output.is_empty:
+                    shape = StepShape.of(output)
+                    model.record(shape, elapsed)
+                    samples.append((shape, elapsed))
+    finally:
+        engine.shutdown()
+    report = _fit_quality(model, samples[model.warmup_steps:])
+    report["seconds"] = time.perf_counter() - started
+    return model, report
+
+
+def _fit_quality(model: StepCostModel, samples: list[tuple[StepShape, float]]) -> dict[str, Any]:
+    errors = [abs(model.predict_ms(shape) - seconds * 1e3) / (seconds * 1e3)
+              for shape, seconds in samples if seconds > 0]
+    return {
+        "num_steps": len(samples),
+        "median_relative_error": float(np.median(errors)) if errors else None,
+        "p90_relative_error": float(np.percentile(errors, 90)) if errors else None,
+    }
+
+
+def write_cost_file(path: str, model: StepCostModel, config: EngineConfig,
+                    report: dict[str, Any]) -> None:
+    data = {
+        **model.to_dict(),
+        "model": str(config.model_config.model),
+        "dtype": str(config.model_config.dtype).removeprefix("torch."),
+        "machine": platform.processor() or platform.machine(),
+        "calibration": report,
+    }
+    with open(path, "w") as file:
+        json.dump(data, file, indent=2)
+
+
+def read_cost_file(path: str) -> StepCostModel:
+    try:
+        with open(path) as file:
+            data = json.load(file)
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"Cannot read the cost model {path!r}: {error}") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{path!r} is not a cost model (a JSON object).")  # noqa: TRY004 - bad input
+    return StepCostModel.from_dict(data)
