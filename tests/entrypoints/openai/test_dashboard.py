@@ -5,6 +5,7 @@ recorded trace replayed by `bench serve --dataset mooncake`."""
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Self
 
 import httpx
 import pytest
@@ -71,7 +73,7 @@ class Load:
                 self.completed += 1
                 number += 1
 
-    def __enter__(self) -> Load:
+    def __enter__(self) -> Self:
         for thread in self._threads:
             thread.start()
         return self
@@ -140,7 +142,7 @@ def test_request_trace_records_and_replays(server, trace_path, tiny_tokenizer_di
     last_two = entries[-2:]
     assert [(e.input_length, e.output_length) for e in last_two] == [(1000, 5), (1000, 5)]
     assert last_two[0].hash_ids == last_two[1].hash_ids and len(last_two[0].hash_ids) == 2
-    assert all(b.timestamp >= a.timestamp for a, b in zip(entries, entries[1:]))
+    assert all(b.timestamp >= a.timestamp for a, b in itertools.pairwise(entries))
     replay = tmp_path / "replay.jsonl"
     mooncake.write_trace(entries[-6:], str(replay))
     output = tmp_path / "bench.json"
