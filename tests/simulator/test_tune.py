@@ -67,3 +67,15 @@ def test_simulate_and_tune_commands(tiny_model_dirs, tmp_path, capsys):
     assert result["candidates"][0]["meets_slo"] and not result["baseline"]["summary"]["itl_ms"]["p99"] < 40
     assert main(["simulate", "--trace", str(tmp_path / "missing.jsonl"), "--cost-model", str(cost),
                  *engine]) == 2
+
+
+def test_calibrate_fits_the_served_steps(tiny_model_dirs, tmp_path, capsys):
+    """`tokenserve calibrate` runs the engine as a server does and writes a fit simulate reads."""
+    cost = tmp_path / "cost.json"
+    assert main(["calibrate", tiny_model_dirs["llama"], "--quick", "--max-model-len", "512",
+                 "--max-num-seqs", "16", "-o", str(cost)]) == 0
+    fit = json.loads(cost.read_text())
+    assert fit["num_samples"] >= 20 and fit["calibration"]["num_steps"] >= 20
+    coefficients = [fit["intercept_ms"], fit["ms_per_1k_tokens"], fit["ms_per_1m_attention_pairs"]]
+    assert all(c >= 0 for c in coefficients) and any(c > 0 for c in coefficients)
+    assert "step_ms =" in capsys.readouterr().out

@@ -29,6 +29,7 @@ from tokenserve.config import EngineConfig
 from tokenserve.core.dashboard_snapshot import SnapshotClock, dashboard_snapshot, num_decode_tokens
 from tokenserve.core.engine_core import EngineCore
 from tokenserve.core.request import Request
+from tokenserve.core.step_cost import StepShape
 from tokenserve.messages.engine_core import (
     EngineCoreOutputs,
     EngineCoreRequestType,
@@ -162,10 +163,11 @@ class EngineCoreProc:
         outputs = self.engine_core.step()
         scheduler_output = self.engine_core.last_scheduler_output
         first_scheduled_times: dict[str, float] = {}
-        num_scheduled_tokens = num_decode = 0
+        num_scheduled_tokens = num_decode = num_pairs = 0
         if scheduler_output is not None:
             num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
             num_decode = num_decode_tokens(scheduler_output)
+            num_pairs = StepShape.of(scheduler_output).attention_pairs
             for new_request in scheduler_output.scheduled_new_reqs:
                 if new_request.request_id in self.unscheduled_request_ids:
                     self.unscheduled_request_ids.discard(new_request.request_id)
@@ -175,6 +177,7 @@ class EngineCoreProc:
                 outputs=outputs,
                 num_scheduled_tokens=num_scheduled_tokens,
                 num_decode_tokens=num_decode,
+                num_attention_pairs=num_pairs,
                 first_scheduled_times=first_scheduled_times,
             )
         )

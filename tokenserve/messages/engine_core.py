@@ -129,6 +129,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     num_scheduled_tokens: int = 0
     # Of those, decode rows' tokens (rows of one token after the prompt); the rest is prefill.
     num_decode_tokens: int = 0
+    # The query-key pairs the step's attention covered (its shape, with the token count).
+    num_attention_pairs: int = 0
     # Requests scheduled for the first time in this step → when the step started (time.time()).
     first_scheduled_times: dict[str, float] = {}
     # Set when the engine core failed and is about to exit.

@@ -1,6 +1,7 @@
 """`tokenserve calibrate`: fit the step-cost model on this machine, for the simulator.
 
-Runs the real engine core (model loaded, in this process) through rounds of requests
+Runs the real engine (its engine-core process, and the streaming and detokenizing
+of this process, as a server has them) through rounds of requests
 chosen to spread step shapes: prompt chunks of several lengths after several contexts,
 and decode batches of several sizes and contexts. Each step's wall time and shape go into
 a `StepCostModel` (core/step_cost.py, the one `--target-step-ms` learns online), whose
@@ -10,6 +11,8 @@ fewer rounds and takes well under a minute with the default model.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import logging
 import platform
@@ -20,10 +23,10 @@ from typing import Any
 import numpy as np
 
 from tokenserve.config import EngineConfig
-from tokenserve.core.engine_core import EngineCore
-from tokenserve.core.request import Request
 from tokenserve.core.step_cost import StepCostModel, StepShape
-from tokenserve.sampling_params import SamplingParams
+from tokenserve.engine.async_llm import AsyncLLM
+from tokenserve.messages.engine_core import EngineCoreOutputs
+from tokenserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -55,34 +58,76 @@ def calibration_rounds(max_model_len: int, max_num_seqs: int, quick: bool) -> li
 
 
 def calibrate(config: EngineConfig, quick: bool = False) -> tuple[StepCostModel, dict[str, Any]]:
-    """Fit a `StepCostModel` on this machine; also return the fit's quality figures."""
-    engine = EngineCore(config)
+    """Fit a `StepCostModel` on this machine; also return the fit's quality figures.
+
+    The engine runs as it serves: the engine core in its own process, this process
+    detokenizing every streamed token as the API process does (on a small machine the
+    two share the cores, and a step's time shows it)."""
+    return asyncio.run(_calibrate(config, quick))
+
+
+class _StepLog:
+    """A `RequestObserver` keeping each engine-core message's time and step shape."""
+
+    def __init__(self) -> None:
+        self.messages: list[tuple[float, int, int]] = []
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], arrival_time: float) -> None:
+        pass
+
+    def record(self, message: EngineCoreOutputs) -> None:
+        self.messages.append(
+            (message.timestamp, message.num_scheduled_tokens, message.num_attention_pairs)
+        )
+
+    def drop_requests(self, request_ids: list[str]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def samples(self) -> list[tuple[StepShape, float]]:
+        """(shape, seconds) of each step that directly followed another step: the engine
+        was busy between the two messages, so their interval is the later step's time."""
+        return [
+            (StepShape(tokens, pairs), timestamp - previous[0])
+            for previous, (timestamp, tokens, pairs) in itertools.pairwise(self.messages)
+            if tokens > 0 and previous[1] > 0 and timestamp > previous[0]
+        ]
+
+
+async def _calibrate(config: EngineConfig, quick: bool) -> tuple[StepCostModel, dict[str, Any]]:
+    step_log = _StepLog()
+    engine = AsyncLLM(config, log_stats=False, request_observers=[step_log])
     vocab_size = int(getattr(config.model_config.hf_config, "vocab_size", 32000))
     rng = np.random.default_rng(0)
-    # Every sample counts alike (no forgetting): the fit is of the machine, not of a moment.
-    model = StepCostModel(forgetting=1.0)
-    samples: list[tuple[StepShape, float]] = []
     started = time.perf_counter()
     rounds = calibration_rounds(config.model_config.max_model_len,
                                 config.scheduler_config.max_num_seqs, quick)
+
+    async def run_one(request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        async for _ in engine.generate(prompt, params, request_id):
+            pass
+
     try:
         for number, round_ in enumerate(rounds):
-            for index in range(round_.count):
-                # Unique prompts: a prefix-cache hit would hide the prompt's cost.
-                prompt = rng.integers(100, vocab_size - 100, size=round_.prompt_len).tolist()
-                params = SamplingParams(temperature=0.0, max_tokens=round_.output_len, ignore_eos=True)
-                engine.add_request(Request(f"calibrate-{number}-{index}", prompt, params, None))
-            while engine.has_unfinished_requests():
-                step_started = time.perf_counter()
-                engine.step()
-                elapsed = time.perf_counter() - step_started
-                output = engine.last_scheduler_output
-                if output is not None and not output.is_empty:
-                    shape = StepShape.of(output)
-                    model.record(shape, elapsed)
-                    samples.append((shape, elapsed))
+            params = SamplingParams(temperature=0.0, max_tokens=round_.output_len, ignore_eos=True,
+                                    output_kind=RequestOutputKind.DELTA)
+            # Unique prompts: a prefix-cache hit would hide the prompt's cost.
+            await asyncio.gather(*(
+                run_one(f"calibrate-{number}-{index}",
+                        rng.integers(100, vocab_size - 100, size=round_.prompt_len).tolist(), params)
+                for index in range(round_.count)
+            ))
     finally:
         engine.shutdown()
+    # Every sample counts alike (no forgetting): the fit is of the machine, not of a moment.
+    model = StepCostModel(forgetting=1.0)
+    samples = step_log.samples()
+    for shape, seconds in samples:
+        model.record(shape, seconds)
+    if not model.is_ready:
+        raise ValueError("Calibration recorded too few steps to fit the step-cost model.")
     report = _fit_quality(model, samples[model.warmup_steps:])
     report["seconds"] = time.perf_counter() - started
     return model, report

@@ -1,0 +1,135 @@
+"""Simulator vs reality (docs/DIAGNOSIS.md): each workload as a Mooncake trace, replayed by
+`bench serve` against a real `tokenserve serve` and predicted by `tokenserve simulate` with
+the same engine settings and one cost.json calibrated just before, in one sitting.
+
+    python benchmarks/diagnosis_accuracy.py --out DIR [--scale 0.5] [--cost-model cost.json]
+
+Writes DIR/<case>.{trace.jsonl,real.json,sim.json}, DIR/cost.json and DIR/report.md (TTFT
+p50, TPOT p50, total token throughput: simulated / real - 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+CLI = [sys.executable, "-m", "tokenserve.entrypoints.cli"]
+FIGURES = (("ttft_ms", "p50"), ("tpot_ms", "p50"), ("total_token_throughput", None))
+
+
+def cases(scale: float) -> dict[str, tuple[list[str], list[str]]]:
+    """case → (trace flags for make_trace, engine flags for serve and simulate)."""
+    n = lambda count: str(max(2, round(count * scale)))  # noqa: E731
+    return {
+        "W2-inf": (["--num-prompts", n(64), "--input-len", "256", "--output-len", "64"], []),
+        "W2-poisson2": (["--num-prompts", n(64), "--input-len", "256", "--output-len", "64",
+                         "--request-rate", "2"], []),
+        "W3-prefix": (["--dataset", "shared-prefix", "--num-prompts", n(64), "--prefix-len", "1024",
+                       "--input-len", "64", "--output-len", "32"], []),
+        "W4-budget256": (["--dataset", "mixed", "--num-prompts", str(4 + int(n(32))),
+                          "--input-len", "64", "--output-len", "64", "--request-rate", "4"],
+                         ["--max-num-batched-tokens", "256"]),
+        "W4-budget2048": (["--dataset", "mixed", "--num-prompts", str(4 + int(n(32))),
+                           "--input-len", "64", "--output-len", "64", "--request-rate", "4"],
+                          ["--max-num-batched-tokens", "2048"]),
+        "W5-kv2048": (["--num-prompts", n(32), "--input-len", "256", "--output-len", "256"],
+                      ["--num-kv-blocks", "16"]),
+        "mixed-shared": (["--dataset", "shared-prefix", "--num-prompts", n(48), "--prefix-len", "512",
+                          "--input-len", "192", "--output-len", "48", "--request-rate", "3"], []),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_real(trace: Path, engine: list[str], out: Path) -> None:
+    port = free_port()
+    log = open(out.with_suffix(".server.log"), "w")  # noqa: SIM115
+    server = subprocess.Popen([*CLI, "serve", "--port", str(port), "--disable-log-stats", *engine],
+                              stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None:
+                raise RuntimeError(f"server exited: see {log.name}")
+            time.sleep(1)
+        subprocess.run([*CLI, "bench", "serve", "--port", str(port), "--dataset", "mooncake",
+                        "--trace", str(trace), "--ignore-eos", "--output-json", str(out)],
+                       check=True, stdout=subprocess.DEVNULL)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+        log.close()
+
+
+def figure(summary: dict, name: str, key: str | None) -> float:
+    return summary[name][key] if key else summary[name]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--scale", type=float, default=1.0, help="Fraction of each workload's requests.")
+    parser.add_argument("--cost-model", default=None, help="Skip calibration, use this cost.json.")
+    parser.add_argument("--only", default=None, help="Comma-separated case names.")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cost = Path(args.cost_model) if args.cost_model else out / "cost.json"
+    if not args.cost_model:
+        subprocess.run([*CLI, "calibrate", "-o", str(cost)], check=True)
+    rows = []
+    selected = cases(args.scale)
+    if args.only:
+        selected = {k: v for k, v in selected.items() if k in args.only.split(",")}
+    for name, (trace_flags, engine) in selected.items():
+        trace = out / f"{name}.trace.jsonl"
+        subprocess.run([sys.executable, "-m", "tokenserve.benchmarks.make_trace", str(trace),
+                        *trace_flags], check=True, stdout=subprocess.DEVNULL)
+        real, sim = out / f"{name}.real.json", out / f"{name}.sim.json"
+        run_real(trace, engine, real)
+        subprocess.run([*CLI, "simulate", "--trace", str(trace), "--cost-model", str(cost),
+                        "--output-json", str(sim), *engine], check=True, stdout=subprocess.DEVNULL)
+        real_summary = json.loads(real.read_text())["summary"]
+        sim_summary = json.loads(sim.read_text())["summary"]
+        cells = []
+        for fig, key in FIGURES:
+            r, s = figure(real_summary, fig, key), figure(sim_summary, fig, key)
+            cells += [r, s, s / r - 1 if r else float("nan")]
+        rows.append((name, cells, real_summary, sim_summary))
+        print(name, " ".join(f"{c:.3g}" for c in cells), flush=True)
+    lines = ["| case | TTFT p50 real / sim (ms) | err | TPOT p50 real / sim (ms) | err | "
+             "total tok/s real / sim | err | prefix hit real / sim | preemptions real / sim | sim speed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, c, real_summary, sim_summary in rows:
+        hit = lambda s: "-" if s.get("prefix_cache_hit_rate") is None else f"{s['prefix_cache_hit_rate']:.2f}"  # noqa: E731
+        lines.append(
+            f"| {name} | {c[0]:.0f} / {c[1]:.0f} | {c[2]:+.0%} | {c[3]:.1f} / {c[4]:.1f} | {c[5]:+.0%} | "
+            f"{c[6]:.0f} / {c[7]:.0f} | {c[8]:+.0%} | {hit(real_summary)} / {hit(sim_summary)} | "
+            f"{real_summary.get('num_preemptions') or 0:.0f} / {sim_summary['num_preemptions']:.0f} | "
+            f"{sim_summary.get('realtime_ratio', 0):.0f}x |")
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
