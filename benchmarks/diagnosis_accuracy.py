@@ -28,7 +28,7 @@ FIGURES = (("ttft_ms", "p50"), ("tpot_ms", "p50"), ("total_token_throughput", No
 
 def cases(scale: float) -> dict[str, tuple[list[str], list[str]]]:
     """case → (trace flags for make_trace, engine flags for serve and simulate)."""
-    n = lambda count: str(max(2, round(count * scale)))  # noqa: E731
+    n = lambda count: str(max(2, round(count * scale)))
     return {
         "W2-inf": (["--num-prompts", n(64), "--input-len", "256", "--output-len", "64"], []),
         "W2-poisson2": (["--num-prompts", n(64), "--input-len", "256", "--output-len", "64",
@@ -79,6 +79,33 @@ def run_real(trace: Path, engine: list[str], out: Path) -> None:
         log.close()
 
 
+def tune_demo(out: Path, cost: Path, scale: float, slo: str) -> None:
+    """tune on the W4 trace, then the trace served with the defaults and with the best."""
+    trace_flags, _ = cases(scale)["W4-budget256"]
+    trace = out / "tune.trace.jsonl"
+    subprocess.run([sys.executable, "-m", "tokenserve.benchmarks.make_trace", str(trace),
+                    *trace_flags], check=True, stdout=subprocess.DEVNULL)
+    tuned = out / "tune.json"
+    printed = subprocess.run([*CLI, "tune", "--trace", str(trace), "--cost-model", str(cost),
+                              "--slo", slo, "--output-json", str(tuned)],
+                             check=True, capture_output=True, text=True).stdout
+    (out / "tune.txt").write_text(printed)
+    print(printed, flush=True)
+    best = json.loads(tuned.read_text())["candidates"][0]["settings"]
+    command = printed.strip().splitlines()[-1].split()[2:]  # the flags of `tokenserve serve`
+    lines = [f"SLO {slo}", "| run | settings | ttft_p50 | ttft_p99 | itl_p50 | itl_p99 | tok/s |",
+             "|---|---|---|---|---|---|---|"]
+    for name, engine in (("defaults", []), ("tuned", command)):
+        real = out / f"tune.{name}.real.json"
+        run_real(trace, engine, real)
+        summary = json.loads(real.read_text())["summary"]
+        lines.append(f"| {name} | {' '.join(engine) or '-'} | {summary['ttft_ms']['p50']:.0f} | "
+                     f"{summary['ttft_ms']['p99']:.0f} | {summary['itl_ms']['p50']:.0f} | "
+                     f"{summary['itl_ms']['p99']:.0f} | {summary['total_token_throughput']:.0f} |")
+    (out / "tune.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), f"(best: {best})", flush=True)
+
+
 def figure(summary: dict, name: str, key: str | None) -> float:
     return summary[name][key] if key else summary[name]
 
@@ -89,12 +116,17 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="Fraction of each workload's requests.")
     parser.add_argument("--cost-model", default=None, help="Skip calibration, use this cost.json.")
     parser.add_argument("--only", default=None, help="Comma-separated case names.")
+    parser.add_argument("--tune-slo", default=None,
+                        help="Also run `tokenserve tune` on the W4 trace against this SLO and "
+                             "serve the trace with the defaults and with the best settings.")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cost = Path(args.cost_model) if args.cost_model else out / "cost.json"
     if not args.cost_model:
         subprocess.run([*CLI, "calibrate", "-o", str(cost)], check=True)
+    if args.tune_slo:
+        tune_demo(out, cost, args.scale, args.tune_slo)
     rows = []
     selected = cases(args.scale)
     if args.only:
@@ -115,11 +147,11 @@ def main() -> int:
             cells += [r, s, s / r - 1 if r else float("nan")]
         rows.append((name, cells, real_summary, sim_summary))
         print(name, " ".join(f"{c:.3g}" for c in cells), flush=True)
-    lines = ["| case | TTFT p50 real / sim (ms) | err | TPOT p50 real / sim (ms) | err | "
-             "total tok/s real / sim | err | prefix hit real / sim | preemptions real / sim | sim speed |",
+    lines = [("| case | TTFT p50 real / sim (ms) | err | TPOT p50 real / sim (ms) | err | "
+             "total tok/s real / sim | err | prefix hit real / sim | preemptions real / sim | sim speed |"),
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, c, real_summary, sim_summary in rows:
-        hit = lambda s: "-" if s.get("prefix_cache_hit_rate") is None else f"{s['prefix_cache_hit_rate']:.2f}"  # noqa: E731
+        hit = lambda s: "-" if s.get("prefix_cache_hit_rate") is None else f"{s['prefix_cache_hit_rate']:.2f}"
         lines.append(
             f"| {name} | {c[0]:.0f} / {c[1]:.0f} | {c[2]:+.0%} | {c[3]:.1f} / {c[4]:.1f} | {c[5]:+.0%} | "
             f"{c[6]:.0f} / {c[7]:.0f} | {c[8]:+.0%} | {hit(real_summary)} / {hit(sim_summary)} | "

@@ -12,6 +12,7 @@ fewer rounds and takes well under a minute with the default model.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import json
 import logging
@@ -44,10 +45,10 @@ def calibration_rounds(max_model_len: int, max_num_seqs: int, quick: bool) -> li
     """Prompt-heavy rounds (long prompts, chunked), then decode batches of rising size."""
     longest = max(16, min(1024 if quick else 2048, max_model_len - 32))
     batches = (1, 8, 32) if quick else (1, 2, 4, 8, 16, 32, 64)
-    rounds = [CalibrationRound(1, min(longest, 256), 2), CalibrationRound(1, longest, 2),
-              CalibrationRound(4, min(longest, 96), 2)]
-    if not quick:
-        rounds.append(CalibrationRound(2, min(longest, 1024), 2))
+    # One prompt at a time, of each length: their first steps are prompt-only steps.
+    lengths = (32, 128, 512, 1024) if quick else (16, 64, 128, 256, 512, 1024, 2048)
+    rounds = [CalibrationRound(1, min(longest, length), 2) for length in lengths]
+    rounds += [CalibrationRound(4, min(longest, 96), 2), CalibrationRound(2, min(longest, 384), 2)]
     for batch in batches:
         batch = min(batch, max_num_seqs)
         rounds.append(CalibrationRound(batch, min(longest, 192), 8 if quick else 24))
@@ -67,13 +68,15 @@ def calibrate(config: EngineConfig, quick: bool = False) -> tuple[StepCostModel,
 
 
 class _StepLog:
-    """A `RequestObserver` keeping each engine-core message's time and step shape."""
+    """A `RequestObserver` keeping each engine-core message's time and step shape, and
+    when requests were sent."""
 
     def __init__(self) -> None:
         self.messages: list[tuple[float, int, int]] = []
+        self.arrivals: list[float] = []
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], arrival_time: float) -> None:
-        pass
+        self.arrivals.append(time.time())
 
     def record(self, message: EngineCoreOutputs) -> None:
         self.messages.append(
@@ -87,13 +90,22 @@ class _StepLog:
         pass
 
     def samples(self) -> list[tuple[StepShape, float]]:
-        """(shape, seconds) of each step that directly followed another step: the engine
-        was busy between the two messages, so their interval is the later step's time."""
-        return [
-            (StepShape(tokens, pairs), timestamp - previous[0])
-            for previous, (timestamp, tokens, pairs) in itertools.pairwise(self.messages)
-            if tokens > 0 and previous[1] > 0 and timestamp > previous[0]
-        ]
+        """(shape, seconds) of each step: from the previous message, or after an idle
+        spell from the last request sent before it (the step could not start earlier)."""
+        samples = []
+        arrivals = sorted(self.arrivals)
+        for previous, (timestamp, tokens, pairs) in itertools.pairwise(self.messages):
+            if tokens == 0:
+                continue
+            started = previous[0]
+            if previous[1] == 0:  # the engine was idle: it began with the requests sent
+                sent = bisect.bisect_right(arrivals, timestamp)
+                if sent == 0:
+                    continue
+                started = max(started, arrivals[sent - 1])
+            if timestamp > started:
+                samples.append((StepShape(tokens, pairs), timestamp - started))
+        return samples
 
 
 async def _calibrate(config: EngineConfig, quick: bool) -> tuple[StepCostModel, dict[str, Any]]:
