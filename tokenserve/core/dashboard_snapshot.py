@@ -11,6 +11,7 @@ import time
 
 from tokenserve.core.request import Request, RequestStatus
 from tokenserve.core.scheduler import Scheduler
+from tokenserve.core.step_cost import StepShape
 from tokenserve.messages.engine_core import (
     BLOCK_CACHED,
     BLOCK_FREE,
@@ -66,12 +67,5 @@ def _request_snapshot(request: Request) -> RequestSnapshot:
 
 
 def num_decode_tokens(scheduler_output: SchedulerOutput) -> int:
-    """Tokens of the step's decode rows: rows of one token past a request's prompt.
-
-    A row of one token is a decode row unless it is a new request's one-token prompt
-    (or chunk); new requests' rows are prompt rows."""
-    new_ids = {new.request_id for new in scheduler_output.scheduled_new_reqs}
-    return sum(
-        1 for request_id, n in scheduler_output.num_scheduled_tokens.items()
-        if n == 1 and request_id not in new_ids
-    )
+    """Tokens of the step's decode rows (as the step-cost model counts them)."""
+    return StepShape.of(scheduler_output).num_decode_tokens

@@ -72,16 +72,15 @@ class _StepLog:
     when requests were sent."""
 
     def __init__(self) -> None:
-        self.messages: list[tuple[float, int, int]] = []
+        self.messages: list[tuple[float, int, int, int]] = []
         self.arrivals: list[float] = []
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], arrival_time: float) -> None:
         self.arrivals.append(time.time())
 
     def record(self, message: EngineCoreOutputs) -> None:
-        self.messages.append(
-            (message.timestamp, message.num_scheduled_tokens, message.num_attention_pairs)
-        )
+        self.messages.append((message.timestamp, message.num_scheduled_tokens,
+                              message.num_attention_pairs, message.num_decode_tokens))
 
     def drop_requests(self, request_ids: list[str]) -> None:
         pass
@@ -94,7 +93,7 @@ class _StepLog:
         spell from the last request sent before it (the step could not start earlier)."""
         samples = []
         arrivals = sorted(self.arrivals)
-        for previous, (timestamp, tokens, pairs) in itertools.pairwise(self.messages):
+        for previous, (timestamp, tokens, pairs, decode) in itertools.pairwise(self.messages):
             if tokens == 0:
                 continue
             started = previous[0]
@@ -104,7 +103,7 @@ class _StepLog:
                     continue
                 started = max(started, arrivals[sent - 1])
             if timestamp > started:
-                samples.append((StepShape(tokens, pairs), timestamp - started))
+                samples.append((StepShape(tokens, pairs, decode), timestamp - started))
         return samples
 
 

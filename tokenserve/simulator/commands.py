@@ -37,7 +37,8 @@ def add_diagnosis_parsers(subcommands: Any) -> None:
         "calibrate",
         help="Fit the step-cost model on this machine (cost.json for simulate and tune).",
         description="Runs the model in process through prompt chunks and decode batches of "
-                    "several shapes and fits step_ms = a + b*tokens + c*attention_pairs.",
+                    "several shapes and fits step_ms = a + b*prompt_tokens + c*attention_pairs "
+                    "+ d*decode_tokens.",
     )
     cal.add_argument("-o", "--output", default="cost.json", help="Where to write the fit.")
     cal.add_argument("--quick", action="store_true", help="Fewer rounds (what simulate does on the fly).")
@@ -115,8 +116,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     model, report = calibrate.calibrate(config, quick=args.quick)
     calibrate.write_cost_file(args.output, model, config, report)
     fit = model.to_dict()
-    print(f"step_ms = {fit['intercept_ms']:.3f} + {fit['ms_per_1k_tokens']:.3f}*tokens/1e3 "
-          f"+ {fit['ms_per_1m_attention_pairs']:.3f}*pairs/1e6  ({report['num_steps']} steps, "
+    print(f"step_ms = {fit['intercept_ms']:.3f} + {fit['ms_per_1k_tokens']:.3f}*prompt_tokens/1e3 "
+          f"+ {fit['ms_per_1m_attention_pairs']:.3f}*pairs/1e6 "
+          f"+ {fit['ms_per_1k_decode_tokens']:.3f}*decode_tokens/1e3  ({report['num_steps']} steps, "
           f"median error {report['median_relative_error']:.1%}, {report['seconds']:.1f} s) "
           f"-> {args.output}")
     return 0

@@ -23,6 +23,7 @@ from tokenserve.core.request import Request
 from tokenserve.core.scheduler import Scheduler
 from tokenserve.core.step_cost import StepCostModel, StepShape
 from tokenserve.messages.model_runner_output import ModelRunnerOutput
+from tokenserve.messages.scheduler_output import SchedulerOutput
 from tokenserve.sampling_params import SamplingParams
 
 # The token every simulated request "samples": an ordinary id, never EOS (EOS is ignored).
@@ -120,14 +121,15 @@ def simulate(
                 )
             clock = max(clock, requests[arrivals[0]].send_time)
             continue
-        duration = max(cost_model.predict_ms(StepShape.of(output)), 0.0) / 1e3
+        shape = StepShape.of(output)
+        duration = max(cost_model.predict_ms(shape), 0.0) / 1e3
         sampled = [
             request_id
             for request_id in output.num_scheduled_tokens
             if scheduler.requests[request_id].num_computed_tokens
             >= scheduler.requests[request_id].num_tokens
         ]
-        steps.append(_step_record(clock, duration, output, scheduler, num_running, num_waiting))
+        steps.append(_step_record(clock, duration, output, shape, num_running, num_waiting))
         clock += duration
         runner_output = ModelRunnerOutput(
             req_ids=sampled, sampled_token_ids=[[SIMULATED_TOKEN_ID] for _ in sampled]
@@ -161,15 +163,10 @@ def _engine_request(request_id: str, request: BenchRequest, config: SchedulerCon
                    arrival_time=request.send_time)
 
 
-def _step_record(clock, duration, output, scheduler, num_running, num_waiting) -> StepRecord:
-    # A decode row: one token after the prompt (a recomputed output after preemption is prefill).
-    num_decode = sum(
-        n for request_id, n in output.num_scheduled_tokens.items()
-        if n == 1 and scheduler.requests[request_id].num_computed_tokens
-        > scheduler.requests[request_id].num_prompt_tokens
-    )
-    return StepRecord(clock, duration, output.total_num_scheduled_tokens - num_decode,
-                      num_decode, num_running, num_waiting)
+def _step_record(clock: float, duration: float, output: SchedulerOutput, shape: StepShape,
+                 num_running: int, num_waiting: int) -> StepRecord:
+    return StepRecord(clock, duration, shape.num_tokens - shape.num_decode_tokens,
+                      shape.num_decode_tokens, num_running, num_waiting)
 
 
 def realtime_ratio(simulation: Simulation, wall_seconds: float) -> float:
