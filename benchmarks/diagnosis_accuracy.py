@@ -85,6 +85,14 @@ def tune_demo(out: Path, cost: Path, scale: float, slo: str) -> None:
     trace = out / "tune.trace.jsonl"
     subprocess.run([sys.executable, "-m", "tokenserve.benchmarks.make_trace", str(trace),
                     *trace_flags], check=True, stdout=subprocess.DEVNULL)
+    if slo == "auto":
+        # Half the defaults' simulated ITL p99, with at most half again their TTFT p99.
+        baseline = out / "tune.defaults.sim.json"
+        subprocess.run([*CLI, "simulate", "--trace", str(trace), "--cost-model", str(cost),
+                        "--output-json", str(baseline)], check=True, stdout=subprocess.DEVNULL)
+        figures = json.loads(baseline.read_text())["summary"]
+        slo = (f"itl_p99<{figures['itl_ms']['p99'] * 0.5:.0f}ms,"
+               f"ttft_p99<{figures['ttft_ms']['p99'] * 1.5:.0f}ms")
     tuned = out / "tune.json"
     printed = subprocess.run([*CLI, "tune", "--trace", str(trace), "--cost-model", str(cost),
                               "--slo", slo, "--output-json", str(tuned)],
@@ -117,8 +125,9 @@ def main() -> int:
     parser.add_argument("--cost-model", default=None, help="Skip calibration, use this cost.json.")
     parser.add_argument("--only", default=None, help="Comma-separated case names.")
     parser.add_argument("--tune-slo", default=None,
-                        help="Also run `tokenserve tune` on the W4 trace against this SLO and "
-                             "serve the trace with the defaults and with the best settings.")
+                        help="Also run `tokenserve tune` on the W4 trace against this SLO ('auto': "
+                             "half the defaults' simulated ITL p99 and at most 1.5x their TTFT "
+                             "p99) and serve the trace with the defaults and with the best.")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
