@@ -43,6 +43,8 @@ def cases(scale: float) -> dict[str, tuple[list[str], list[str]]]:
                           ["--max-num-batched-tokens", "2048"]),
         "W5-kv2048": (["--num-prompts", n(32), "--input-len", "256", "--output-len", "256"],
                       ["--num-kv-blocks", "16"]),
+        "W5-kv2048-nolookahead": (["--num-prompts", n(32), "--input-len", "256", "--output-len", "256"],
+                                  ["--num-kv-blocks", "16", "--admission-lookahead-tokens", "0"]),
         "mixed-shared": (["--dataset", "shared-prefix", "--num-prompts", n(48), "--prefix-len", "512",
                           "--input-len", "192", "--output-len", "48", "--request-rate", "3"], []),
     }
@@ -134,8 +136,6 @@ def main() -> int:
     cost = Path(args.cost_model) if args.cost_model else out / "cost.json"
     if not args.cost_model:
         subprocess.run([*CLI, "calibrate", "-o", str(cost)], check=True)
-    if args.tune_slo:
-        tune_demo(out, cost, args.scale, args.tune_slo)
     rows = []
     selected = cases(args.scale)
     if args.only:
@@ -156,6 +156,13 @@ def main() -> int:
             cells += [r, s, s / r - 1 if r else float("nan")]
         rows.append((name, cells, real_summary, sim_summary))
         print(name, " ".join(f"{c:.3g}" for c in cells), flush=True)
+        write_report(out, rows)
+    if args.tune_slo:
+        tune_demo(out, cost, args.scale, args.tune_slo)
+    return 0
+
+
+def write_report(out: Path, rows: list) -> None:
     lines = [("| case | TTFT p50 real / sim (ms) | err | TPOT p50 real / sim (ms) | err | "
              "total tok/s real / sim | err | prefix hit real / sim | preemptions real / sim | sim speed |"),
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -167,8 +174,6 @@ def main() -> int:
             f"{real_summary.get('num_preemptions') or 0:.0f} / {sim_summary['num_preemptions']:.0f} | "
             f"{sim_summary.get('realtime_ratio', 0):.0f}x |")
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
 
 
 if __name__ == "__main__":
