@@ -148,7 +148,8 @@ def _run_tune(args: argparse.Namespace) -> int:
                 "prefill_order": config.scheduler_config.prefill_order,
                 "target_step_ms": config.scheduler_config.target_step_ms}
     started = time.perf_counter()
-    ranked = tune.tune(requests, config.scheduler_config, config.cache_config, cost, space, slo)
+    ranked = tune.tune(requests, config.scheduler_config, config.cache_config, cost, space, slo,
+                       defaults)
     baseline = tune.tune(requests, config.scheduler_config, config.cache_config, cost,
                          tune.SearchSpace(**{k: [v] for k, v in defaults.items()}), slo)[0]
     print(f"{len(ranked)} candidates simulated in {time.perf_counter() - started:.1f} s; "

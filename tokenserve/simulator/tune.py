@@ -76,15 +76,17 @@ class Candidate:
     settings: dict[str, Any]
     summary: dict[str, Any]
     miss: float  # the worst bound's ratio: ≤ 1 meets the SLO
+    num_changes: int = 0  # settings that differ from the given ones
 
     @property
     def meets_slo(self) -> bool:
         return self.miss <= 1.0
 
-    def rank_key(self) -> tuple[float, float]:
+    def rank_key(self) -> tuple[float, float, int]:
+        # Ties (settings the simulator cannot tell apart) go to the fewest changes.
         if self.meets_slo:
-            return (0.0, -self.summary["total_token_throughput"])
-        return (1.0, self.miss)
+            return (0.0, -round(self.summary["total_token_throughput"], 6), self.num_changes)
+        return (1.0, round(self.miss, 9), self.num_changes)
 
 
 @dataclass
@@ -109,8 +111,10 @@ def tune(
     cost: dict[str, float | int],
     space: SearchSpace,
     slo: list[SloBound],
+    given: dict[str, Any] | None = None,
 ) -> list[Candidate]:
-    """Every candidate of `space`, simulated and ranked (best first)."""
+    """Every candidate of `space`, simulated and ranked (best first; among equals, the
+    one closest to the `given` settings)."""
     candidates = []
     for settings in space.settings():
         if not scheduler_config.enable_chunked_prefill and (
@@ -123,7 +127,8 @@ def tune(
         # A fresh model per run: under a target step time the scheduler holds it.
         summary = simulate(requests, scheduler, cache, StepCostModel.from_dict(cost)).summary()
         miss = max(bound.miss_ratio(summary) for bound in slo)
-        candidates.append(Candidate(settings, summary, miss))
+        changes = sum(1 for k, v in settings.items() if given is not None and given.get(k) != v)
+        candidates.append(Candidate(settings, summary, miss, changes))
     if not candidates:
         raise ValueError("No candidate setting can hold the trace's longest prompt.")
     return sorted(candidates, key=Candidate.rank_key)
