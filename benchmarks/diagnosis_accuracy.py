@@ -21,6 +21,10 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
+
+from tokenserve.benchmarks import mooncake
+from tokenserve.metrics.request_trace import TraceEntry
 
 CLI = [sys.executable, "-m", "tokenserve.entrypoints.cli"]
 FIGURES = (("ttft_ms", "p50"), ("tpot_ms", "p50"), ("total_token_throughput", None))
@@ -31,23 +35,47 @@ def cases(scale: float) -> dict[str, tuple[list[str], list[str]]]:
     n = lambda count: str(max(2, round(count * scale)))
     return {
         "W2-inf": (["--num-prompts", n(64), "--input-len", "256", "--output-len", "64"], []),
-        "W2-poisson2": (["--num-prompts", n(64), "--input-len", "256", "--output-len", "64",
-                         "--request-rate", "2"], []),
         "W3-prefix": (["--dataset", "shared-prefix", "--num-prompts", n(64), "--prefix-len", "1024",
                        "--input-len", "64", "--output-len", "32"], []),
         "W4-budget256": (["--dataset", "mixed", "--num-prompts", str(4 + int(n(32))),
                           "--input-len", "64", "--output-len", "64", "--request-rate", "4"],
                          ["--max-num-batched-tokens", "256"]),
+        "W5-kv2048": (["--num-prompts", n(32), "--input-len", "256", "--output-len", "256"],
+                      ["--num-kv-blocks", "16"]),
+        "mixed-shared": (["mixed-shared", n(48)], []),
+        "W2-poisson2": (["--num-prompts", n(64), "--input-len", "256", "--output-len", "64",
+                         "--request-rate", "2"], []),
         "W4-budget2048": (["--dataset", "mixed", "--num-prompts", str(4 + int(n(32))),
                            "--input-len", "64", "--output-len", "64", "--request-rate", "4"],
                           ["--max-num-batched-tokens", "2048"]),
-        "W5-kv2048": (["--num-prompts", n(32), "--input-len", "256", "--output-len", "256"],
-                      ["--num-kv-blocks", "16"]),
         "W5-kv2048-nolookahead": (["--num-prompts", n(32), "--input-len", "256", "--output-len", "256"],
                                   ["--num-kv-blocks", "16", "--admission-lookahead-tokens", "0"]),
-        "mixed-shared": (["--dataset", "shared-prefix", "--num-prompts", n(48), "--prefix-len", "512",
-                          "--input-len", "192", "--output-len", "48", "--request-rate", "3"], []),
     }
+
+
+def write_mixed_shared_trace(path: Path, count: int, seed: int = 0) -> None:
+    """Three system prompts (one or two shared 512-token blocks) under varied requests:
+    0-2 blocks of their own plus a partial one, 16-128 tokens out, Poisson 3 req/s."""
+    rng = np.random.default_rng(seed)
+    prefixes = [[0], [1, 2], [3]]
+    times = np.concatenate([[0.0], np.cumsum(rng.exponential(1 / 3.0, size=count - 1))])
+    entries = []
+    for index in range(count):
+        shared = prefixes[int(rng.integers(0, len(prefixes)))]
+        own_blocks = int(rng.integers(0, 2))
+        tail = int(rng.integers(32, 480))
+        own = [1000 + 10 * index + block for block in range(own_blocks + 1)]
+        entries.append(TraceEntry(round(times[index] * 1000), 512 * (len(shared) + own_blocks) + tail,
+                                  int(rng.integers(16, 129)), shared + own))
+    mooncake.write_trace(entries, str(path))
+
+
+def make_trace(trace: Path, flags: list[str]) -> None:
+    if flags[0] == "mixed-shared":
+        write_mixed_shared_trace(trace, int(flags[1]))
+        return
+    subprocess.run([sys.executable, "-m", "tokenserve.benchmarks.make_trace", str(trace), *flags],
+                   check=True, stdout=subprocess.DEVNULL)
 
 
 def free_port() -> int:
@@ -74,7 +102,7 @@ def run_real(trace: Path, engine: list[str], out: Path) -> None:
             time.sleep(1)
         subprocess.run([*CLI, "bench", "serve", "--port", str(port), "--dataset", "mooncake",
                         "--trace", str(trace), "--ignore-eos", "--output-json", str(out)],
-                       check=True, stdout=subprocess.DEVNULL)
+                       check=True, stdout=subprocess.DEVNULL, timeout=900)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
@@ -142,8 +170,7 @@ def main() -> int:
         selected = {k: v for k, v in selected.items() if k in args.only.split(",")}
     for name, (trace_flags, engine) in selected.items():
         trace = out / f"{name}.trace.jsonl"
-        subprocess.run([sys.executable, "-m", "tokenserve.benchmarks.make_trace", str(trace),
-                        *trace_flags], check=True, stdout=subprocess.DEVNULL)
+        make_trace(trace, trace_flags)
         real, sim = out / f"{name}.real.json", out / f"{name}.sim.json"
         run_real(trace, engine, real)
         subprocess.run([*CLI, "simulate", "--trace", str(trace), "--cost-model", str(cost),
