@@ -27,6 +27,8 @@ from tokenserve.benchmarks import mooncake
 from tokenserve.metrics.request_trace import TraceEntry
 
 CLI = [sys.executable, "-m", "tokenserve.entrypoints.cli"]
+# The tune demo runs after this case (the most telling cases first, the variants after).
+TUNE_AFTER = "mixed-shared"
 FIGURES = (("ttft_ms", "p50"), ("tpot_ms", "p50"), ("total_token_throughput", None))
 
 
@@ -154,6 +156,9 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="Fraction of each workload's requests.")
     parser.add_argument("--cost-model", default=None, help="Skip calibration, use this cost.json.")
     parser.add_argument("--only", default=None, help="Comma-separated case names.")
+    parser.add_argument("--sim-only", action="store_true",
+                        help="Keep the real runs already in --out; simulate their traces again "
+                             "(with --cost-model or a fresh calibration) and rewrite the report.")
     parser.add_argument("--tune-slo", default=None,
                         help="Also run `tokenserve tune` on the W4 trace against this SLO ('auto': "
                              "half the defaults' simulated ITL p99 and at most 1.5x their TTFT "
@@ -170,9 +175,13 @@ def main() -> int:
         selected = {k: v for k, v in selected.items() if k in args.only.split(",")}
     for name, (trace_flags, engine) in selected.items():
         trace = out / f"{name}.trace.jsonl"
-        make_trace(trace, trace_flags)
         real, sim = out / f"{name}.real.json", out / f"{name}.sim.json"
-        run_real(trace, engine, real)
+        if args.sim_only:
+            if not real.exists():
+                continue
+        else:
+            make_trace(trace, trace_flags)
+            run_real(trace, engine, real)
         subprocess.run([*CLI, "simulate", "--trace", str(trace), "--cost-model", str(cost),
                         "--output-json", str(sim), *engine], check=True, stdout=subprocess.DEVNULL)
         real_summary = json.loads(real.read_text())["summary"]
@@ -184,7 +193,9 @@ def main() -> int:
         rows.append((name, cells, real_summary, sim_summary))
         print(name, " ".join(f"{c:.3g}" for c in cells), flush=True)
         write_report(out, rows)
-    if args.tune_slo:
+        if args.tune_slo and name == TUNE_AFTER and not args.sim_only:
+            tune_demo(out, cost, args.scale, args.tune_slo)
+    if args.tune_slo and TUNE_AFTER not in selected and not args.sim_only:
         tune_demo(out, cost, args.scale, args.tune_slo)
     return 0
 

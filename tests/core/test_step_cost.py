@@ -74,6 +74,24 @@ def test_learns_a_cheaper_decode_row_apart():
         model.coefficients.tolist())
 
 
+def test_fit_at_once_ignores_outliers():
+    """`fit` (what calibration uses): all samples at once, outliers trimmed."""
+    rng = random.Random(8)
+    samples = []
+    for index in range(200):
+        shape = StepShape()
+        for _ in range(rng.randint(0, 32)):
+            shape.add(rng.randint(0, 2000), 1, decode=True)
+        if rng.random() < 0.5 or shape.num_tokens == 0:
+            shape.add(rng.randint(0, 1000), rng.randint(1, 1024))
+        seconds = synthetic_seconds(shape) * rng.uniform(0.98, 1.02)
+        samples.append((shape, seconds * (20 if index % 25 == 0 else 1)))  # a pause now and then
+    model = StepCostModel.fit(samples)
+    # Decode rows cost what prompt tokens do on this synthetic clock.
+    assert model.coefficients.tolist() == pytest.approx([*TRUE_COST, TRUE_COST[1]], rel=0.05)
+    assert model.is_ready and model.num_samples < len(samples)
+
+
 def test_noise_and_outliers_barely_move_the_fit():
     rng = random.Random(1)
     model = StepCostModel()

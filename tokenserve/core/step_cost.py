@@ -184,6 +184,27 @@ class StepCostModel:
         self.num_samples += 1
         self.coefficients = self._solve()
 
+    @classmethod
+    def fit(cls, samples: list[tuple[StepShape, float]], trim: float = OUTLIER_K) -> StepCostModel:
+        """A model fitted at once to (shape, seconds) samples: non-negative least squares,
+        then again without the samples beyond `trim` times the median residual (a
+        calibration's noise: GC pauses, a neighbour's burst). No forgetting, no level shifts:
+        those are for learning online."""
+        model = cls(warmup_steps=0, forgetting=1.0)
+        kept = [(shape, seconds * 1e3) for shape, seconds in samples
+                if shape.num_tokens > 0 and math.isfinite(seconds) and seconds >= 0]
+        for _ in range(2):
+            features = np.array([shape.features() for shape, _ in kept]).reshape(-1, NUM_FEATURES)
+            times = np.array([step_ms for _, step_ms in kept])
+            model._gram = features.T @ features
+            model._moment = features.T @ times
+            model.coefficients = model._solve()
+            residuals = np.abs(features @ model.coefficients - times)
+            limit = trim * max(float(np.median(residuals)) if len(kept) else 0.0, MIN_SCALE_MS)
+            kept = [sample for sample, residual in zip(kept, residuals) if residual <= limit]
+        model.num_samples = len(kept)
+        return model
+
     def _weigh(self, step_ms: float, predicted: float) -> float:
         """A step's weight in the fit: 1, less for an outlier, 0 for an isolated far one.
 

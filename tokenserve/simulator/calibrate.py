@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from tokenserve.config import EngineConfig
-from tokenserve.core.step_cost import StepCostModel, StepShape
+from tokenserve.core.step_cost import NUM_FEATURES, WARMUP_STEPS, StepCostModel, StepShape
 from tokenserve.engine.async_llm import AsyncLLM
 from tokenserve.messages.engine_core import EngineCoreOutputs
 from tokenserve.sampling_params import RequestOutputKind, SamplingParams
@@ -132,14 +132,14 @@ async def _calibrate(config: EngineConfig, quick: bool) -> tuple[StepCostModel, 
             ))
     finally:
         engine.shutdown()
-    # Every sample counts alike (no forgetting): the fit is of the machine, not of a moment.
-    model = StepCostModel(forgetting=1.0)
-    samples = step_log.samples()
-    for shape, seconds in samples:
-        model.record(shape, seconds)
-    if not model.is_ready:
+    # The first steps warm the engine up (allocator, kernels); the rest are fitted at once.
+    samples = step_log.samples()[WARMUP_STEPS:]
+    if len(samples) < 2 * NUM_FEATURES:
         raise ValueError("Calibration recorded too few steps to fit the step-cost model.")
-    report = _fit_quality(model, samples[model.warmup_steps:])
+    model = StepCostModel.fit(samples)
+    report = _fit_quality(model, samples)
+    report["samples"] = [[s.num_tokens - s.num_decode_tokens, s.attention_pairs,
+                          s.num_decode_tokens, round(seconds * 1e3, 3)] for s, seconds in samples]
     report["seconds"] = time.perf_counter() - started
     return model, report
 
