@@ -1,9 +1,10 @@
 """`tokenserve calibrate`: fit the step-cost model on this machine, for the simulator.
 
 Runs the real engine (its engine-core process, and the streaming and detokenizing
-of this process, as a server has them) through rounds of requests
-chosen to spread step shapes: prompt chunks of several lengths after several contexts,
-and decode batches of several sizes and contexts. Each step's wall time and shape go into
+of this process, as a server has them) through rounds of requests chosen to spread step
+shapes: prompt chunks of several lengths after several contexts, and decode batches of
+several sizes and contexts; twice, fitting only the second pass (first-time shapes cost
+setup a server pays once). Each step's wall time and shape go into
 a `StepCostModel` (core/step_cost.py, the one `--target-step-ms` learns online), whose
 fit is written as cost.json. The quick form (`simulate` without `--cost-model`) runs
 fewer rounds and takes well under a minute with the default model.
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from tokenserve.config import EngineConfig
-from tokenserve.core.step_cost import NUM_FEATURES, WARMUP_STEPS, StepCostModel, StepShape
+from tokenserve.core.step_cost import NUM_FEATURES, StepCostModel, StepShape
 from tokenserve.engine.async_llm import AsyncLLM
 from tokenserve.messages.engine_core import EngineCoreOutputs
 from tokenserve.sampling_params import RequestOutputKind, SamplingParams
@@ -42,19 +43,15 @@ class CalibrationRound:
 
 
 def calibration_rounds(max_model_len: int, max_num_seqs: int, quick: bool) -> list[CalibrationRound]:
-    """Prompt-heavy rounds (long prompts, chunked), then decode batches of rising size."""
+    """Single prompts of several lengths (chunked by the token budget), then decode
+    batches of rising size (their prompts mixed with decode rows), then a mixed round."""
     longest = max(16, min(1024 if quick else 2048, max_model_len - 32))
-    batches = (1, 8, 32) if quick else (1, 2, 4, 8, 16, 32, 64)
-    # One prompt at a time, of each length: their first steps are prompt-only steps.
-    lengths = (32, 128, 512, 1024) if quick else (16, 64, 128, 256, 512, 1024, 2048)
+    lengths = (32, 256, 1024) if quick else (64, 256, 1024, 2048)
     rounds = [CalibrationRound(1, min(longest, length), 2) for length in lengths]
-    rounds += [CalibrationRound(4, min(longest, 96), 2), CalibrationRound(2, min(longest, 384), 2)]
-    for batch in batches:
-        batch = min(batch, max_num_seqs)
-        rounds.append(CalibrationRound(batch, min(longest, 192), 8 if quick else 24))
+    for batch in (1, 8, 32) if quick else (1, 4, 16, 64):
+        rounds.append(CalibrationRound(min(batch, max_num_seqs), min(longest, 128), 8 if quick else 16))
     if not quick:
-        rounds += [CalibrationRound(min(16, max_num_seqs), min(longest, 768), 24),
-                   CalibrationRound(8, min(longest, 64), 48)]
+        rounds.append(CalibrationRound(min(8, max_num_seqs), min(longest, 512), 16))
     return rounds
 
 
@@ -121,7 +118,12 @@ async def _calibrate(config: EngineConfig, quick: bool) -> tuple[StepCostModel, 
             pass
 
     try:
-        for number, round_ in enumerate(rounds):
+        # Twice: the first pass meets each shape for the first time (oneDNN primitives,
+        # kernel setup), which a server does once; only the second pass is fitted.
+        for number, round_ in enumerate([*rounds, *rounds]):
+            if number == len(rounds):
+                step_log.messages.clear()
+                step_log.arrivals.clear()
             params = SamplingParams(temperature=0.0, max_tokens=round_.output_len, ignore_eos=True,
                                     output_kind=RequestOutputKind.DELTA)
             # Unique prompts: a prefix-cache hit would hide the prompt's cost.
@@ -132,8 +134,7 @@ async def _calibrate(config: EngineConfig, quick: bool) -> tuple[StepCostModel, 
             ))
     finally:
         engine.shutdown()
-    # The first steps warm the engine up (allocator, kernels); the rest are fitted at once.
-    samples = step_log.samples()[WARMUP_STEPS:]
+    samples = step_log.samples()
     if len(samples) < 2 * NUM_FEATURES:
         raise ValueError("Calibration recorded too few steps to fit the step-cost model.")
     model = StepCostModel.fit(samples)
