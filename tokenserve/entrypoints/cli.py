@@ -11,6 +11,7 @@ from tokenserve.engine.cli_args import add_engine_arguments, engine_args_from
 from tokenserve.engine.engine_args import parse_memory
 from tokenserve.entrypoints.llm import LLM
 from tokenserve.sampling_params import SamplingParams
+from tokenserve.simulator.calibrate import CALIBRATION_MODEL_NAME
 from tokenserve.simulator.commands import add_diagnosis_parsers
 
 
@@ -37,6 +38,13 @@ def _run_serve(args: argparse.Namespace) -> int:
     from tokenserve.entrypoints.openai.api_server import run_server
 
     return asyncio.run(run_server(args, engine_args_from(args)))
+
+
+def _calibration_app(engine):
+    """The OpenAI app `tokenserve calibrate` serves its rounds through (as `serve` would)."""
+    from tokenserve.entrypoints.openai.api_server import build_app
+
+    return build_app(engine, [CALIBRATION_MODEL_NAME])
 
 
 def _size(value: str) -> int:
@@ -153,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=runner)
 
     add_bench_parser(subcommands, LLM)
-    add_diagnosis_parsers(subcommands)
+    add_diagnosis_parsers(subcommands, _calibration_app)
     return parser
 
 

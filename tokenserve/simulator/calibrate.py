@@ -18,12 +18,18 @@ import itertools
 import json
 import logging
 import platform
+import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import numpy as np
+import uvicorn
 
+from tokenserve.benchmarks.datasets import BenchRequest
+from tokenserve.benchmarks.openai_client import CompletionTarget, send_streaming
 from tokenserve.config import EngineConfig
 from tokenserve.core.step_cost import NUM_FEATURES, StepCostModel, StepShape
 from tokenserve.engine.async_llm import AsyncLLM
@@ -31,6 +37,9 @@ from tokenserve.messages.engine_core import EngineCoreOutputs
 from tokenserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# The served model name the calibration's own server answers to.
+CALIBRATION_MODEL_NAME = "calibration"
 
 
 @dataclass
@@ -55,13 +64,19 @@ def calibration_rounds(max_model_len: int, max_num_seqs: int, quick: bool) -> li
     return rounds
 
 
-def calibrate(config: EngineConfig, quick: bool = False) -> tuple[StepCostModel, dict[str, Any]]:
+def calibrate(
+    config: EngineConfig,
+    quick: bool = False,
+    serving_app: Callable[[AsyncLLM], Any] | None = None,
+) -> tuple[StepCostModel, dict[str, Any]]:
     """Fit a `StepCostModel` on this machine; also return the fit's quality figures.
 
     The engine runs as it serves: the engine core in its own process, this process
-    detokenizing every streamed token as the API process does (on a small machine the
-    two share the cores, and a step's time shows it)."""
-    return asyncio.run(_calibrate(config, quick))
+    detokenizing every streamed token as the API process does (on a small machine they
+    share the cores, and a step's time shows it). With `serving_app` (the OpenAI app for an
+    engine, which the command line passes in), requests go over HTTP to that app served in
+    this process, streamed as server-sent events and read back as a client reads them."""
+    return asyncio.run(_calibrate(config, quick, serving_app))
 
 
 class _StepLog:
@@ -104,9 +119,12 @@ class _StepLog:
         return samples
 
 
-async def _calibrate(config: EngineConfig, quick: bool) -> tuple[StepCostModel, dict[str, Any]]:
+async def _calibrate(
+    config: EngineConfig, quick: bool, serving_app: Callable[[AsyncLLM], Any] | None
+) -> tuple[StepCostModel, dict[str, Any]]:
     step_log = _StepLog()
     engine = AsyncLLM(config, log_stats=False, request_observers=[step_log])
+    http = await _HttpPath.start(serving_app(engine)) if serving_app is not None else None
     vocab_size = int(getattr(config.model_config.hf_config, "vocab_size", 32000))
     rng = np.random.default_rng(0)
     started = time.perf_counter()
@@ -114,6 +132,9 @@ async def _calibrate(config: EngineConfig, quick: bool) -> tuple[StepCostModel, 
                                 config.scheduler_config.max_num_seqs, quick)
 
     async def run_one(request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if http is not None:
+            await http.complete(prompt, params.max_tokens or 1)
+            return
         async for _ in engine.generate(prompt, params, request_id):
             pass
 
@@ -133,6 +154,8 @@ async def _calibrate(config: EngineConfig, quick: bool) -> tuple[StepCostModel, 
                 for index in range(round_.count)
             ))
     finally:
+        if http is not None:
+            await http.stop()
         engine.shutdown()
     samples = step_log.samples()
     if len(samples) < 2 * NUM_FEATURES:
@@ -143,6 +166,44 @@ async def _calibrate(config: EngineConfig, quick: bool) -> tuple[StepCostModel, 
                           s.num_decode_tokens, round(seconds * 1e3, 3)] for s, seconds in samples]
     report["seconds"] = time.perf_counter() - started
     return model, report
+
+
+class _HttpPath:
+    """The OpenAI app on a local port (uvicorn, as `tokenserve serve` runs it) and a
+    streaming client for it (bench serve's)."""
+
+    def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], port: int) -> None:
+        self.server, self.task = server, task
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(1800.0, connect=30.0),
+                                        limits=httpx.Limits(max_connections=256))
+        self.target = CompletionTarget(f"http://127.0.0.1:{port}", "/v1/completions",
+                                       CALIBRATION_MODEL_NAME, ignore_eos=True)
+
+    @classmethod
+    async def start(cls, app: Any) -> _HttpPath:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, http="h11",
+                                               log_level="warning", lifespan="on"))
+        task = asyncio.get_running_loop().create_task(server.serve())
+        while not server.started:
+            if task.done():
+                task.result()  # raises why it stopped
+                raise ValueError("The calibration server stopped before it started.")
+            await asyncio.sleep(0.05)
+        return cls(server, task, port)
+
+    async def complete(self, prompt: list[int], max_tokens: int) -> None:
+        result = await send_streaming(self.client, self.target, BenchRequest(prompt, max_tokens),
+                                      prompt, len(prompt))
+        if not result.success:
+            raise ValueError(f"A calibration request failed: {result.error}")
+
+    async def stop(self) -> None:
+        await self.client.aclose()
+        self.server.should_exit = True
+        await self.task
 
 
 def _fit_quality(model: StepCostModel, samples: list[tuple[StepShape, float]]) -> dict[str, Any]:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tokenserve.benchmarks import mooncake
@@ -19,7 +21,12 @@ from tokenserve.simulator import calibrate, simulate, tune
 logger = logging.getLogger(__name__)
 
 
-def add_diagnosis_parsers(subcommands: Any) -> None:
+def add_diagnosis_parsers(
+    subcommands: Any, serving_app: Callable[[Any], Any] | None = None
+) -> None:
+    """Add `simulate`, `calibrate` and `tune`. `serving_app` builds the OpenAI app for an
+    engine, so that calibration serves it over HTTP as `tokenserve serve` does (the
+    command line passes it in: the simulator imports nothing of entrypoints)."""
     sim = subcommands.add_parser(
         "simulate",
         help="Predict bench serve's figures for a trace: the real scheduler, no model.",
@@ -31,7 +38,7 @@ def add_diagnosis_parsers(subcommands: Any) -> None:
     _add_trace_arguments(sim)
     sim.add_argument("--output-json", default=None, help="Write the figures here (bench serve's keys).")
     add_engine_arguments(sim, positional_model=False)
-    sim.set_defaults(handler=_run_simulate)
+    sim.set_defaults(handler=functools.partial(_run_simulate, serving_app=serving_app))
 
     cal = subcommands.add_parser(
         "calibrate",
@@ -43,7 +50,7 @@ def add_diagnosis_parsers(subcommands: Any) -> None:
     cal.add_argument("-o", "--output", default="cost.json", help="Where to write the fit.")
     cal.add_argument("--quick", action="store_true", help="Fewer rounds (what simulate does on the fly).")
     add_engine_arguments(cal, positional_model=True)
-    cal.set_defaults(handler=_run_calibrate)
+    cal.set_defaults(handler=functools.partial(_run_calibrate, serving_app=serving_app))
 
     tun = subcommands.add_parser(
         "tune",
@@ -69,7 +76,7 @@ def add_diagnosis_parsers(subcommands: Any) -> None:
     tun.add_argument("--top", type=int, default=10, help="Rows of the ranked table.")
     tun.add_argument("--output-json", default=None, help="Write every candidate's figures here.")
     add_engine_arguments(tun, positional_model=False)
-    tun.set_defaults(handler=_run_tune)
+    tun.set_defaults(handler=functools.partial(_run_tune, serving_app=serving_app))
 
 
 def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,22 +86,24 @@ def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
                              "quickly, with these engine settings).")
 
 
-def _setup(args: argparse.Namespace) -> tuple[EngineConfig, list, StepCostModel, dict]:
+def _setup(
+    args: argparse.Namespace, serving_app: Callable[[Any], Any] | None
+) -> tuple[EngineConfig, list, StepCostModel, dict]:
     entries = mooncake.read_trace(args.trace)
     config = engine_args_from(args).create_engine_config()
     if args.cost_model is not None:
         cost_model = calibrate.read_cost_file(args.cost_model)
     else:
         logger.info("No --cost-model: calibrating on this machine (quick).")
-        cost_model, report = calibrate.calibrate(config, quick=True)
+        cost_model, report = calibrate.calibrate(config, quick=True, serving_app=serving_app)
         logger.info("Calibrated in %.1f s: %s", report["seconds"], cost_model.to_dict())
     vocab_size = int(getattr(config.model_config.hf_config, "vocab_size", 32000))
     requests = mooncake.trace_requests(entries, vocab_size)
     return config, requests, cost_model, cost_model.to_dict()
 
 
-def _run_simulate(args: argparse.Namespace) -> int:
-    config, requests, cost_model, cost = _setup(args)
+def _run_simulate(args: argparse.Namespace, serving_app: Callable[[Any], Any] | None) -> int:
+    config, requests, cost_model, cost = _setup(args, serving_app)
     started = time.perf_counter()
     result = simulate.simulate(requests, config.scheduler_config, config.cache_config, cost_model)
     wall = time.perf_counter() - started
@@ -111,9 +120,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_calibrate(args: argparse.Namespace) -> int:
+def _run_calibrate(args: argparse.Namespace, serving_app: Callable[[Any], Any] | None) -> int:
     config = engine_args_from(args).create_engine_config()
-    model, report = calibrate.calibrate(config, quick=args.quick)
+    model, report = calibrate.calibrate(config, quick=args.quick, serving_app=serving_app)
     calibrate.write_cost_file(args.output, model, config, report)
     fit = model.to_dict()
     print(f"step_ms = {fit['intercept_ms']:.3f} + {fit['ms_per_1k_tokens']:.3f}*prompt_tokens/1e3 "
@@ -124,9 +133,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_tune(args: argparse.Namespace) -> int:
+def _run_tune(args: argparse.Namespace, serving_app: Callable[[Any], Any] | None) -> int:
     slo = tune.parse_slo(args.slo)
-    config, requests, _, cost = _setup(args)
+    config, requests, _, cost = _setup(args, serving_app)
     kv_bytes_per_token = config.model_config.kv_bytes_per_token(config.cache_config.dtype)
     if args.kv_sizes:
         kv_tokens = [parse_memory(size) // kv_bytes_per_token for size in _list(args.kv_sizes, str)]
