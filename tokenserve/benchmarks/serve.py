@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from tokenserve.benchmarks import datasets
+from tokenserve.benchmarks import datasets, mooncake
 from tokenserve.benchmarks.openai_client import (
     BACKENDS,
     PROMPT_FORMATS,
@@ -31,7 +31,7 @@ from tokenserve.benchmarks.openai_client import (
 )
 from tokenserve.benchmarks.serve_metrics import format_summary, summarize
 
-DATASETS = ("random", "shared-prefix", "mixed")
+DATASETS = ("random", "shared-prefix", "mixed", "mooncake")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load = parser.add_argument_group("workload")
     load.add_argument("--dataset", choices=DATASETS, default="random",
                       help="random: --input-len random tokens; shared-prefix: --prefix-len shared "
-                           "+ --input-len unique; mixed: long requests at t=0 among short ones.")
+                           "+ --input-len unique; mixed: long requests at t=0 among short ones; "
+                           "mooncake: the requests of --trace at their timestamps.")
+    load.add_argument("--trace", default=None,
+                      help="A Mooncake-format trace (JSONL: timestamp ms, input_length, "
+                           "output_length, hash_ids) for --dataset mooncake.")
     load.add_argument("--num-prompts", type=int, default=64,
                       help="Requests in all (the mixed dataset's long ones included).")
     load.add_argument("--input-len", type=int, default=256, help="Prompt tokens (unique part).")
@@ -92,6 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_requests(args: argparse.Namespace, vocab_size: int) -> list[datasets.BenchRequest]:
     _validate(args)
+    if args.dataset == "mooncake":
+        return mooncake.trace_requests(mooncake.read_trace(args.trace), vocab_size)
     if args.dataset == "mixed":
         return datasets.mixed_requests(
             args.mixed_long_requests,
@@ -259,6 +265,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--request-rate must be positive (or inf).")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1.")
+    if (args.dataset == "mooncake") != (getattr(args, "trace", None) is not None):
+        raise ValueError("--trace goes with --dataset mooncake, and --dataset mooncake needs it.")
     if args.dataset == "shared-prefix" and args.prefix_len < 1:
         raise ValueError("--prefix-len must be at least 1 for the shared-prefix dataset.")
     if args.dataset == "mixed" and not 0 < args.mixed_long_requests < args.num_prompts:

@@ -26,8 +26,10 @@ import msgspec
 import zmq
 
 from tokenserve.config import EngineConfig
+from tokenserve.core.dashboard_snapshot import SnapshotClock, dashboard_snapshot, num_decode_tokens
 from tokenserve.core.engine_core import EngineCore
 from tokenserve.core.request import Request
+from tokenserve.core.step_cost import StepShape
 from tokenserve.messages.engine_core import (
     EngineCoreOutputs,
     EngineCoreRequestType,
@@ -106,6 +108,8 @@ class EngineCoreProc:
         self.output_queue: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
         # Requests added but not yet scheduled, for their queue time.
         self.unscheduled_request_ids: set[str] = set()
+        # /dashboard's block map and queues ride on the stats a few times a second.
+        self.snapshot_clock = SnapshotClock()
         self.context = zmq.Context()
         self.input_thread = threading.Thread(
             target=self._receive_inputs,
@@ -159,9 +163,11 @@ class EngineCoreProc:
         outputs = self.engine_core.step()
         scheduler_output = self.engine_core.last_scheduler_output
         first_scheduled_times: dict[str, float] = {}
-        num_scheduled_tokens = 0
+        num_scheduled_tokens = num_decode = num_pairs = 0
         if scheduler_output is not None:
             num_scheduled_tokens = scheduler_output.total_num_scheduled_tokens
+            num_decode = num_decode_tokens(scheduler_output)
+            num_pairs = StepShape.of(scheduler_output).attention_pairs
             for new_request in scheduler_output.scheduled_new_reqs:
                 if new_request.request_id in self.unscheduled_request_ids:
                     self.unscheduled_request_ids.discard(new_request.request_id)
@@ -170,6 +176,8 @@ class EngineCoreProc:
             EngineCoreOutputs(
                 outputs=outputs,
                 num_scheduled_tokens=num_scheduled_tokens,
+                num_decode_tokens=num_decode,
+                num_attention_pairs=num_pairs,
                 first_scheduled_times=first_scheduled_times,
             )
         )
@@ -177,6 +185,10 @@ class EngineCoreProc:
     def _publish(self, message: EngineCoreOutputs) -> None:
         message.timestamp = time.time()
         message.scheduler_stats = self.engine_core.make_stats()
+        # Always after the last step before idling, so the dashboard shows the final state.
+        idle = not self.engine_core.has_unfinished_requests()
+        if self.snapshot_clock.due(force=idle):
+            message.scheduler_stats.dashboard = dashboard_snapshot(self.engine_core.scheduler)
         self.output_queue.put(message)
 
     def send_error(self, error: str) -> None:

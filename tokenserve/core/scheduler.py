@@ -454,7 +454,7 @@ class Scheduler:
         for request in self.running:
             if request.num_tokens - request.num_computed_tokens == 1:
                 num_drafts = self._num_drafts(request, self.config.max_num_batched_tokens)
-                decode_shape.add(request.num_computed_tokens, 1 + num_drafts)
+                decode_shape.add(request.num_computed_tokens, 1 + num_drafts, decode=True)
         return TargetStepBudget(
             self.step_cost_model,
             target_ms,

@@ -1,9 +1,14 @@
 """What a step costs, learned as the engine runs, and the prefill it leaves room for.
 
-Behind `--target-step-ms`. A step's shape is the tokens it computes and the query-key
-pairs its attention covers; its wall time is modelled as
+Behind `--target-step-ms`, and the simulator's step time (simulator/). A step's shape is
+the tokens it computes, split into prompt tokens and decode rows' tokens, and the
+query-key pairs its attention covers; its wall time is modelled as
 
-    step_ms ≈ a + b · tokens / 1e3 + c · pairs / 1e6        (a, b, c ≥ 0)
+    step_ms ≈ a + b · prompt_tokens / 1e3 + c · pairs / 1e6 + d · decode_tokens / 1e3
+                                                              (a, b, c, d ≥ 0)
+
+(a decode row reads every weight for one token: on a CPU it costs far less than a
+prompt token computed in a large product.)
 
 fitted by exponentially weighted least squares over the steps the engine core records.
 A lone outlying step (a GC pause) is down-weighted or ignored; a run of them on one side
@@ -27,6 +32,8 @@ import numpy as np
 if TYPE_CHECKING:
     from tokenserve.messages.scheduler_output import SchedulerOutput
 
+# Intercept, prompt tokens, attention pairs, decode tokens.
+NUM_FEATURES = 4
 # Feature scales: they keep the fitted coefficients of comparable size.
 TOKEN_SCALE = 1e3
 PAIR_SCALE = 1e6
@@ -65,11 +72,15 @@ class StepShape:
 
     num_tokens: int = 0
     attention_pairs: int = 0
+    # Of num_tokens, those of decode rows (a running request's next token and its drafts).
+    num_decode_tokens: int = 0
 
-    def add(self, num_computed_tokens: int, num_new_tokens: int) -> None:
+    def add(self, num_computed_tokens: int, num_new_tokens: int, decode: bool = False) -> None:
         """Add one request's row: `num_new_tokens` computed after `num_computed_tokens`."""
         self.num_tokens += num_new_tokens
         self.attention_pairs += attention_pairs(num_computed_tokens, num_new_tokens)
+        if decode:
+            self.num_decode_tokens += num_new_tokens
 
     @classmethod
     def of(cls, scheduler_output: SchedulerOutput) -> StepShape:
@@ -80,16 +91,25 @@ class StepShape:
             num_computed[new.request_id] = new.num_computed_tokens
         for cached in scheduler_output.scheduled_cached_reqs:
             num_computed[cached.request_id] = cached.num_computed_tokens
+        new_ids = {new.request_id for new in scheduler_output.scheduled_new_reqs}
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         for request_id, num_new in scheduler_output.num_scheduled_tokens.items():
-            shape.add(num_computed[request_id], num_new)
+            # A decode row: a running request's one token (with its drafts, if any).
+            decode = request_id not in new_ids and (num_new == 1 or request_id in drafts)
+            shape.add(num_computed[request_id], num_new, decode)
         return shape
 
     def features(self) -> np.ndarray:
-        return np.array([1.0, self.num_tokens / TOKEN_SCALE, self.attention_pairs / PAIR_SCALE])
+        return np.array([
+            1.0,
+            (self.num_tokens - self.num_decode_tokens) / TOKEN_SCALE,
+            self.attention_pairs / PAIR_SCALE,
+            self.num_decode_tokens / TOKEN_SCALE,
+        ])
 
 
 class StepCostModel:
-    """step_ms ≈ a + b·tokens + c·pairs, fitted online from recorded steps."""
+    """step_ms ≈ a + b·prompt tokens + c·pairs + d·decode tokens, fitted online from recorded steps."""
 
     def __init__(
         self,
@@ -106,10 +126,11 @@ class StepCostModel:
         self.num_samples = 0
         self.num_outliers = 0
         # Weighted normal equations: sum w·x·xᵀ and sum w·x·y (y in ms).
-        self._gram = np.zeros((3, 3))
-        self._moment = np.zeros(3)
-        # ms: intercept, per TOKEN_SCALE tokens, per PAIR_SCALE attention pairs.
-        self.coefficients = np.zeros(3)
+        self._gram = np.zeros((NUM_FEATURES, NUM_FEATURES))
+        self._moment = np.zeros(NUM_FEATURES)
+        # ms: intercept, per TOKEN_SCALE prompt tokens, per PAIR_SCALE attention pairs,
+        # per TOKEN_SCALE decode tokens.
+        self.coefficients = np.zeros(NUM_FEATURES)
         self._residual_scale_ms: float | None = None
         # Consecutive outliers, signed: > 0 slower than predicted, < 0 faster.
         self._outlier_streak = 0
@@ -118,6 +139,30 @@ class StepCostModel:
     @property
     def is_ready(self) -> bool:
         return self.num_samples >= self.min_samples
+
+    def to_dict(self) -> dict[str, float | int]:
+        """The fit, as `tokenserve calibrate` writes it (cost.json)."""
+        intercept, per_token, per_pair, per_decode = (float(c) for c in self.coefficients)
+        return {"intercept_ms": intercept, "ms_per_1k_tokens": per_token,
+                "ms_per_1m_attention_pairs": per_pair, "ms_per_1k_decode_tokens": per_decode,
+                "num_samples": self.num_samples}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, float | int]) -> StepCostModel:
+        """A model fitted elsewhere (`to_dict`'s form): ready, and it learns on from there."""
+        try:
+            coefficients = [float(data[name]) for name in
+                            ("intercept_ms", "ms_per_1k_tokens", "ms_per_1m_attention_pairs")]
+            # Without a decode term, a decode token costs what a prompt token does.
+            coefficients.append(float(data.get("ms_per_1k_decode_tokens", coefficients[1])))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"Not a step-cost model: {error!r}.") from None
+        if not all(math.isfinite(c) and c >= 0 for c in coefficients):
+            raise ValueError(f"Step-cost coefficients must be finite and >= 0, got {coefficients}.")
+        model = cls(warmup_steps=0)
+        model.coefficients = np.array(coefficients)
+        model.num_samples = model.min_samples
+        return model
 
     def predict_ms(self, shape: StepShape) -> float:
         return float(self.coefficients @ shape.features())
@@ -138,6 +183,27 @@ class StepCostModel:
         self._moment = self.forgetting * self._moment + weight * step_ms * features
         self.num_samples += 1
         self.coefficients = self._solve()
+
+    @classmethod
+    def fit(cls, samples: list[tuple[StepShape, float]], trim: float = OUTLIER_K) -> StepCostModel:
+        """A model fitted at once to (shape, seconds) samples: non-negative least squares,
+        then again without the samples beyond `trim` times the median residual (a
+        calibration's noise: GC pauses, a neighbour's burst). No forgetting, no level shifts:
+        those are for learning online."""
+        model = cls(warmup_steps=0, forgetting=1.0)
+        kept = [(shape, seconds * 1e3) for shape, seconds in samples
+                if shape.num_tokens > 0 and math.isfinite(seconds) and seconds >= 0]
+        for _ in range(2):
+            features = np.array([shape.features() for shape, _ in kept]).reshape(-1, NUM_FEATURES)
+            times = np.array([step_ms for _, step_ms in kept])
+            model._gram = features.T @ features
+            model._moment = features.T @ times
+            model.coefficients = model._solve()
+            residuals = np.abs(features @ model.coefficients - times)
+            limit = trim * max(float(np.median(residuals)) if len(kept) else 0.0, MIN_SCALE_MS)
+            kept = [sample for sample, residual in zip(kept, residuals) if residual <= limit]
+        model.num_samples = len(kept)
+        return model
 
     def _weigh(self, step_ms: float, predicted: float) -> float:
         """A step's weight in the fit: 1, less for an outlier, 0 for an isolated far one.
@@ -172,7 +238,7 @@ class StepCostModel:
         return OUTLIER_K * scale / residual
 
     def _solve(self) -> np.ndarray:
-        """Least squares with every coefficient ≥ 0: the best over the 7 supports (3 unknowns)."""
+        """Least squares with every coefficient ≥ 0: the best over the 15 supports (4 unknowns)."""
         gram = self._gram + np.diag(RIDGE * np.diag(self._gram) + 1e-12)
         try:
             solution = np.linalg.solve(gram, self._moment)
@@ -180,9 +246,9 @@ class StepCostModel:
                 return solution  # the unconstrained best is feasible: the usual case
         except np.linalg.LinAlgError:
             pass
-        best, best_loss = np.zeros(3), 0.0  # the empty support: loss 0 relative to the constant
-        for size in (1, 2, 3):
-            for support in itertools.combinations(range(3), size):
+        best, best_loss = np.zeros(NUM_FEATURES), 0.0  # the empty support: loss 0 relative to the constant
+        for size in range(1, NUM_FEATURES + 1):
+            for support in itertools.combinations(range(NUM_FEATURES), size):
                 index = list(support)
                 try:
                     solution = np.linalg.solve(gram[np.ix_(index, index)], self._moment[index])
@@ -190,7 +256,7 @@ class StepCostModel:
                     continue
                 if not np.all(np.isfinite(solution)) or np.any(solution < 0):
                     continue
-                candidate = np.zeros(3)
+                candidate = np.zeros(NUM_FEATURES)
                 candidate[index] = solution
                 loss = float(candidate @ gram @ candidate - 2 * candidate @ self._moment)
                 if loss < best_loss:
@@ -205,7 +271,7 @@ class StepCostModel:
             return 0.0
         if math.isinf(slack):
             return math.inf
-        _, per_token, per_pair = self.coefficients
+        _, per_token, per_pair, _ = self.coefficients
         # Adding n tokens adds q·n² + l·n milliseconds (attention_pairs, expanded).
         quadratic = per_pair / PAIR_SCALE / 2
         linear = per_token / TOKEN_SCALE + per_pair / PAIR_SCALE * (num_computed_tokens + 0.5)

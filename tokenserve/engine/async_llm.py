@@ -28,6 +28,7 @@ from tokenserve.engine.processor import Processor, PromptType
 from tokenserve.lora.request import LoRARequest
 from tokenserve.messages.engine_core import SchedulerStats
 from tokenserve.metrics.log_stats import LOG_INTERVAL_S, LoggingStatLogger
+from tokenserve.metrics.request_trace import RequestObserver
 from tokenserve.metrics.stats import RequestStatsTracker, StatLogger
 from tokenserve.model.loader import load_tokenizer
 from tokenserve.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
@@ -136,7 +137,10 @@ class AsyncLLM:
         config: EngineConfig,
         log_stats: bool = True,
         stat_loggers: list[StatLogger] | None = None,
+        request_observers: list[RequestObserver] | None = None,
     ) -> None:
+        """`request_observers` hear of each engine-core request's arrival, every message of
+        the engine core and aborts (`--request-trace`, /dashboard)."""
         self.config = config
         self.tokenizer = load_tokenizer(config.model_config.files, config.model_config.tokenizer)
         self.processor = Processor(config, self.tokenizer)
@@ -145,6 +149,7 @@ class AsyncLLM:
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         if log_stats:
             self.stat_loggers.append(LoggingStatLogger())
+        self.request_observers: list[RequestObserver] = list(request_observers or [])
         self.collectors: dict[str, RequestOutputCollector] = {}
         # The engine core's latest scheduler stats (None before its first message).
         self.scheduler_stats: SchedulerStats | None = None
@@ -184,6 +189,8 @@ class AsyncLLM:
             if task is not None:
                 task.cancel()
         self.engine_core.shutdown()
+        for observer in self.request_observers:
+            observer.close()
 
     # ---- requests ------------------------------------------------------------------
 
@@ -263,6 +270,10 @@ class AsyncLLM:
                 self.stats_tracker.add_request(
                     core_request.request_id, request.arrival_time, request.num_prompt_tokens
                 )
+                for observer in self.request_observers:
+                    observer.add_request(
+                        core_request.request_id, core_request.prompt_token_ids, request.arrival_time
+                    )
                 await self.engine_core.add_request(core_request.to_engine_core_request())
         except BaseException:
             self.abort(request_id)
@@ -281,6 +292,8 @@ class AsyncLLM:
             return
         core_request_ids = self.output_processor.abort_requests([request_id])
         self.stats_tracker.drop_requests(core_request_ids)
+        for observer in self.request_observers:
+            observer.drop_requests(core_request_ids)
         self._spawn(self.engine_core.abort_requests(core_request_ids))
 
     # ---- the output handler --------------------------------------------------------
@@ -306,6 +319,8 @@ class AsyncLLM:
                 iteration_stats = self.stats_tracker.update(message, processed.reqs_to_abort)
                 for stat_logger in self.stat_loggers:
                     stat_logger.record(message.scheduler_stats, iteration_stats)
+                for observer in self.request_observers:
+                    observer.record(message)
         except asyncio.CancelledError:
             raise
         except EngineDeadError:

@@ -11,6 +11,8 @@ from tokenserve.engine.cli_args import add_engine_arguments, engine_args_from
 from tokenserve.engine.engine_args import parse_memory
 from tokenserve.entrypoints.llm import LLM
 from tokenserve.sampling_params import SamplingParams
+from tokenserve.simulator.calibrate import CALIBRATION_MODEL_NAME
+from tokenserve.simulator.commands import add_diagnosis_parsers
 
 
 def _run_chat(args: argparse.Namespace) -> int:
@@ -36,6 +38,13 @@ def _run_serve(args: argparse.Namespace) -> int:
     from tokenserve.entrypoints.openai.api_server import run_server
 
     return asyncio.run(run_server(args, engine_args_from(args)))
+
+
+def _calibration_app(engine):
+    """The OpenAI app `tokenserve calibrate` serves its rounds through (as `serve` would)."""
+    from tokenserve.entrypoints.openai.api_server import build_app
+
+    return build_app(engine, [CALIBRATION_MODEL_NAME])
 
 
 def _size(value: str) -> int:
@@ -122,6 +131,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="On SIGINT/SIGTERM, seconds in-flight requests get to finish before "
                              "they are cut off.")
+    parser.add_argument("--request-trace", default=None, metavar="FILE",
+                        help="Record served requests to FILE as a Mooncake trace (arrival ms, "
+                             "lengths, 512-token block-hash ids; never text), for "
+                             "bench serve --dataset mooncake and tokenserve simulate.")
     parser.add_argument("--disable-log-stats", action="store_true",
                         help="Do not log throughput, queue and KV cache stats every 5 s.")
     parser.add_argument("--uvicorn-log-level", default="info",
@@ -155,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=runner)
 
     add_bench_parser(subcommands, LLM)
+    add_diagnosis_parsers(subcommands, _calibration_app)
     return parser
 
 

@@ -106,6 +106,32 @@ class SpecDecodingStats(msgspec.Struct, array_like=True):
         )
 
 
+class RequestSnapshot(msgspec.Struct, array_like=True):
+    """One unfinished request as the dashboard shows it."""
+
+    request_id: str
+    status: str  # "running", "waiting" or "preempted"
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_tokens: int
+    num_preemptions: int
+
+
+# DashboardSnapshot.block_owners codes beside a request's index in `requests`.
+BLOCK_FREE = -1  # free, holding no cached prefix
+BLOCK_CACHED = -2  # free, but its prefix is cached: reusable until evicted
+BLOCK_SHARED = -3  # in use by several requests (a shared prefix)
+
+
+class DashboardSnapshot(msgspec.Struct, array_like=True):
+    """The KV block map and the queues, sent at a bounded rate for /dashboard."""
+
+    # Per block: the index in `requests` of the request holding it, or a BLOCK_* code.
+    block_owners: list[int]
+    # Running requests first (in running order), then the waiting queue (in its order).
+    requests: list[RequestSnapshot]
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """The scheduler's state after a step (or an idle abort): gauges and counters."""
 
@@ -124,6 +150,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_decoding_stats: SpecDecodingStats | None = None
 
 
+    # The KV block map and queues, at most every few hundred ms (for /dashboard).
+    dashboard: DashboardSnapshot | None = None
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     """One message from the engine core: a step's outputs, its stats, or its dying words."""
 
@@ -133,6 +163,10 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     scheduler_stats: SchedulerStats | None = None
     # Tokens the step computed (prompt chunks and decodes together); 0 for a stats-only message.
     num_scheduled_tokens: int = 0
+    # Of those, decode rows' tokens (rows of one token after the prompt); the rest is prefill.
+    num_decode_tokens: int = 0
+    # The query-key pairs the step's attention covered (its shape, with the token count).
+    num_attention_pairs: int = 0
     # Requests scheduled for the first time in this step → when the step started (time.time()).
     first_scheduled_times: dict[str, float] = {}
     # Set when the engine core failed and is about to exit.

@@ -41,6 +41,7 @@ from tokenserve.entrypoints.openai.auth import (
     effective_cache_salt,
     load_api_keys,
 )
+from tokenserve.entrypoints.openai.dashboard_routes import register_dashboard_routes
 from tokenserve.entrypoints.openai.errors import OpenAIError, error_json, install_error_handlers
 from tokenserve.entrypoints.openai.limits import RequestSizeMiddleware, ServingLimits
 from tokenserve.entrypoints.openai.protocol import (
@@ -67,7 +68,9 @@ from tokenserve.entrypoints.openai.serving_completion import OpenAIServingComple
 from tokenserve.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_module
 from tokenserve.entrypoints.openai.serving_pooling import register_pooling_routes
 from tokenserve.entrypoints.openai.serving_responses import OpenAIServingResponses
+from tokenserve.metrics.dashboard import DashboardState
 from tokenserve.metrics.prometheus import PrometheusStatLogger
+from tokenserve.metrics.request_trace import RequestObserver, RequestTraceRecorder
 from tokenserve.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -87,8 +90,11 @@ def build_app(
     shared_prefix_cache_across_keys: bool = False,
     parsing: ChatParsing | None = None,
     models: OpenAIServingModels | None = None,
+    dashboard: DashboardState | None = None,
 ) -> FastAPI:
-    """`models`: the LoRA adapters beside the served names (serving_models.py)."""
+    """`models`: the LoRA adapters beside the served names (serving_models.py); `dashboard`:
+    the engine state /dashboard shows (metrics/dashboard.py)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
@@ -116,6 +122,8 @@ def build_app(
     max_model_len = engine.config.model_config.max_model_len
     # /v1/embeddings, /score, /rerank, /classify (a 400 on a generate model).
     register_pooling_routes(app, engine, served_model_names, limits)
+    if dashboard is not None:
+        register_dashboard_routes(app, dashboard)
 
     @app.get("/health")
     async def health() -> Response:
@@ -282,7 +290,12 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     served_model_names = served_model_names_from(args)
     config = engine_args.create_engine_config()
     metrics = PrometheusStatLogger(served_model_names[0])
-    engine = AsyncLLM(config, log_stats=not args.disable_log_stats, stat_loggers=[metrics])
+    dashboard = DashboardState()
+    observers: list[RequestObserver] = [dashboard]
+    if getattr(args, "request_trace", None):
+        observers.append(RequestTraceRecorder(args.request_trace))
+    engine = AsyncLLM(config, log_stats=not args.disable_log_stats, stat_loggers=[metrics],
+                      request_observers=observers)
     try:
         models = OpenAIServingModels(
             engine,
@@ -300,6 +313,7 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             args.shared_prefix_cache_across_keys,
             parsing,
             models,
+            dashboard,
         )
         server = uvicorn.Server(
             uvicorn.Config(

@@ -1,7 +1,8 @@
 """API keys: who may call the server, and which prefix-cache partition a caller's requests use.
 
 With keys configured (`--api-key`, repeatable, and/or `--api-key-file`), every route but
-/health and /metrics needs `Authorization: Bearer <key>`. The presented key is compared
+/health and /metrics needs `Authorization: Bearer <key>` (or Basic, the key as password:
+a browser's own prompt for /dashboard). The presented key is compared
 with every configured key, each in constant time, so the time taken tells nothing about
 how close a guess was. Unless `--shared-prefix-cache-across-keys`, a caller's requests get a
 cache salt derived from its key (HMAC-SHA256 under a secret made at start-up, so the salt
@@ -12,6 +13,7 @@ further. Keys are never logged and never reach the engine core.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import secrets
@@ -24,6 +26,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tokenserve.entrypoints.openai.errors import OpenAIError, error_json
 
 UNGUARDED_PATHS = frozenset({"/health", "/metrics"})
+# Pages a browser opens: a 401 there asks for the key with the browser's login prompt
+# (any user name, the key as password), which the browser then sends with the page's fetches.
+BROWSER_PATH_PREFIX = "/dashboard"
 # Where the middleware leaves the caller's salt for the handlers (Starlette's request.state).
 TENANT_SALT_STATE = "tenant_cache_salt"
 
@@ -66,6 +71,9 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+        if scheme.lower() == "basic":
+            # A browser's own login prompt (/dashboard): the password is the key.
+            token, scheme = _basic_password(token), "bearer"
         presented = self._digest(token.strip())
         matched: bytes | None = None
         for digest in self._key_digests:  # every key, no early exit
@@ -73,11 +81,22 @@ class APIKeyMiddleware:
                 matched = digest
         if scheme.lower() != "bearer" or matched is None:
             error = OpenAIError(401, "Invalid or missing API key.", code="invalid_api_key")
-            await error_json(error)(scope, receive, send)
+            response = error_json(error)
+            if scope["path"].startswith(BROWSER_PATH_PREFIX):
+                response.headers["WWW-Authenticate"] = 'Basic realm="tokenserve", charset="UTF-8"'
+            await response(scope, receive, send)
             return
         if self.salt_per_key:
             scope.setdefault("state", {})[TENANT_SALT_STATE] = f"tenant-{matched[:16].hex()}"
         await self.app(scope, receive, send)
+
+
+def _basic_password(credentials: str) -> str:
+    try:
+        decoded = base64.b64decode(credentials.strip(), validate=True).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        return ""
+    return decoded.partition(":")[2]
 
 
 def effective_cache_salt(raw_request: HTTPRequest, request_salt: str | None) -> str | None:
