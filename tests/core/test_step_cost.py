@@ -11,6 +11,7 @@ from tokenserve.core.step_cost import (
     LEVEL_SHIFT_STEPS,
     MIN_SAMPLES,
     WARMUP_STEPS,
+    KernelRegimeCostModel,
     StepCostModel,
     StepShape,
     TargetStepBudget,
@@ -238,3 +239,95 @@ def test_target_budget_grants_the_minimum_then_what_fits():
     whole = TargetStepBudget(model, 0.5, decodes, 16, 2048, chunked=False)
     assert whole.grant(0, 300) == 300  # without chunking the step's first prompt goes whole
     assert whole.grant(0, 20) == 0
+
+
+# ms, per kernel regime (few-row ≤ 10 rows, panel ≤ 192, oneDNN): intercept, per 1e3 rows
+# on top of the shared terms (none for oneDNN); shared: per 1e3 prompt tokens, per 1e6
+# pairs, per 1e3 decode tokens.
+REGIME_COST = {"intercepts": (4.0, 8.0, 30.0), "per_row": (1800.0, 500.0, 0.0),
+               "shared": (650.0, 300.0, 1700.0)}
+
+
+def regime_ms(shape: StepShape) -> float:
+    regime = 0 if shape.num_tokens <= 10 else 1 if shape.num_tokens <= 192 else 2
+    per_prompt, per_pair, per_decode = REGIME_COST["shared"]
+    return (REGIME_COST["intercepts"][regime]
+            + REGIME_COST["per_row"][regime] * shape.num_tokens / 1e3
+            + per_prompt * (shape.num_tokens - shape.num_decode_tokens) / 1e3
+            + per_pair * shape.attention_pairs / 1e6 + per_decode * shape.num_decode_tokens / 1e3)
+
+
+def regime_shapes(rng: random.Random, count: int) -> list[StepShape]:
+    """Decode batches of 1-64 rows, prompt chunks of 16-1024 tokens, and mixes of both."""
+    shapes = []
+    for _ in range(count):
+        shape = StepShape()
+        kind = rng.random()
+        if kind < 0.7:
+            for _ in range(rng.choice([1, 2, 4, 8, 16, 32, 64])):
+                shape.add(rng.randint(16, 2000), 1, decode=True)
+        if kind > 0.4 or shape.num_tokens == 0:
+            shape.add(rng.randint(0, 1000), rng.choice([16, 64, 128, 256, 512, 1024]))
+        shapes.append(shape)
+    return shapes
+
+
+def test_kernel_regimes_are_fitted_apart():
+    """What calibrate fits: each kernel regime's own intercept and per-row cost, where one
+    line through every step would miss both a lone decode row and a 128-token chunk."""
+    rng = random.Random(11)
+    samples = [(shape, regime_ms(shape) / 1e3) for shape in regime_shapes(rng, 300)]
+    model = KernelRegimeCostModel.fit(samples, few_rows=10, panel_rows=192)
+    expected = [*REGIME_COST["intercepts"], *REGIME_COST["shared"], *REGIME_COST["per_row"][:2]]
+    assert model.coefficients.tolist() == pytest.approx(expected, rel=1e-3)
+    linear = StepCostModel.fit(samples)
+    lone_row, chunk = StepShape(1, 500, 1), StepShape(128, attention_pairs(0, 128))
+    for shape in (lone_row, chunk):
+        assert model.predict_ms(shape) == pytest.approx(regime_ms(shape), rel=1e-3)
+        assert abs(linear.predict_ms(shape) / regime_ms(shape) - 1) > 0.1
+
+
+def test_a_regime_model_round_trips_through_its_dict_and_an_old_dict_still_loads():
+    rng = random.Random(12)
+    samples = [(shape, regime_ms(shape) / 1e3) for shape in regime_shapes(rng, 200)]
+    model = KernelRegimeCostModel.fit(samples, few_rows=6, panel_rows=100)
+    model.arrival_delay_ms, model.output_delay_ms = 12.0, 3.0
+    data = model.to_dict()
+    # The oneDNN regime under the four-term keys, for a reader that knows only those.
+    assert data["intercept_ms"] == pytest.approx(model.coefficients[2])
+    loaded = StepCostModel.from_dict(data)
+    assert isinstance(loaded, KernelRegimeCostModel)
+    assert (loaded.few_rows, loaded.panel_rows) == (6, 100)
+    assert loaded.coefficients.tolist() == pytest.approx(model.coefficients.tolist())
+    assert (loaded.arrival_delay_ms, loaded.output_delay_ms) == (12.0, 3.0)
+    old = StepCostModel.from_dict({"intercept_ms": 1.0, "ms_per_1k_tokens": 2.0,
+                                   "ms_per_1m_attention_pairs": 3.0})
+    assert type(old) is StepCostModel
+    assert old.coefficients.tolist() == [1.0, 2.0, 3.0, 2.0]
+    assert (old.arrival_delay_ms, old.output_delay_ms) == (0.0, 0.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        StepCostModel.from_dict({**data, "output_delay_ms": -1.0})
+
+
+@pytest.mark.parametrize("target_ms", [5.0, 20.0, 60.0, 150.0, 400.0, 2000.0])
+def test_a_regime_models_allowance_keeps_the_step_under_target(target_ms):
+    """max_new_tokens regime by regime: the allowance fits, and one token more does not
+    (unless it reaches a cheaper regime's end, where the next regime costs more)."""
+    rng = random.Random(13)
+    samples = [(shape, regime_ms(shape) / 1e3) for shape in regime_shapes(rng, 300)]
+    model = KernelRegimeCostModel.fit(samples, few_rows=10, panel_rows=192)
+    for decode_rows in (0, 1, 4, 16):
+        shape = StepShape()
+        for _ in range(decode_rows):
+            shape.add(300, 1, decode=True)
+        allowance = model.max_new_tokens(shape, 0, target_ms)
+        assert allowance >= 0
+        if allowance == 0:
+            continue
+        n = int(allowance)
+        grown = StepShape(shape.num_tokens, shape.attention_pairs, shape.num_decode_tokens)
+        grown.add(0, n)
+        assert model.predict_ms(grown) <= target_ms * (1 + 1e-9)
+        beyond = StepShape(shape.num_tokens, shape.attention_pairs, shape.num_decode_tokens)
+        beyond.add(0, n + 1)
+        assert model.predict_ms(beyond) > target_ms or shape.num_tokens + n in (10, 192)

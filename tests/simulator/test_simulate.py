@@ -141,3 +141,18 @@ def test_bad_cost_file(tmp_path):
     path.write_text("[]")
     with pytest.raises(ValueError, match="not a cost model"):
         read_cost_file(str(path))
+
+
+def test_per_request_delays_shift_arrivals_and_tokens(tmp_path):
+    """The cost model's per-request delays: a request reaches the scheduler arrival_delay
+    after it is sent, and every token reaches the client output_delay after its step."""
+    trace = [TraceEntry(0, 200, 4, []), TraceEntry(1000, 200, 4, [])]
+    requests = mooncake.trace_requests(trace, VOCAB)
+    plain = StepCostModel.from_dict(COST)
+    delayed = StepCostModel.from_dict({**COST, "arrival_delay_ms": 30.0, "output_delay_ms": 7.0})
+    before = simulate(requests, *configs(), plain)
+    after = simulate(requests, *configs(), delayed)
+    for a, b in zip(before.requests, after.requests, strict=True):
+        assert [t + 0.037 for t in a.token_times] == pytest.approx(b.token_times)
+        assert b.result().ttft == pytest.approx(a.result().ttft + 0.037)
+    assert after.duration_s == pytest.approx(before.duration_s + 0.037)

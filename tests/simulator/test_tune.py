@@ -78,4 +78,8 @@ def test_calibrate_fits_the_served_steps(tiny_model_dirs, tmp_path, capsys):
     assert fit["num_samples"] >= 20 and fit["calibration"]["num_steps"] >= 20
     coefficients = [fit["intercept_ms"], fit["ms_per_1k_tokens"], fit["ms_per_1m_attention_pairs"]]
     assert all(c >= 0 for c in coefficients) and any(c > 0 for c in coefficients)
+    # Per kernel regime (KernelConfig's row limits), and the lone requests' delays.
+    assert [r["max_rows"] for r in fit["kernel_regimes"]] == [10, 192]
+    assert fit["arrival_delay_ms"] >= 0 and fit["output_delay_ms"] >= 0
+    assert fit["calibration"]["request_delays_ms"]
     assert "step_ms =" in capsys.readouterr().out

@@ -18,6 +18,11 @@ scheduler behaves as it does without a target. `TargetStepBudget` turns the fit 
 step's prefill allowance: decode rows always get their token, prefill chunks fill what
 the predicted time leaves under the target, but at least a minimum so prefill never
 stops.
+
+`KernelRegimeCostModel`, what `tokenserve calibrate` fits for the simulator, prices each
+kernel regime of a step (GGUF few-row kernel, panel kernel, oneDNN: by the step's rows) with
+its own intercept and per-row cost; a model also carries the per-request delays outside the
+steps (to the engine, back to the client) that the simulator adds.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
@@ -34,6 +39,8 @@ if TYPE_CHECKING:
 
 # Intercept, prompt tokens, attention pairs, decode tokens.
 NUM_FEATURES = 4
+# KernelRegimeCostModel's: three regime intercepts, the other three, two per-row extras.
+NUM_REGIME_FEATURES = 8
 # Feature scales: they keep the fitted coefficients of comparable size.
 TOKEN_SCALE = 1e3
 PAIR_SCALE = 1e6
@@ -135,6 +142,11 @@ class StepCostModel:
         # Consecutive outliers, signed: > 0 slower than predicted, < 0 faster.
         self._outlier_streak = 0
         self.num_level_shifts = 0
+        # Per request, outside the steps (the simulator's; calibrate measures them): from
+        # being sent to reaching the engine core (HTTP, tokenizing), and from a step's end
+        # to its token reaching the client (detokenizing, the SSE chunk).
+        self.arrival_delay_ms = 0.0
+        self.output_delay_ms = 0.0
 
     @property
     def is_ready(self) -> bool:
@@ -145,7 +157,10 @@ class StepCostModel:
         intercept, per_token, per_pair, per_decode = (float(c) for c in self.coefficients)
         return {"intercept_ms": intercept, "ms_per_1k_tokens": per_token,
                 "ms_per_1m_attention_pairs": per_pair, "ms_per_1k_decode_tokens": per_decode,
-                "num_samples": self.num_samples}
+                **self._delays(), "num_samples": self.num_samples}
+
+    def _delays(self) -> dict[str, float]:
+        return {"arrival_delay_ms": self.arrival_delay_ms, "output_delay_ms": self.output_delay_ms}
 
     @classmethod
     def from_dict(cls, data: dict[str, float | int]) -> StepCostModel:
@@ -155,17 +170,35 @@ class StepCostModel:
                             ("intercept_ms", "ms_per_1k_tokens", "ms_per_1m_attention_pairs")]
             # Without a decode term, a decode token costs what a prompt token does.
             coefficients.append(float(data.get("ms_per_1k_decode_tokens", coefficients[1])))
-        except (KeyError, TypeError, ValueError) as error:
+            delays = [float(data.get(name, 0.0)) for name in ("arrival_delay_ms", "output_delay_ms")]
+            if "kernel_regimes" in data:
+                model: StepCostModel = KernelRegimeCostModel._from_regimes(data, coefficients)
+            else:
+                model = cls(warmup_steps=0)._set(coefficients)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
             raise ValueError(f"Not a step-cost model: {error!r}.") from None
-        if not all(math.isfinite(c) and c >= 0 for c in coefficients):
-            raise ValueError(f"Step-cost coefficients must be finite and >= 0, got {coefficients}.")
-        model = cls(warmup_steps=0)
-        model.coefficients = np.array(coefficients)
-        model.num_samples = model.min_samples
+        if not all(math.isfinite(d) and d >= 0 for d in delays):
+            raise ValueError(f"Per-request delays must be finite and >= 0, got {delays}.")
+        model.arrival_delay_ms, model.output_delay_ms = delays
         return model
 
+    def _set(self, coefficients: list[float]) -> Self:
+        if not all(math.isfinite(c) and c >= 0 for c in coefficients):
+            raise ValueError(f"Step-cost coefficients must be finite and >= 0, got {coefficients}.")
+        self.coefficients = np.array(coefficients)
+        self.num_samples = self.min_samples
+        return self
+
+    @property
+    def num_features(self) -> int:
+        return len(self.coefficients)
+
+    def features(self, shape: StepShape) -> np.ndarray:
+        """The step's terms in this model's fit (the four of `StepShape.features`)."""
+        return shape.features()
+
     def predict_ms(self, shape: StepShape) -> float:
-        return float(self.coefficients @ shape.features())
+        return float(self.coefficients @ self.features(shape))
 
     def record(self, shape: StepShape, seconds: float) -> None:
         """Learn from one executed step of `shape` that took `seconds` of wall time."""
@@ -174,7 +207,7 @@ class StepCostModel:
         self.num_steps_seen += 1
         if self.num_steps_seen <= self.warmup_steps:
             return
-        features = shape.features()
+        features = self.features(shape)
         step_ms = seconds * 1e3
         weight = self._weigh(step_ms, float(self.coefficients @ features)) if self.is_ready else 1.0
         if weight == 0.0:
@@ -185,16 +218,18 @@ class StepCostModel:
         self.coefficients = self._solve()
 
     @classmethod
-    def fit(cls, samples: list[tuple[StepShape, float]], trim: float = OUTLIER_K) -> StepCostModel:
+    def fit(cls, samples: list[tuple[StepShape, float]], trim: float = OUTLIER_K,
+            **kwargs: Any) -> Self:
         """A model fitted at once to (shape, seconds) samples: non-negative least squares,
         then again without the samples beyond `trim` times the median residual (a
         calibration's noise: GC pauses, a neighbour's burst). No forgetting, no level shifts:
         those are for learning online."""
-        model = cls(warmup_steps=0, forgetting=1.0)
+        model = cls(warmup_steps=0, forgetting=1.0, **kwargs)
         kept = [(shape, seconds * 1e3) for shape, seconds in samples
                 if shape.num_tokens > 0 and math.isfinite(seconds) and seconds >= 0]
         for _ in range(2):
-            features = np.array([shape.features() for shape, _ in kept]).reshape(-1, NUM_FEATURES)
+            features = np.array([model.features(shape) for shape, _ in kept]).reshape(
+                -1, model.num_features)
             times = np.array([step_ms for _, step_ms in kept])
             model._gram = features.T @ features
             model._moment = features.T @ times
@@ -238,7 +273,9 @@ class StepCostModel:
         return OUTLIER_K * scale / residual
 
     def _solve(self) -> np.ndarray:
-        """Least squares with every coefficient ≥ 0: the best over the 15 supports (4 unknowns)."""
+        """Least squares with every coefficient ≥ 0: the best over the supports (15 for 4
+        unknowns)."""
+        num_features = len(self._moment)
         gram = self._gram + np.diag(RIDGE * np.diag(self._gram) + 1e-12)
         try:
             solution = np.linalg.solve(gram, self._moment)
@@ -246,9 +283,9 @@ class StepCostModel:
                 return solution  # the unconstrained best is feasible: the usual case
         except np.linalg.LinAlgError:
             pass
-        best, best_loss = np.zeros(NUM_FEATURES), 0.0  # the empty support: loss 0 relative to the constant
-        for size in range(1, NUM_FEATURES + 1):
-            for support in itertools.combinations(range(NUM_FEATURES), size):
+        best, best_loss = np.zeros(num_features), 0.0  # the empty support: loss 0 relative to the constant
+        for size in range(1, num_features + 1):
+            for support in itertools.combinations(range(num_features), size):
                 index = list(support)
                 try:
                     solution = np.linalg.solve(gram[np.ix_(index, index)], self._moment[index])
@@ -256,7 +293,7 @@ class StepCostModel:
                     continue
                 if not np.all(np.isfinite(solution)) or np.any(solution < 0):
                     continue
-                candidate = np.zeros(NUM_FEATURES)
+                candidate = np.zeros(num_features)
                 candidate[index] = solution
                 loss = float(candidate @ gram @ candidate - 2 * candidate @ self._moment)
                 if loss < best_loss:
@@ -279,6 +316,110 @@ class StepCostModel:
         if denominator <= 0:
             return math.inf
         return 2 * slack / denominator  # the positive root, in a form stable as q → 0
+
+
+class KernelRegimeCostModel(StepCostModel):
+    """The four-term model per kernel regime: what `tokenserve calibrate` fits for the simulator.
+
+    A step's products take the GGUF few-row kernel up to `few_rows` rows (the step's
+    tokens), the panel kernel up to `panel_rows`, oneDNN above (KernelConfig's
+    quantized_max_rows and quantized_gemm_max_rows; a decode-only step of those sizes
+    also runs fused, layer by layer in C). Each kernel has its own fixed cost and its own
+    cost per row, so one line through all steps over-prices a lone decode row and
+    under-prices a 100-row step. Here the step's regime picks its intercept, and the two
+    smaller regimes add a cost per row on top of the oneDNN-regime terms:
+
+        step_ms ≈ a_r + e_r · tokens / 1e3 + b · prompt_tokens / 1e3 + c · pairs / 1e6
+                  + d · decode_tokens / 1e3                 (r: the step's regime; e_large = 0)
+
+    Fitted at once (`fit`, all coefficients ≥ 0); `to_dict` writes the oneDNN regime under
+    the four-term keys (what an older reader uses) and the two others under
+    "kernel_regimes".
+    """
+
+    def __init__(self, *args: Any, few_rows: int = 10, panel_rows: int = 192, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if few_rows < 0 or panel_rows < 0:
+            raise ValueError(f"Kernel row limits must be >= 0, got {few_rows}, {panel_rows}.")
+        self.few_rows = few_rows
+        self.panel_rows = max(panel_rows, few_rows)
+        self._gram = np.zeros((NUM_REGIME_FEATURES, NUM_REGIME_FEATURES))
+        self._moment = np.zeros(NUM_REGIME_FEATURES)
+        self.coefficients = np.zeros(NUM_REGIME_FEATURES)
+
+    def regime(self, num_tokens: int) -> int:
+        """0: few-row kernel, 1: panel kernel, 2: oneDNN."""
+        if num_tokens <= self.few_rows:
+            return 0
+        return 1 if num_tokens <= self.panel_rows else 2
+
+    def features(self, shape: StepShape) -> np.ndarray:
+        # Regime intercepts (few, panel, oneDNN), the shared terms, per-row extras (few, panel).
+        base = shape.features()
+        regime = self.regime(shape.num_tokens)
+        features = np.zeros(NUM_REGIME_FEATURES)
+        features[regime] = 1.0
+        features[3:6] = base[1:4]
+        if regime < 2:
+            features[6 + regime] = shape.num_tokens / TOKEN_SCALE
+        return features
+
+    def to_dict(self) -> dict[str, Any]:
+        few, panel, large, per_token, per_pair, per_decode, few_row, panel_row = (
+            float(c) for c in self.coefficients)
+        return {"intercept_ms": large, "ms_per_1k_tokens": per_token,
+                "ms_per_1m_attention_pairs": per_pair, "ms_per_1k_decode_tokens": per_decode,
+                "kernel_regimes": [
+                    {"max_rows": self.few_rows, "intercept_ms": few, "ms_per_1k_rows": few_row},
+                    {"max_rows": self.panel_rows, "intercept_ms": panel, "ms_per_1k_rows": panel_row},
+                ],
+                **self._delays(), "num_samples": self.num_samples}
+
+    @classmethod
+    def _from_regimes(cls, data: dict[str, Any], base: list[float]) -> KernelRegimeCostModel:
+        few, panel = data["kernel_regimes"]
+        model = cls(warmup_steps=0, few_rows=int(few["max_rows"]), panel_rows=int(panel["max_rows"]))
+        return model._set([float(few["intercept_ms"]), float(panel["intercept_ms"]), base[0],
+                           *base[1:], float(few["ms_per_1k_rows"]), float(panel["ms_per_1k_rows"])])
+
+    def max_new_tokens(self, shape: StepShape, num_computed_tokens: int, target_ms: float) -> float:
+        """As the four-term model's, regime by regime: the most tokens that keep the step
+        within `target_ms` in the regime the step then falls in."""
+        if target_ms - self.predict_ms(shape) <= 0:
+            return 0.0
+        best = 0.0
+        bounds = ((0, self.few_rows), (self.few_rows, self.panel_rows), (self.panel_rows, math.inf))
+        for regime, (low, high) in enumerate(bounds):
+            if high <= shape.num_tokens or high <= low:
+                continue  # a step already past this regime, or an empty one
+            # The step's own terms, priced in this regime, then n more prompt tokens.
+            intercept = self.coefficients[regime]
+            per_token = self.coefficients[3] + (self.coefficients[6 + regime] if regime < 2 else 0.0)
+            own = (intercept + per_token * shape.num_tokens / TOKEN_SCALE
+                   + self.coefficients[4] * shape.attention_pairs / PAIR_SCALE
+                   + (self.coefficients[5] - self.coefficients[3])
+                   * shape.num_decode_tokens / TOKEN_SCALE)
+            slack = target_ms - own
+            if slack <= 0:
+                continue
+            fits = _root(per_token, self.coefficients[4], num_computed_tokens, slack)
+            # n (whole tokens) must put the step in this regime: more than low - tokens, at
+            # most high - tokens.
+            if math.floor(fits) > low - shape.num_tokens:
+                best = max(best, min(fits, high - shape.num_tokens))
+        return best
+
+
+def _root(per_token: float, per_pair: float, num_computed_tokens: int, slack: float) -> float:
+    """The most n with q·n² + l·n ≤ slack: n new tokens after `num_computed_tokens` (ms)."""
+    if math.isinf(slack):
+        return math.inf
+    quadratic = per_pair / PAIR_SCALE / 2
+    linear = per_token / TOKEN_SCALE + per_pair / PAIR_SCALE * (num_computed_tokens + 0.5)
+    denominator = linear + math.sqrt(linear * linear + 4 * quadratic * slack)
+    if denominator <= 0:
+        return math.inf
+    return 2 * slack / denominator  # the positive root, in a form stable as q → 0
 
 
 class PrefillBudget:

@@ -31,7 +31,12 @@ import uvicorn
 from tokenserve.benchmarks.datasets import BenchRequest
 from tokenserve.benchmarks.openai_client import CompletionTarget, send_streaming
 from tokenserve.config import EngineConfig
-from tokenserve.core.step_cost import NUM_FEATURES, StepCostModel, StepShape
+from tokenserve.core.step_cost import (
+    NUM_REGIME_FEATURES,
+    KernelRegimeCostModel,
+    StepCostModel,
+    StepShape,
+)
 from tokenserve.engine.async_llm import AsyncLLM
 from tokenserve.messages.engine_core import EngineCoreOutputs
 from tokenserve.sampling_params import RequestOutputKind, SamplingParams
@@ -86,13 +91,20 @@ class _StepLog:
     def __init__(self) -> None:
         self.messages: list[tuple[float, int, int, int]] = []
         self.arrivals: list[float] = []
+        # Per request id: when it reached the engine, and its first token's step ended.
+        self.arrived: dict[str, float] = {}
+        self.first_token: dict[str, float] = {}
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], arrival_time: float) -> None:
         self.arrivals.append(time.time())
+        self.arrived[request_id] = self.arrivals[-1]
 
     def record(self, message: EngineCoreOutputs) -> None:
         self.messages.append((message.timestamp, message.num_scheduled_tokens,
                               message.num_attention_pairs, message.num_decode_tokens))
+        for output in message.outputs:
+            if output.new_token_ids and output.request_id not in self.first_token:
+                self.first_token[output.request_id] = message.timestamp
 
     def drop_requests(self, request_ids: list[str]) -> None:
         pass
@@ -131,12 +143,18 @@ async def _calibrate(
     rounds = calibration_rounds(config.model_config.max_model_len,
                                 config.scheduler_config.max_num_seqs, quick)
 
-    async def run_one(request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    async def run_one(request_id: str, prompt: list[int], params: SamplingParams) -> tuple[float, float]:
+        """Send one request; when it was sent and its first token came back (time.time())."""
+        sent = time.time()
         if http is not None:
-            await http.complete(prompt, params.max_tokens or 1)
-            return
+            return sent, sent + await http.complete(prompt, params.max_tokens or 1)
+        first = 0.0
         async for _ in engine.generate(prompt, params, request_id):
-            pass
+            first = first or time.time()
+        return sent, first
+
+    # A lone request's way to the engine and its first token's way back (the second pass).
+    delays: list[tuple[float, float]] = []
 
     try:
         # Twice: the first pass meets each shape for the first time (oneDNN primitives,
@@ -147,21 +165,36 @@ async def _calibrate(
                 step_log.arrivals.clear()
             params = SamplingParams(temperature=0.0, max_tokens=round_.output_len, ignore_eos=True,
                                     output_kind=RequestOutputKind.DELTA)
+            known = set(step_log.arrived)
             # Unique prompts: a prefix-cache hit would hide the prompt's cost.
-            await asyncio.gather(*(
+            times = await asyncio.gather(*(
                 run_one(f"calibrate-{number}-{index}",
                         rng.integers(100, vocab_size - 100, size=round_.prompt_len).tolist(), params)
                 for index in range(round_.count)
             ))
+            new_ids = [i for i in step_log.arrived if i not in known]
+            if number >= len(rounds) and round_.count == 1 and len(new_ids) == 1:
+                (sent, first), request_id = times[0], new_ids[0]
+                if request_id in step_log.first_token and first > 0:
+                    delays.append((step_log.arrived[request_id] - sent,
+                                   first - step_log.first_token[request_id]))
     finally:
         if http is not None:
             await http.stop()
         engine.shutdown()
     samples = step_log.samples()
-    if len(samples) < 2 * NUM_FEATURES:
+    if len(samples) < 2 * NUM_REGIME_FEATURES:
         raise ValueError("Calibration recorded too few steps to fit the step-cost model.")
-    model = StepCostModel.fit(samples)
+    # Per kernel regime (core/step_cost.py): the row limits the model's products run under.
+    kernels = config.kernel_config
+    model = KernelRegimeCostModel.fit(samples, few_rows=kernels.quantized_max_rows,
+                                      panel_rows=kernels.quantized_gemm_max_rows)
+    if delays:
+        # Medians over the lone requests; never negative (clocks of two processes).
+        model.arrival_delay_ms = max(float(np.median([d[0] for d in delays])) * 1e3, 0.0)
+        model.output_delay_ms = max(float(np.median([d[1] for d in delays])) * 1e3, 0.0)
     report = _fit_quality(model, samples)
+    report["request_delays_ms"] = [[round(a * 1e3, 3), round(b * 1e3, 3)] for a, b in delays]
     report["samples"] = [[s.num_tokens - s.num_decode_tokens, s.attention_pairs,
                           s.num_decode_tokens, round(seconds * 1e3, 3)] for s, seconds in samples]
     report["seconds"] = time.perf_counter() - started
@@ -194,11 +227,13 @@ class _HttpPath:
             await asyncio.sleep(0.05)
         return cls(server, task, port)
 
-    async def complete(self, prompt: list[int], max_tokens: int) -> None:
+    async def complete(self, prompt: list[int], max_tokens: int) -> float:
+        """Send one request and read its stream; seconds to its first token."""
         result = await send_streaming(self.client, self.target, BenchRequest(prompt, max_tokens),
                                       prompt, len(prompt))
-        if not result.success:
+        if not result.success or result.ttft is None:
             raise ValueError(f"A calibration request failed: {result.error}")
+        return result.ttft
 
     async def stop(self) -> None:
         await self.client.aclose()

@@ -127,7 +127,12 @@ def _run_calibrate(args: argparse.Namespace, serving_app: Callable[[Any], Any] |
     fit = model.to_dict()
     print(f"step_ms = {fit['intercept_ms']:.3f} + {fit['ms_per_1k_tokens']:.3f}*prompt_tokens/1e3 "
           f"+ {fit['ms_per_1m_attention_pairs']:.3f}*pairs/1e6 "
-          f"+ {fit['ms_per_1k_decode_tokens']:.3f}*decode_tokens/1e3  ({report['num_steps']} steps, "
+          f"+ {fit['ms_per_1k_decode_tokens']:.3f}*decode_tokens/1e3"
+          + "".join(f"; at most {r['max_rows']} rows: {r['intercept_ms']:.3f} "
+                    f"+ {r['ms_per_1k_rows']:.3f}*rows/1e3 instead of the intercept"
+                    for r in fit.get("kernel_regimes", []))
+          + f"; per request {fit['arrival_delay_ms']:.1f} ms in, {fit['output_delay_ms']:.1f} ms out"
+          f"  ({report['num_steps']} steps, "
           f"median error {report['median_relative_error']:.1%}, {report['seconds']:.1f} s) "
           f"-> {args.output}")
     return 0

@@ -96,20 +96,26 @@ def simulate(
         raise ValueError("The step-cost model has no coefficients yet: calibrate it first.")
     # Under a target step time the scheduler sizes prefill with the same (fitted) model.
     scheduler = Scheduler(scheduler_config, cache_config, cost_model)
-    order = sorted(range(len(requests)), key=lambda i: requests[i].send_time)
+    # A request reaches the engine core a fixed delay after it is sent (HTTP, tokenizing),
+    # and each of its tokens reaches the client a fixed delay after its step (detokenizing,
+    # the SSE chunk): the cost model's per-request delays, measured by calibrate.
+    to_engine = cost_model.arrival_delay_ms / 1e3
+    to_client = cost_model.output_delay_ms / 1e3
+    entry = [r.send_time + to_engine for r in requests]
+    order = sorted(range(len(requests)), key=lambda i: entry[i])
     arrivals = collections.deque(order)
     states = [SimulatedRequest(r) for r in requests]
     by_id: dict[str, SimulatedRequest] = {}
     steps: list[StepRecord] = []
     clock = 0.0
     while arrivals or scheduler.has_unfinished_requests():
-        while arrivals and requests[arrivals[0]].send_time <= clock:
+        while arrivals and entry[arrivals[0]] <= clock:
             index = arrivals.popleft()
             request_id = str(index)
             by_id[request_id] = states[index]
             scheduler.add_request(_engine_request(request_id, requests[index], scheduler_config))
         if not scheduler.has_unfinished_requests():
-            clock = requests[arrivals[0]].send_time
+            clock = entry[arrivals[0]]
             continue
         num_running, num_waiting = len(scheduler.running), len(scheduler.waiting)
         output = scheduler.schedule()
@@ -119,7 +125,7 @@ def simulate(
                     "The simulated scheduler cannot place any waiting request: a prompt "
                     "does not fit the KV cache (raise --num-kv-blocks / --kv-cache-memory)."
                 )
-            clock = max(clock, requests[arrivals[0]].send_time)
+            clock = max(clock, entry[arrivals[0]])
             continue
         shape = StepShape.of(output)
         duration = max(cost_model.predict_ms(shape), 0.0) / 1e3
@@ -136,14 +142,14 @@ def simulate(
         )
         for engine_output in scheduler.update_from_output(output, runner_output):
             state = by_id[engine_output.request_id]
-            state.token_times += [clock] * len(engine_output.new_token_ids)
+            state.token_times += [clock + to_client] * len(engine_output.new_token_ids)
             if engine_output.finish_reason is not None:
-                state.finish_time = clock
+                state.finish_time = clock + to_client
     stats = scheduler.kv_cache_manager.prefix_cache_stats
     return Simulation(
         requests=states,
         steps=steps,
-        duration_s=clock,
+        duration_s=clock + to_client if requests else clock,
         prefix_cache_queries=stats.queries,
         prefix_cache_hits=stats.hits,
         num_preemptions=scheduler.num_preemptions,
