@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tokenserve.attention.backend import CommonAttentionMetadata
+from tokenserve.attention.batch_layout import BatchLayout
 from tokenserve.config import EngineConfig
 from tokenserve.messages.scheduler_output import SchedulerOutput
 from tokenserve.model.registry import get_model
@@ -163,35 +163,18 @@ class DraftModelProposer:
     def _forward(self, rows: list[tuple[ProposerRequest, np.ndarray, int]]) -> torch.Tensor:
         """The draft model over (request, its tokens, their first position) rows."""
         assert self.model is not None
-        token_ids, positions, slots = [], [], []
-        query_start_loc, seq_lens, block_tables = [0], [], []
+        token_ids = []
+        layout = BatchLayout(self.block_size)
         for state, tokens, start in rows:
-            request_positions = np.arange(start, start + len(tokens), dtype=np.int64)
-            block_table = np.asarray(state.block_ids, dtype=np.int64)
+            end = start + len(tokens)
             token_ids.append(tokens)
-            positions.append(request_positions)
-            slots.append(
-                block_table[request_positions // self.block_size] * self.block_size
-                + request_positions % self.block_size
-            )
             # A few tokens after a context (accepted drafts, the new token) as decode rows.
             split = start > 0 and len(tokens) <= self.spec.num_speculative_tokens + 1
-            for query_len, seq_len in attention_rows(start, start + len(tokens), split):
-                query_start_loc.append(query_start_loc[-1] + query_len)
-                seq_lens.append(seq_len)
-                block_tables.append(state.block_ids)
-        metadata = self.attention.build_metadata(
-            CommonAttentionMetadata(
-                slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
-                query_start_loc=query_start_loc,
-                seq_lens=seq_lens,
-                block_tables=block_tables,
-                block_size=self.block_size,
-            )
-        )
+            layout.add(start, end, state.block_ids, attention_rows(start, end, split))
+        metadata = self.attention.build_metadata(layout.common_metadata(self.device))
         return self.model(
             torch.from_numpy(np.concatenate(token_ids)).to(self.device),
-            torch.from_numpy(np.concatenate(positions)).to(self.device),
+            layout.positions_tensor(self.device),
             self.kv_caches,
             metadata,
         )

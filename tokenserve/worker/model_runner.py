@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tokenserve.attention.backend import CommonAttentionMetadata
+from tokenserve.attention.batch_layout import BatchLayout
 from tokenserve.attention.selector import get_attention_backend
 from tokenserve.config import EngineConfig
 from tokenserve.lora.manager import LoRAModelManager
@@ -115,8 +115,8 @@ class ModelRunner:
         assert self.model is not None, "load_model() must run before execute_model()"
 
         request_ids = list(scheduler_output.num_scheduled_tokens)
-        token_ids, positions, slots = [], [], []
-        query_start_loc, seq_lens, block_tables = [0], [], []
+        token_ids: list[np.ndarray] = []
+        layout = BatchLayout(self.block_size)
         sampled_ids: list[str] = []
         logits_indices: list[int] = []
         # request id → (first prompt position of this chunk, flat index of it, count).
@@ -136,27 +136,18 @@ class ModelRunner:
                 token_ids.append(np.asarray(drafts, dtype=np.int64))
             else:
                 token_ids.append(state.token_ids[start:end])
-            request_positions = np.arange(start, end, dtype=np.int64)
-            positions.append(request_positions)
-            block_table = np.asarray(state.block_ids, dtype=np.int64)
-            slots.append(
-                block_table[request_positions // self.block_size] * self.block_size
-                + request_positions % self.block_size
-            )
             if request_id in self.prompt_logprobs:
                 first, count = self._prompt_logprob_positions(state, start, known_end)
                 if count > 0:
-                    prompt_rows[request_id] = (first, query_start_loc[-1] + first - start, count)
+                    flat_first = layout.query_start_loc[-1] + first - start
+                    prompt_rows[request_id] = (first, flat_first, count)
             # A verifying row's tokens attend as decode rows, one each (attention_rows).
-            for query_len, seq_len in attention_rows(start, end, split=bool(drafts)):
-                query_start_loc.append(query_start_loc[-1] + query_len)
-                seq_lens.append(seq_len)
-                block_tables.append(state.block_ids)
+            layout.add(start, end, state.block_ids, attention_rows(start, end, split=bool(drafts)))
             if known_end >= state.num_tokens:
                 # The request's last known token is computed: its logits give the next one,
                 # and each draft's logits the token after that draft.
                 sampled_ids.append(request_id)
-                last = query_start_loc[-1] - 1
+                last = layout.query_start_loc[-1] - 1
                 logits_indices.extend(range(last - len(drafts), last + 1))
 
         if self.lora_manager is not None:
@@ -165,24 +156,16 @@ class ModelRunner:
                 [self.requests[r].lora_request for r in request_ids],
                 [scheduler_output.num_scheduled_tokens[r] for r in request_ids],
             )
-        metadata = self.attention.build_metadata(
-            CommonAttentionMetadata(
-                slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
-                query_start_loc=query_start_loc,
-                seq_lens=seq_lens,
-                block_tables=block_tables,
-                block_size=self.block_size,
-            )
-        )
+        metadata = self.attention.build_metadata(layout.common_metadata(self.device))
         model_inputs = (
             torch.from_numpy(np.concatenate(token_ids)).to(self.device),
-            torch.from_numpy(np.concatenate(positions)).to(self.device),
+            layout.positions_tensor(self.device),
             self.kv_caches,
             metadata,
         )
         if self.pooling is not None:
             return self.pooling.execute(
-                self.model, request_ids, self.requests, query_start_loc, *model_inputs
+                self.model, request_ids, self.requests, layout.query_start_loc, *model_inputs
             )
         hidden_states = self.model(*model_inputs)
         for request_id, rows in prompt_rows.items():
