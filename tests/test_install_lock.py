@@ -45,7 +45,7 @@ def unmet(requirements: list[Requirement], locked: dict[str, Version]) -> list[s
 
 
 @pytest.mark.parametrize(
-    ("lock", "extras"), [(LOCK, ()), (TEST_LOCK, ("test", "bench"))], ids=["engine", "test"]
+    ("lock", "extras"), [(LOCK, ()), (TEST_LOCK, ("test", "bench", "ray"))], ids=["engine", "test"]
 )
 def test_every_project_requirement_is_pinned_within_its_range(lock, extras):
     assert unmet(project_requirements(*extras), pins(lock)) == []
