@@ -1,0 +1,1 @@
+"""Multimodal inputs: media fetching (media.py, media_security.py)."""
