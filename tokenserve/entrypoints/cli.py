@@ -67,11 +67,14 @@ def _bool(value: str) -> bool:
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """HTTP server flags, with vLLM's names where vLLM has the flag."""
+    from tokenserve.entrypoints.chat_utils import CONTENT_FORMAT_OPTIONS
     from tokenserve.entrypoints.openai.limits import ServingLimits
     from tokenserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
     from tokenserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+    from tokenserve.multimodal.media_security import MediaConnectorConfig
 
     limits = ServingLimits()
+    media = MediaConnectorConfig()
     parser.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     parser.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     parser.add_argument("--api-key", action="append", default=None,
@@ -93,6 +96,29 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="Accept a chat_template in requests (jinja2 run by the server); "
                              "refused with 400 by default.")
+    parser.add_argument("--chat-template-content-format", default="auto",
+                        choices=CONTENT_FORMAT_OPTIONS,
+                        help="How message content reaches the chat template: 'string' (text "
+                             "parts joined, an image placeholder per image), 'openai' (the list "
+                             "of parts), or 'auto' (detected from the template).")
+    parser.add_argument("--allowed-media-domains", nargs="+", default=None,
+                        help="Hosts image URLs may name (exact names, checked on every "
+                             "redirect); by default any public host (docs/MEDIA_SECURITY.md).")
+    parser.add_argument("--allowed-media-networks", nargs="+", default=[],
+                        help="Non-public networks (CIDR, e.g. 10.1.2.0/24) image URLs may reach; "
+                             "loopback, private, link-local and other non-public addresses are "
+                             "refused otherwise.")
+    parser.add_argument("--allowed-local-media-path", default=None,
+                        help="A directory file: image URLs may read under (symlinks resolved); "
+                             "file: URLs are refused without it.")
+    parser.add_argument("--media-fetch-timeout", type=float, default=media.media_fetch_timeout,
+                        help="Seconds one image URL may take (DNS, redirects and body).")
+    parser.add_argument("--max-media-bytes", type=_size, default=media.max_media_bytes,
+                        help="Largest image, in bytes (or e.g. '20MiB'), fetched or in a data: URL.")
+    parser.add_argument("--max-image-pixels", type=int, default=media.max_image_pixels,
+                        help="Most pixels (width x height) of an image, read before decoding.")
+    parser.add_argument("--max-media-redirects", type=int, default=media.max_media_redirects,
+                        help="Most HTTP redirects one image URL may take.")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help='Serve tool_choice "auto" (the default when a request has tools): '
                              "read tool calls out of the output with --tool-call-parser.")

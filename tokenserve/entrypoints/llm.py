@@ -14,9 +14,11 @@ from tqdm.auto import tqdm
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.engine.llm_engine import LLMEngine
 from tokenserve.engine.processor import PromptType
-from tokenserve.entrypoints.chat_utils import render_chat
+from tokenserve.entrypoints.chat_utils import ChatContentConfig, render_chat_prompt
 from tokenserve.entrypoints.scoring import cosine_similarity, cross_encoder_prompt, score_pairs
 from tokenserve.lora.request import LoRARequest
+from tokenserve.multimodal.media import MediaConnector
+from tokenserve.multimodal.media_security import MediaConnectorConfig
 from tokenserve.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -38,13 +40,23 @@ class LLM:
     (SmolLM2-135M-Instruct). Other keyword arguments are engine arguments
     (`EngineArgs`): max_model_len, max_num_batched_tokens, max_num_seqs, block_size,
     kv_cache_memory, num_kv_blocks, enable_prefix_caching, enable_chunked_prefill,
-    scheduling_policy, prefill_order, dtype, seed, ...
+    scheduling_policy, prefill_order, dtype, seed, ... The media arguments of
+    `MediaConnectorConfig` (allowed_media_domains, allowed_local_media_path,
+    allowed_media_networks, media_fetch_timeout, max_media_bytes, max_image_pixels) say
+    what image URLs `chat` may fetch (docs/MEDIA_SECURITY.md).
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        media_args = {
+            name: engine_args.pop(name)
+            for name in MediaConnectorConfig.field_names() & set(engine_args)
+        }
         unknown = set(engine_args) - EngineArgs.field_names()
         if unknown:
             raise ValueError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}.")
+        self.media_connector = MediaConnector(MediaConnectorConfig(**media_args))
+        # The model's image placeholder for "string" chat templates (the VLM's processor's).
+        self.image_placeholder = ChatContentConfig().image_placeholder
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
         self._request_counter = itertools.count()
 
@@ -97,23 +109,31 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate (with
-        `lora_request`: one adapter, or one per conversation)."""
+        `lora_request`: one adapter, or one per conversation). Content parts may carry
+        images: `image_url` (fetched by the media connector) or `image_pil` (a PIL image)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
+        content = ChatContentConfig(chat_template_content_format, self.image_placeholder)
         prompts = []
         for conversation in conversations:
-            text = render_chat(
+            prompt = render_chat_prompt(
                 tokenizer,
                 cast(ChatMessages, conversation),
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template_kwargs=chat_template_kwargs,
+                content=content,
             )
-            token_ids = tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": token_ids})
+            if prompt.images:
+                images = self.media_connector.fetch_images(prompt.images)
+                prompts.append({"prompt": prompt.text, "multi_modal_data": {"image": images}})
+            else:
+                token_ids = tokenizer.encode(prompt.text, add_special_tokens=False)
+                prompts.append({"prompt": prompt.text, "prompt_token_ids": token_ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def encode(

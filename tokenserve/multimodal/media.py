@@ -84,9 +84,10 @@ class MediaConnector:
         """`fetch_image_async` for synchronous callers (`LLM.chat`)."""
         return run_sync(self.fetch_image_async(url))
 
-    async def fetch_images_async(self, urls: Sequence[str]) -> list[Image.Image]:
-        """Every image fetched at once; the first refusal cancels the others and is raised."""
-        tasks = [asyncio.ensure_future(self.fetch_image_async(url)) for url in urls]
+    async def fetch_images_async(self, items: Sequence[str | Image.Image]) -> list[Image.Image]:
+        """Every URL fetched at once (an image given as a PIL image is kept as it is); the
+        first refusal cancels the other fetches and is raised."""
+        tasks = [asyncio.ensure_future(self._image_of(item)) for item in items]
         if not tasks:
             return []
         try:
@@ -100,8 +101,11 @@ class MediaConnector:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def fetch_images(self, urls: Sequence[str]) -> list[Image.Image]:
-        return run_sync(self.fetch_images_async(urls))
+    def fetch_images(self, items: Sequence[str | Image.Image]) -> list[Image.Image]:
+        return run_sync(self.fetch_images_async(items))
+
+    async def _image_of(self, item: str | Image.Image) -> Image.Image:
+        return item if isinstance(item, Image.Image) else await self.fetch_image_async(item)
 
     def decode_image(self, data: bytes) -> Image.Image:
         """Bytes → RGB image: pixels counted from the header before the image is decoded."""

@@ -73,6 +73,7 @@ class MediaConnectorConfig:
             if not all(domains):
                 raise ValueError("allowed_media_domains must not hold an empty name.")
             object.__setattr__(self, "allowed_media_domains", domains)
+        object.__setattr__(self, "allowed_media_networks", tuple(self.allowed_media_networks))
         networks = []
         for value in self.allowed_media_networks:
             try:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 from collections.abc import AsyncIterator, Sequence
@@ -34,7 +35,7 @@ from starlette.types import Receive, Scope, Send
 
 from tokenserve.engine.async_llm import AsyncLLM
 from tokenserve.engine.engine_args import EngineArgs
-from tokenserve.entrypoints.chat_utils import load_chat_template
+from tokenserve.entrypoints.chat_utils import ChatContentConfig, load_chat_template
 from tokenserve.entrypoints.openai.assistant_message import ChatParsing
 from tokenserve.entrypoints.openai.auth import (
     APIKeyMiddleware,
@@ -71,6 +72,8 @@ from tokenserve.entrypoints.openai.serving_responses import OpenAIServingRespons
 from tokenserve.metrics.dashboard import DashboardState
 from tokenserve.metrics.prometheus import PrometheusStatLogger
 from tokenserve.metrics.request_trace import RequestObserver, RequestTraceRecorder
+from tokenserve.multimodal.media import MediaConnector
+from tokenserve.multimodal.media_security import MediaConnectorConfig
 from tokenserve.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -91,9 +94,13 @@ def build_app(
     parsing: ChatParsing | None = None,
     models: OpenAIServingModels | None = None,
     dashboard: DashboardState | None = None,
+    chat_content: ChatContentConfig | None = None,
+    media_connector: MediaConnector | None = None,
 ) -> FastAPI:
     """`models`: the LoRA adapters beside the served names (serving_models.py); `dashboard`:
-    the engine state /dashboard shows (metrics/dashboard.py)."""
+    the engine state /dashboard shows (metrics/dashboard.py); `chat_content` and
+    `media_connector`: how chat content parts reach the template, and what image URLs may
+    be fetched (docs/MEDIA_SECURITY.md)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -115,7 +122,9 @@ def build_app(
         max_body_size=limits.max_request_body_size,
     )
     completion = OpenAIServingCompletion(engine, served_model_names, chat_template, limits)
-    chat = OpenAIServingChat(engine, served_model_names, chat_template, limits, parsing)
+    chat = OpenAIServingChat(
+        engine, served_model_names, chat_template, limits, parsing, chat_content, media_connector
+    )
     models = models or OpenAIServingModels(engine, served_model_names)
     completion.models = chat.models = models
     responses = OpenAIServingResponses(chat, ResponseStore())
@@ -277,6 +286,31 @@ def limits_from(args: argparse.Namespace) -> ServingLimits:
     )
 
 
+def chat_content_from(args: argparse.Namespace) -> ChatContentConfig:
+    # --limit-mm-per-prompt (an engine flag, '{"image": N}') bounds the images fetched.
+    limit = getattr(args, "limit_mm_per_prompt", None)
+    if isinstance(limit, str):
+        limit = json.loads(limit)
+    return ChatContentConfig(
+        content_format=args.chat_template_content_format,
+        max_images_per_prompt=limit.get("image") if isinstance(limit, dict) else None,
+    )
+
+
+def media_connector_from(args: argparse.Namespace) -> MediaConnector:
+    return MediaConnector(
+        MediaConnectorConfig(
+            allowed_media_domains=args.allowed_media_domains,
+            allowed_local_media_path=args.allowed_local_media_path,
+            allowed_media_networks=tuple(args.allowed_media_networks),
+            media_fetch_timeout=args.media_fetch_timeout,
+            max_media_bytes=args.max_media_bytes,
+            max_image_pixels=args.max_image_pixels,
+            max_media_redirects=args.max_media_redirects,
+        )
+    )
+
+
 async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     """Start the engine, serve until SIGINT/SIGTERM (exit 0) or the engine dies (exit 1)."""
     # The API process only tokenizes and detokenizes; the engine core gets the cores.
@@ -287,6 +321,8 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     limits = limits_from(args)
     parsing = parsing_from(args)
     chat_template = load_chat_template(args.chat_template)
+    chat_content = chat_content_from(args)
+    media_connector = media_connector_from(args)
     served_model_names = served_model_names_from(args)
     config = engine_args.create_engine_config()
     metrics = PrometheusStatLogger(served_model_names[0])
@@ -314,6 +350,8 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
             parsing,
             models,
             dashboard,
+            chat_content,
+            media_connector,
         )
         server = uvicorn.Server(
             uvicorn.Config(

@@ -107,8 +107,11 @@ class OpenAIServing:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        multi_modal_data: dict[str, Any] | None = None,
     ) -> list[RequestOutputStream]:
         """Add one engine request per (text, token ids) prompt; all or none are added.
+        With `multi_modal_data` (fetched images) the prompt goes as text, for the engine's
+        processor to expand the image placeholders.
 
         Validation errors surface here, before any response (or stream) has started: 400
         beyond the request limits, 503 (Retry-After) when the engine holds all it may.
@@ -129,9 +132,14 @@ class OpenAIServing:
         try:
             for index, (text, token_ids) in enumerate(prompts):
                 engine_request_id = f"{request_id}-{index}"
+                prompt: dict[str, Any] = (
+                    {"prompt": text, "multi_modal_data": multi_modal_data}
+                    if multi_modal_data
+                    else {"prompt": text, "prompt_token_ids": token_ids}
+                )
                 collector = await self.engine.add_request(
                     engine_request_id,
-                    {"prompt": text, "prompt_token_ids": token_ids},
+                    prompt,
                     params,
                     priority=priority,
                     cache_salt=cache_salt,

@@ -4,6 +4,9 @@ Tools reach the template; tool_choice "required" or a named function constrains 
 with a JSON schema, "auto" reads calls out of free text with `--tool-call-parser`, and
 `--reasoning-parser` splits the reasoning off (assistant_message.py). Structured outputs
 come from response_format / structured_outputs / guided_* (structured_outputs.py).
+Image content parts are fetched concurrently here, in the API process, by the
+`MediaConnector` (multimodal/media.py; a refusal is a 400 naming why), and go to the engine
+as the prompt's `multi_modal_data`.
 
 Streaming follows OpenAI's chunk order: per choice a first chunk with the assistant role,
 then content, reasoning and tool-call deltas (the last one carrying the finish reason),
@@ -14,12 +17,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request as HTTPRequest
 
 from tokenserve.engine.async_llm import AsyncLLM
-from tokenserve.entrypoints.chat_utils import render_chat
+from tokenserve.entrypoints.chat_utils import (
+    ChatContentConfig,
+    ChatPrompt,
+    ImageInput,
+    render_chat_prompt,
+)
 from tokenserve.entrypoints.openai.assistant_message import AssistantMessageParser, ChatParsing
 from tokenserve.entrypoints.openai.errors import OpenAIError
 from tokenserve.entrypoints.openai.limits import ServingLimits
@@ -55,6 +63,8 @@ from tokenserve.entrypoints.openai.structured_outputs import (
     requested_structured_outputs,
     tool_choice_structured_outputs,
 )
+from tokenserve.multimodal.media import MediaConnector
+from tokenserve.multimodal.media_security import MediaError
 from tokenserve.outputs import CompletionOutput, RequestOutput
 from tokenserve.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -68,6 +78,7 @@ class PreparedChat:
     token_ids: list[int]
     params: SamplingParams
     new_parser: Callable[[], AssistantMessageParser]  # one per choice
+    images: list[ImageInput] = field(default_factory=list)  # URLs to fetch, in prompt order
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -78,9 +89,13 @@ class OpenAIServingChat(OpenAIServing):
         chat_template: str | None = None,
         limits: ServingLimits | None = None,
         parsing: ChatParsing | None = None,
+        content: ChatContentConfig | None = None,
+        media_connector: MediaConnector | None = None,
     ) -> None:
         super().__init__(engine, served_model_names, chat_template, limits)
         self.parsing = parsing or ChatParsing()
+        self.content = content or ChatContentConfig()
+        self.media_connector = media_connector or MediaConnector()
         reasoning_class = self.parsing.reasoning_parser_class
         # The grammar of a structured output waits for these tokens (the reasoning's end).
         self.reasoning_end_token_ids = (
@@ -98,7 +113,29 @@ class OpenAIServingChat(OpenAIServing):
         chat_template_kwargs: dict | None,
         tools: list[ChatCompletionToolsParam] | None = None,
     ) -> str:
-        """The prompt text; a request's own template beats --chat-template beats the model's."""
+        """The prompt text of a conversation without images (/tokenize)."""
+        prompt = self.render_prompt(
+            messages, chat_template, add_generation_prompt, continue_final_message,
+            chat_template_kwargs, tools,
+        )
+        if prompt.images:
+            raise OpenAIError(
+                400, "Image content parts are accepted by /v1/chat/completions only.",
+                param="messages",
+            )
+        return prompt.text
+
+    def render_prompt(
+        self,
+        messages: list[ChatMessage],
+        chat_template: str | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool,
+        chat_template_kwargs: dict | None,
+        tools: list[ChatCompletionToolsParam] | None = None,
+    ) -> ChatPrompt:
+        """The prompt text and its image URLs; a request's own template beats
+        --chat-template beats the model's."""
         if chat_template is not None and not self.limits.trust_request_chat_template:
             raise OpenAIError(
                 400,
@@ -106,7 +143,7 @@ class OpenAIServingChat(OpenAIServing):
                 "--trust-request-chat-template.",
                 param="chat_template",
             )
-        return render_chat(
+        return render_chat_prompt(
             self.tokenizer,
             [message.model_dump(exclude_none=True) for message in messages],
             # A request's template is taken inline only: never as a path on this machine.
@@ -115,6 +152,7 @@ class OpenAIServingChat(OpenAIServing):
             continue_final_message=continue_final_message,
             chat_template_kwargs=chat_template_kwargs,
             tools=[tool.model_dump(exclude_none=True) for tool in tools] if tools else None,
+            content=self.content,
         )
 
     def check_tool_choice(self, request: ChatCompletionRequest) -> ToolChoice:
@@ -173,7 +211,7 @@ class OpenAIServingChat(OpenAIServing):
         """The checked request as prompt, sampling params and message parsers; 4xx if bad."""
         model_name = self.check_model(request.model)
         tool_choice = self.check_tool_choice(request)
-        text = self.render_messages(
+        prompt = self.render_prompt(
             request.messages,
             request.chat_template,
             request.add_generation_prompt,
@@ -181,6 +219,7 @@ class OpenAIServingChat(OpenAIServing):
             request.chat_template_kwargs,
             request.tools,
         )
+        text = prompt.text
         token_ids = self.encode(text, add_special_tokens=request.add_special_tokens)
         max_tokens = (
             request.max_completion_tokens
@@ -199,7 +238,16 @@ class OpenAIServingChat(OpenAIServing):
         new_parser = functools.partial(
             self.parsing.new_message_parser, tool_choice, reasoning_ended
         )
-        return PreparedChat(model_name, text, token_ids, params, new_parser)
+        return PreparedChat(model_name, text, token_ids, params, new_parser, prompt.images)
+
+    async def fetch_images(self, images: list[ImageInput]) -> dict | None:
+        """The prompt's `multi_modal_data`, its images fetched at once; 400 naming a refusal."""
+        if not images:
+            return None
+        try:
+            return {"image": await self.media_connector.fetch_images_async(images)}
+        except MediaError as error:
+            raise OpenAIError(400, str(error), param="messages") from None
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: HTTPRequest
@@ -207,6 +255,7 @@ class OpenAIServingChat(OpenAIServing):
         prepared = self.prepare(request)
         model_name, params, new_parser = prepared.model_name, prepared.params, prepared.new_parser
         request_id = random_id("chatcmpl")
+        multi_modal_data = await self.fetch_images(prepared.images)
         [outputs] = await self.add_requests(
             request_id,
             [(prepared.text, prepared.token_ids)],
@@ -214,6 +263,7 @@ class OpenAIServingChat(OpenAIServing):
             request.priority,
             request.cache_salt,
             self.lora_request_for(model_name),
+            multi_modal_data,
         )
         if request.stream:
             return EventStream(
