@@ -161,9 +161,10 @@ class MediaConnector:
             descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as error:
             raise MediaFetchFailed(f"The local image could not be opened: {error.strerror}.") from None
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):  # no directory, FIFO or device
+            os.close(descriptor)
+            raise MediaURLRefused("A file: media URL must name a regular file.")
         with os.fdopen(descriptor, "rb") as file:
-            if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
-                raise MediaURLRefused("A file: media URL must name a regular file.")
             data = file.read(self.config.max_media_bytes + 1)
         if len(data) > self.config.max_media_bytes:
             raise self._too_many_bytes()

@@ -164,8 +164,8 @@ def non_public_reason(address: IPAddress) -> str | None:
         ("loopback", address.is_loopback),
         ("link-local", address.is_link_local),
         ("multicast", address.is_multicast),
-        ("private", address.is_private),
         ("reserved", address.is_reserved),
+        ("private", address.is_private),
     ):
         if flag:
             return reason
