@@ -42,7 +42,7 @@ class MediaServer:
             def log_message(self, *args: object) -> None:
                 pass
 
-            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            def do_GET(self) -> None:
                 server.requests.append((self.path, self.headers.get("Host", "")))
                 path, _, query = self.path.partition("?")
                 if path == "/image.png":
