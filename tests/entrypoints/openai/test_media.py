@@ -1,0 +1,84 @@
+"""Image URLs in chat requests to a real `tokenserve serve` (the shared tiny server, default
+media settings): each refusal is a 400 naming why, nothing is fetched from a refused
+address, and the server keeps serving."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+
+import pytest
+
+from tests.entrypoints.openai.remote_server import TINY_MODEL_NAME
+from tests.multimodal.media_server import MediaServer
+
+
+@pytest.fixture(scope="module")
+def media_server() -> Iterator[MediaServer]:
+    server = MediaServer()
+    yield server
+    server.stop()
+
+
+def image_chat(url: str, stream: bool = False) -> dict:
+    content = [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": url}},
+    ]
+    return {
+        "model": TINY_MODEL_NAME,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 2,
+        "stream": stream,
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_image_url_on_loopback_is_a_400_and_never_fetched(tiny_server, media_server, stream):
+    with tiny_server.http() as http:
+        response = http.post(
+            "/v1/chat/completions", json=image_chat(media_server.url("/image.png"), stream)
+        )
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == "messages"
+        assert "127.0.0.1" in error["message"] and "loopback" in error["message"]
+        assert "--allowed-media-networks" in error["message"]
+        assert media_server.requests == []
+
+        text_chat = {
+            "model": TINY_MODEL_NAME,
+            "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 2,
+        }
+        answer = http.post("/v1/chat/completions", json=text_chat)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    ("url", "named"),
+    [
+        ("data:text/plain;base64," + base64.b64encode(b"hello").decode(), "image/*"),
+        ("data:image/png;base64," + base64.b64encode(b"hello").decode(), "not an image"),
+        ("file:///etc/passwd", "--allowed-local-media-path"),
+        ("gopher://example.com/1", "scheme 'gopher'"),
+        ("http://169.254.169.254/latest/meta-data/", "link-local"),
+    ],
+)
+def test_each_refusal_is_a_400_naming_why(tiny_server, url, named):
+    with tiny_server.http() as http:
+        response = http.post("/v1/chat/completions", json=image_chat(url))
+    assert response.status_code == 400, response.text
+    assert named in response.json()["error"]["message"]
+
+
+def test_unsupported_parts_and_tokenize_with_images_are_400(tiny_server):
+    audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
+    body = {"model": TINY_MODEL_NAME, "messages": [{"role": "user", "content": [audio]}]}
+    with tiny_server.http() as http:
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400
+        assert "'input_audio' is not supported" in response.json()["error"]["message"]
+        tokenize = http.post("/tokenize", json=image_chat("https://example.com/a.png"))
+        assert tokenize.status_code == 400
+        assert "/v1/chat/completions only" in tokenize.json()["error"]["message"]
