@@ -3,11 +3,13 @@ refusal (address, redirect hop, domain, bytes, pixels, time, content type, local
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import ipaddress
 import os
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from PIL import Image, ImageFile
 
@@ -253,3 +255,18 @@ def test_config_is_checked():
         MediaConnectorConfig(allowed_local_media_path="/nonexistent/media")
     with pytest.raises(ValueError, match="media_fetch_timeout"):
         MediaConnectorConfig(media_fetch_timeout=0)
+
+
+def test_https_connects_to_the_checked_address_with_the_name_for_sni():
+    """The request goes to the IP that was checked; Host and the TLS server name (so the
+    certificate check) keep the URL's name."""
+
+    async def build():
+        media = connector(allowed_media_networks=LOOPBACK)
+        async with httpx.AsyncClient() as client:
+            return await media._pinned_request(client, httpx.URL("https://localhost:8443/a.png"))
+
+    request = asyncio.run(build())
+    assert request.url.host in ("127.0.0.1", "::1") and request.url.port == 8443
+    assert request.headers["Host"] == "localhost:8443"
+    assert request.extensions["sni_hostname"] == "localhost"

@@ -82,3 +82,25 @@ def test_unsupported_parts_and_tokenize_with_images_are_400(tiny_server):
         tokenize = http.post("/tokenize", json=image_chat("https://example.com/a.png"))
         assert tokenize.status_code == 400
         assert "/v1/chat/completions only" in tokenize.json()["error"]["message"]
+
+
+def test_media_flags_reach_the_connector_and_the_chat(tmp_path):
+    from tokenserve.entrypoints.cli import build_parser
+    from tokenserve.entrypoints.openai.api_server import chat_content_from, media_connector_from
+
+    args = build_parser().parse_args(
+        ["serve", "--allowed-media-domains", "Images.Example.", "--allowed-media-networks",
+         "10.1.0.0/16", "--allowed-local-media-path", str(tmp_path), "--media-fetch-timeout",
+         "2.5", "--max-media-bytes", "1MiB", "--max-image-pixels", "1000",
+         "--max-media-redirects", "1", "--chat-template-content-format", "openai"]
+    )
+    config = media_connector_from(args).config
+    assert config.allowed_media_domains == ("images.example",)
+    assert config.allowed_media_networks == ("10.1.0.0/16",)
+    assert config.allowed_local_media_path == str(tmp_path.resolve())
+    assert (config.media_fetch_timeout, config.max_media_bytes) == (2.5, 1024**2)
+    assert (config.max_image_pixels, config.max_media_redirects) == (1000, 1)
+    assert chat_content_from(args).content_format == "openai"
+    # --limit-mm-per-prompt (an engine flag) bounds the images a prompt may fetch.
+    args.limit_mm_per_prompt = '{"image": 2}'
+    assert chat_content_from(args).max_images_per_prompt == 2
