@@ -61,7 +61,8 @@ def test_png_is_fetched_and_decoded_from_an_allowed_network(server):
     assert image.getpixel((3, 2)) == (200, 30, 90)
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+# A name, and the numeric spellings the resolver takes for 127.0.0.1.
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "2130706433", "0x7f.0.0.1", "127.1"])
 def test_loopback_is_refused_unless_allowed_without_connecting(server, host):
     url = server.url("/image.png", host)
 

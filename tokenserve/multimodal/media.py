@@ -22,7 +22,6 @@ import socket
 import stat
 import urllib.parse
 import urllib.request
-import warnings
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -110,21 +109,19 @@ class MediaConnector:
     def decode_image(self, data: bytes) -> Image.Image:
         """Bytes → RGB image: pixels counted from the header before the image is decoded."""
         try:
-            with warnings.catch_warnings():
-                # PIL's own decompression-bomb guard, as an error rather than a warning.
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
-                width, height = image.size
-                if width * height > self.config.max_image_pixels:
-                    raise MediaTooLarge(
-                        f"The image is {width}x{height} = {width * height} pixels, over the "
-                        f"limit of {self.config.max_image_pixels} (--max-image-pixels)."
-                    )
-                image.load()
-                return image.convert("RGB")
+            # Reads the header only; PIL's own bomb guard refuses far too large images here.
+            image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+            width, height = image.size
+            if width * height > self.config.max_image_pixels:
+                raise MediaTooLarge(
+                    f"The image is {width}x{height} = {width * height} pixels, over the "
+                    f"limit of {self.config.max_image_pixels} (--max-image-pixels)."
+                )
+            image.load()
+            return image.convert("RGB")
         except MediaError:
             raise
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        except Image.DecompressionBombError as error:
             raise MediaTooLarge(f"The image is too large to decode: {error}") from None
         except Image.UnidentifiedImageError:
             raise MediaTypeRefused(
