@@ -45,6 +45,8 @@ T = TypeVar("T")
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 _REDIRECT_STATUSES = {301, 302, 303, 307, 308}
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+# One request's images are fetched at most this many at a time (sockets and threads).
+MAX_CONCURRENT_FETCHES = 8
 
 
 class MediaConnector:
@@ -86,7 +88,15 @@ class MediaConnector:
     async def fetch_images_async(self, items: Sequence[str | Image.Image]) -> list[Image.Image]:
         """Every URL fetched at once (an image given as a PIL image is kept as it is); the
         first refusal cancels the other fetches and is raised."""
-        tasks = [asyncio.ensure_future(self._image_of(item)) for item in items]
+        slots = asyncio.Semaphore(MAX_CONCURRENT_FETCHES)
+
+        async def image_of(item: str | Image.Image) -> Image.Image:
+            if isinstance(item, Image.Image):
+                return item
+            async with slots:
+                return await self.fetch_image_async(item)
+
+        tasks = [asyncio.ensure_future(image_of(item)) for item in items]
         if not tasks:
             return []
         try:
@@ -102,9 +112,6 @@ class MediaConnector:
 
     def fetch_images(self, items: Sequence[str | Image.Image]) -> list[Image.Image]:
         return run_sync(self.fetch_images_async(items))
-
-    async def _image_of(self, item: str | Image.Image) -> Image.Image:
-        return item if isinstance(item, Image.Image) else await self.fetch_image_async(item)
 
     def decode_image(self, data: bytes) -> Image.Image:
         """Bytes → RGB image: pixels counted from the header before the image is decoded."""

@@ -72,6 +72,18 @@ def test_each_refusal_is_a_400_naming_why(tiny_server, url, named):
     assert named in response.json()["error"]["message"]
 
 
+def test_too_many_images_are_refused_before_any_fetch(tiny_server, media_server):
+    """Without --limit-mm-per-prompt a prompt may hold 16 images."""
+    body = image_chat(media_server.url("/image.png"))
+    part = body["messages"][0]["content"][1]
+    body["messages"][0]["content"] += [part] * 16
+    with tiny_server.http() as http:
+        response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    assert "At most 16 image(s)" in response.json()["error"]["message"]
+    assert media_server.requests == []
+
+
 def test_unsupported_parts_and_tokenize_with_images_are_400(tiny_server):
     audio = {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}
     body = {"model": TINY_MODEL_NAME, "messages": [{"role": "user", "content": [audio]}]}
@@ -101,6 +113,7 @@ def test_media_flags_reach_the_connector_and_the_chat(tmp_path):
     assert (config.media_fetch_timeout, config.max_media_bytes) == (2.5, 1024**2)
     assert (config.max_image_pixels, config.max_media_redirects) == (1000, 1)
     assert chat_content_from(args).content_format == "openai"
+    assert chat_content_from(args).max_images_per_prompt == 16  # without --limit-mm-per-prompt
     # --limit-mm-per-prompt (an engine flag) bounds the images a prompt may fetch.
     args.limit_mm_per_prompt = '{"image": 2}'
     assert chat_content_from(args).max_images_per_prompt == 2

@@ -79,6 +79,8 @@ from tokenserve.version import __version__
 logger = logging.getLogger(__name__)
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Images one chat prompt may fetch when --limit-mm-per-prompt does not say.
+DEFAULT_MAX_IMAGES = 16
 # After the engine dies, the server keeps answering 503/500 this long, then exits non-zero.
 ENGINE_DEATH_EXIT_DELAY_S = 5.0
 
@@ -291,9 +293,10 @@ def chat_content_from(args: argparse.Namespace) -> ChatContentConfig:
     limit = getattr(args, "limit_mm_per_prompt", None)
     if isinstance(limit, str):
         limit = json.loads(limit)
+    max_images = limit.get("image") if isinstance(limit, dict) else None
     return ChatContentConfig(
         content_format=args.chat_template_content_format,
-        max_images_per_prompt=limit.get("image") if isinstance(limit, dict) else None,
+        max_images_per_prompt=max_images if max_images is not None else DEFAULT_MAX_IMAGES,
     )
 
 
