@@ -86,8 +86,8 @@ class MediaConnector:
         return run_sync(self.fetch_image_async(url))
 
     async def fetch_images_async(self, items: Sequence[str | Image.Image]) -> list[Image.Image]:
-        """Every URL fetched at once (an image given as a PIL image is kept as it is); the
-        first refusal cancels the other fetches and is raised."""
+        """Every URL fetched concurrently, `MAX_CONCURRENT_FETCHES` at a time (an image given
+        as a PIL image is kept as it is); the first refusal cancels the others and is raised."""
         slots = asyncio.Semaphore(MAX_CONCURRENT_FETCHES)
 
         async def image_of(item: str | Image.Image) -> Image.Image:
