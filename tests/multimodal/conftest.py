@@ -36,10 +36,10 @@ def random_image(seed: int, size: tuple[int, int] = (40, 52)) -> Image.Image:
 
 
 def _vision_config(cls, **overrides):
-    settings = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        initializer_range=0.25,
-    )
+    settings = {
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "initializer_range": 0.25,
+    }
     settings.update(overrides)
     return cls(**settings)
 

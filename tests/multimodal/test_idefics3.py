@@ -12,7 +12,7 @@ from tokenserve.sampling_params import SamplingParams
 
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-ENGINE = dict(block_size=16, num_kv_blocks=64, max_model_len=512)
+ENGINE = {"block_size": 16, "num_kv_blocks": 64, "max_model_len": 512}
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [None, 8], ids=["whole", "chunked"])

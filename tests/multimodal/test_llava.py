@@ -13,7 +13,7 @@ from tokenserve.sampling_params import SamplingParams
 
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-ENGINE = dict(block_size=16, num_kv_blocks=64, max_model_len=512)
+ENGINE = {"block_size": 16, "num_kv_blocks": 64, "max_model_len": 512}
 LONG_TEXT = (
     "Once upon a time there was a small village at the edge of a great forest. Every "
     "morning the baker opened his shop and the children walked to school. "

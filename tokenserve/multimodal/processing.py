@@ -123,7 +123,7 @@ class MultiModalProcessor:
                 text=self.image_token, images=[image], add_special_tokens=False,
                 return_tensors="pt",
             )
-        except Exception as error:  # noqa: BLE001 - any failure of a bad image is the input's
+        except Exception as error:  # any failure on a bad image is the input's fault
             raise ValueError(f"Cannot process image {index}: {error}") from error
         expansion = [int(t) for t in outputs["input_ids"][0]]
         if self.image_token_id not in expansion:
