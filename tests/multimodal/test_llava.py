@@ -5,9 +5,15 @@ image, a repeated image is encoded once, and bad image inputs are ValueErrors.""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import shutil
+
 import pytest
 
 from tests.multimodal.conftest import hf_generate, random_image
+from tokenserve.engine.async_llm import AsyncLLM
+from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.entrypoints.llm import LLM
 from tokenserve.sampling_params import SamplingParams
 
@@ -164,10 +170,44 @@ def test_text_only_model_refuses_images(tiny_model_dirs: dict[str, str]):
         generate(llm, "Hello", random_image(1))
 
 
-def test_chat_template_comes_from_the_processor(llava: LLM):
-    tokenizer = llava.get_tokenizer()
+def test_chat_template_comes_from_the_processor(tiny_llava_dir: str, tmp_path):
+    """A template kept only in the processor's chat_template.json reaches the tokenizer that
+    renders chats."""
+    model_dir = tmp_path / "llava"
+    shutil.copytree(tiny_llava_dir, model_dir)
+    template_file = model_dir / "chat_template.jinja"
+    (model_dir / "chat_template.json").write_text(
+        json.dumps({"chat_template": template_file.read_text()})
+    )
+    template_file.unlink()
+    tokenizer = LLM(str(model_dir), **ENGINE).get_tokenizer()
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}],
         tokenize=False,
     )
     assert "<image>Hi" in text
+
+
+def test_async_engine_process(tiny_llava_dir: str):
+    """Images reach an engine core in its own process (msgpack over ZMQ) and give the same
+    tokens, two concurrent requests sharing one image."""
+    image = random_image(30)
+    prompts = ["One: <image>?", "Two: <image>!"]
+
+    async def run() -> list[list[int]]:
+        engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llava_dir, **ENGINE))
+        try:
+
+            async def one(index: int, prompt: str) -> list[int]:
+                request = {"prompt": prompt, "multi_modal_data": {"image": image}}
+                async for output in engine.generate(request, GREEDY, f"req-{index}"):
+                    if output.finished:
+                        return output.outputs[0].token_ids
+                raise AssertionError("no final output")
+
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+        finally:
+            engine.shutdown()
+
+    for prompt, tokens in zip(prompts, asyncio.run(run())):
+        assert tokens == hf_generate(tiny_llava_dir, prompt, [image], MAX_TOKENS)[1]

@@ -41,6 +41,11 @@ class MultiModalProcessor:
         except (OSError, ValueError, KeyError, TypeError) as error:
             raise ValueError(f"Cannot load the image processor of {model_dir!r}: {error}") from error
         self.config = config
+        # Chats are rendered with the tokenizer: a template kept only by the processor
+        # (chat_template.json / processor config) must reach it.
+        template = getattr(self.hf_processor, "chat_template", None)
+        if template and not getattr(tokenizer, "chat_template", None):
+            tokenizer.chat_template = template
         self.image_token = str(self.hf_processor.image_token)
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
         # hash → (the placeholder's expansion, the processor's tensors as TensorData).
