@@ -160,6 +160,9 @@ class EngineArgs:
     # tokens one step may compute (None: max_num_batched_tokens).
     limit_mm_per_prompt: dict | str | None = None
     max_num_encoder_input_tokens: int | None = None
+    # Image encoder output tokens the encoder cache holds (None: max_num_encoder_input_tokens,
+    # as vLLM; an image larger than the cache still fits an empty one).
+    encoder_cache_size: int | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -244,6 +247,7 @@ class EngineArgs:
             prefill_order=self.prefill_order,
             admission_lookahead_tokens=self.admission_lookahead_tokens,
             max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
+            encoder_cache_size=self.encoder_cache_size,
         )
         return EngineConfig(
             model_config,
@@ -269,7 +273,7 @@ class EngineArgs:
     def _validate_numbers(self) -> None:
         parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
         for name in ("max_num_batched_tokens", "max_num_seqs", "block_size",
-                     "max_num_encoder_input_tokens"):
+                     "max_num_encoder_input_tokens", "encoder_cache_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
         if self.max_model_len is not None and self.max_model_len < 2:
