@@ -45,31 +45,49 @@ def _vision_config(cls, **overrides):
 
 
 def build_tiny_llava(
-    directory: str | Path, text_family: str = "llama", image_size: int = 56, seed: int = 0
+    directory: str | Path,
+    text_family: str = "llama",
+    tower: str = "clip",
+    image_size: int = 56,
+    seed: int = 0,
 ) -> str:
-    """LLaVA with a CLIP tower: (image_size / 14)² image tokens per image."""
+    """LLaVA with a CLIP tower (its class token dropped: the "default" strategy) or a SigLIP
+    one (every patch: "full"): (image_size / 14)² image tokens per image."""
     tokenizer = write_tiny_tokenizer(directory)
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     text_config = tiny_model_config(text_family, vocab_size=len(tokenizer))
-    vision_config = _vision_config(
-        transformers.CLIPVisionConfig, image_size=image_size, patch_size=14, projection_dim=32
-    )
+    clip = tower == "clip"
+    if clip:
+        vision_config = _vision_config(
+            transformers.CLIPVisionConfig, image_size=image_size, patch_size=14, projection_dim=32
+        )
+    else:
+        vision_config = _vision_config(
+            transformers.SiglipVisionConfig, image_size=image_size, patch_size=14
+        )
+    strategy = "default" if clip else "full"
     config = transformers.LlavaConfig(
         vision_config=vision_config, text_config=text_config, image_token_index=image_token_id,
-        projector_hidden_act="gelu", vision_feature_select_strategy="default",
-        vision_feature_layer=-2, image_seq_length=(image_size // 14) ** 2,
+        projector_hidden_act="gelu", vision_feature_select_strategy=strategy,
+        vision_feature_layer=-2 if clip else -1, image_seq_length=(image_size // 14) ** 2,
         tie_word_embeddings=text_config.tie_word_embeddings,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = transformers.LlavaForConditionalGeneration(config)
-    image_processor = transformers.CLIPImageProcessor(
-        size={"shortest_edge": image_size}, crop_size={"height": image_size, "width": image_size}
-    )
+    if clip:
+        image_processor = transformers.CLIPImageProcessor(
+            size={"shortest_edge": image_size},
+            crop_size={"height": image_size, "width": image_size},
+        )
+    else:
+        image_processor = transformers.SiglipImageProcessor(
+            size={"height": image_size, "width": image_size}
+        )
     processor = transformers.LlavaProcessor(
         image_processor=image_processor, tokenizer=tokenizer, patch_size=14,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        vision_feature_select_strategy=strategy, num_additional_image_tokens=1 if clip else 0,
         chat_template=VLM_CHAT_TEMPLATE,
     )
     model.save_pretrained(str(directory))
@@ -124,8 +142,11 @@ def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="session")
-def tiny_llava_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_llava(tmp_path_factory.mktemp("tiny_llava_qwen2"), text_family="qwen2")
+def tiny_llava_siglip_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """LLaVA with a SigLIP tower and a Qwen2 language model (tied embeddings, qkv bias)."""
+    return build_tiny_llava(
+        tmp_path_factory.mktemp("tiny_llava_siglip_qwen2"), text_family="qwen2", tower="siglip"
+    )
 
 
 @pytest.fixture(scope="session")

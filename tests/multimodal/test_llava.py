@@ -135,10 +135,10 @@ def test_preemption_keeps_outputs_token_exact(tiny_llava_dir: str):
         assert output.outputs[0].token_ids == expected
 
 
-def test_qwen2_language_model(tiny_llava_qwen2_dir: str):
-    llm = LLM(tiny_llava_qwen2_dir, **ENGINE)
+def test_siglip_tower_and_qwen2_language_model(tiny_llava_siglip_qwen2_dir: str):
+    llm = LLM(tiny_llava_siglip_qwen2_dir, **ENGINE)
     image = random_image(20)
-    _, expected = hf_generate(tiny_llava_qwen2_dir, "Look: <image>!", [image], MAX_TOKENS)
+    _, expected = hf_generate(tiny_llava_siglip_qwen2_dir, "Look: <image>!", [image], MAX_TOKENS)
     assert generate(llm, "Look: <image>!", image).outputs[0].token_ids == expected
 
 

@@ -84,8 +84,8 @@ class LlavaForConditionalGeneration(nn.Module):
         pixel_values = data["pixel_values"].reshape(-1, *data["pixel_values"].shape[-3:])
         hidden_states = self.vision_tower(pixel_values.to(self.dtype), max(self.feature_layers))
         features = torch.cat([hidden_states[i] for i in self.feature_layers], dim=-1)
-        if self.config.vision_feature_select_strategy == "default" and self.has_class_token:
-            features = features[:, 1:]
+        if self.config.vision_feature_select_strategy == "default":
+            features = features[:, 1:]  # CLIP's class token (transformers drops the first row)
         return self.multi_modal_projector(features).flatten(0, 1)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
