@@ -27,7 +27,7 @@ from tokenserve.multimodal.tensors import to_tensor_data
 logger = logging.getLogger(__name__)
 
 # Processed images kept by hash (a repeated image is not processed again).
-_PROCESSED_CACHE_SIZE = 256
+_PROCESSED_CACHE_SIZE = 64
 # Processor outputs that describe the text, not the image.
 _TEXT_KEYS = ("input_ids", "attention_mask", "token_type_ids")
 
