@@ -66,7 +66,8 @@ def test_unreferenced_outputs_stay_until_space_is_needed():
     cache.allocate(first, 0)
     cache.free(first)  # the request is done with it, the output stays
     second = request("r2", feature("a", 5, 10))
-    assert cache.has_cache(second, 0)  # reused, and referenced again
+    assert cache.has_cache("a")
+    cache.add_reference(second, 0)  # reused, and referenced again
     third = request("r3", feature("b", 0, 10), feature("c", 20, 10))
     cache.allocate(third, 0)
     # "a" is referenced by r2: there is no room for "c" beside "a" and "b".
@@ -75,7 +76,7 @@ def test_unreferenced_outputs_stay_until_space_is_needed():
     assert cache.can_allocate(10, reserved=0)
     cache.allocate(third, 1)
     assert cache.get_freed_mm_hashes() == ["a"]  # evicted: the workers drop it
-    assert not cache.has_cache(second, 0)
+    assert not cache.has_cache("a")
 
 
 def test_chunk_stops_before_an_image_over_the_budget():
@@ -83,14 +84,29 @@ def test_chunk_stops_before_an_image_over_the_budget():
     plan = EncoderPlan(budget=12)
     req = request("r", feature("a", 4, 8), feature("b", 20, 8))
     # Image "a" fits the budget; "b" would exceed it: the chunk ends where "b" starts.
-    num_new_tokens, to_encode = schedule_encoder_inputs(cache, plan, req, 0, 40)
-    assert (num_new_tokens, to_encode) == (20, [0])
-    commit_encoder_inputs(cache, plan, req, to_encode)
+    num_new_tokens, inputs = schedule_encoder_inputs(cache, plan, req, 0, 40)
+    assert (num_new_tokens, inputs.to_encode) == (20, [0])
+    commit_encoder_inputs(cache, plan, req, inputs)
     assert plan.inputs == {"r": [0]} and plan.budget == 4
     # Computed past "a": only "b" is needed, and an image alone in a step always runs.
     req.num_computed_tokens = 20
-    num_new_tokens, to_encode = schedule_encoder_inputs(cache, EncoderPlan(4), req, 20, 20)
-    assert (num_new_tokens, to_encode) == (20, [1])
+    num_new_tokens, inputs = schedule_encoder_inputs(cache, EncoderPlan(4), req, 20, 20)
+    assert (num_new_tokens, inputs.to_encode) == (20, [1])
+
+
+def test_a_request_not_scheduled_holds_no_reference():
+    cache = EncoderCacheManager(cache_size=10)
+    owner = request("r1", feature("a", 0, 10))
+    cache.allocate(owner, 0)
+    cache.free(owner)
+    reader = request("r2", feature("a", 0, 10), feature("b", 12, 10))
+    # The chunk reads "a" (held); "b" does not fit beside it: the chunk stops before "b".
+    num_new_tokens, inputs = schedule_encoder_inputs(cache, EncoderPlan(100), reader, 0, 30)
+    assert (num_new_tokens, inputs.reused, inputs.to_encode) == (12, [0], [])
+    # Planned but not committed (the request was not scheduled): "a" stays evictable.
+    assert cache.freeable == {"a": 10}
+    commit_encoder_inputs(cache, EncoderPlan(100), reader, inputs)
+    assert cache.freeable == {} and cache.cached["a"] == {"r2"}
 
 
 def test_features_cross_the_wire():

@@ -31,14 +31,14 @@ class EncoderCacheManager:
         # Hashes evicted since the workers were last told.
         self.freed: list[str] = []
 
-    def has_cache(self, request: Request, input_id: int) -> bool:
-        """Whether the image's output is held; if so the request takes a reference on it."""
+    def has_cache(self, identifier: str) -> bool:
+        return identifier in self.cached
+
+    def add_reference(self, request: Request, input_id: int) -> None:
+        """The request will read the held output of its image `input_id`."""
         identifier = request.mm_features[input_id].identifier  # type: ignore[index]
-        if identifier not in self.cached:
-            return False
         self.cached[identifier].add(request.request_id)
         self.freeable.pop(identifier, None)
-        return True
 
     def can_allocate(self, num_embeds: int, reserved: int) -> bool:
         """Whether `num_embeds` more fit beside `reserved` already planned this step, evicting
@@ -91,19 +91,27 @@ class EncoderPlan:
     inputs: dict[str, list[int]] = field(default_factory=dict)
 
 
+@dataclass
+class EncoderInputs:
+    """A chunk's images: those to encode this step, and those whose held output it reads."""
+
+    to_encode: list[int] = field(default_factory=list)
+    reused: list[int] = field(default_factory=list)
+
+
 def schedule_encoder_inputs(
     cache: EncoderCacheManager,
     plan: EncoderPlan,
     request: Request,
     num_computed_tokens: int,
     num_new_tokens: int,
-) -> tuple[int, list[int]]:
+) -> tuple[int, EncoderInputs]:
     """The chunk [num_computed_tokens, + num_new_tokens) of `request`: its length, cut before
     the first image whose encoder cannot run this step (encoder budget or cache space), and
-    the images to encode for it. Images already computed past, or held in the cache, need no
-    encoder run. The caller commits the images with `commit_encoder_inputs` once the chunk
-    is scheduled."""
-    to_encode: list[int] = []
+    its images. Images already computed past need nothing; held ones are read. Nothing
+    changes until the caller commits the images (`commit_encoder_inputs`) once the chunk is
+    scheduled: a request that is not scheduled holds no reference."""
+    inputs = EncoderInputs()
     identifiers: set[str] = set()
     budget, reserved = plan.budget, 0
     end = num_computed_tokens + num_new_tokens
@@ -112,8 +120,14 @@ def schedule_encoder_inputs(
             break  # this image and the next ones lie after the chunk
         if feature.offset + feature.length <= num_computed_tokens:
             continue  # its placeholders are computed (or came from the prefix cache)
-        if feature.identifier in identifiers or cache.has_cache(request, input_id):
-            continue  # held, or encoded for an earlier placeholder of this chunk
+        if feature.identifier in identifiers:
+            continue  # encoded for an earlier placeholder of this chunk
+        if cache.has_cache(feature.identifier):
+            inputs.reused.append(input_id)
+            # A held output this chunk reads is no room for another image.
+            reserved += cache.freeable.get(feature.identifier, 0)
+            identifiers.add(feature.identifier)
+            continue
         num_embeds = feature.num_embeds
         # An image bigger than the whole budget runs alone in a step rather than never.
         over_budget = num_embeds > budget and not (budget == plan.budget and not plan.inputs)
@@ -123,13 +137,17 @@ def schedule_encoder_inputs(
         budget -= num_embeds
         reserved += num_embeds
         identifiers.add(feature.identifier)
-        to_encode.append(input_id)
-    return num_new_tokens, to_encode
+        inputs.to_encode.append(input_id)
+    return num_new_tokens, inputs
 
 
 def commit_encoder_inputs(
-    cache: EncoderCacheManager, plan: EncoderPlan, request: Request, to_encode: list[int]
+    cache: EncoderCacheManager, plan: EncoderPlan, request: Request, inputs: EncoderInputs
 ) -> None:
+    # References first: allocating the new ones must not evict what the chunk reads.
+    for input_id in inputs.reused:
+        cache.add_reference(request, input_id)
+    to_encode = inputs.to_encode
     for input_id in to_encode:
         cache.allocate(request, input_id)
         num_embeds = request.mm_features[input_id].num_embeds  # type: ignore[index]

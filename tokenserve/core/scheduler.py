@@ -42,6 +42,7 @@ from tokenserve.config import (
 )
 from tokenserve.core.encoder_cache_manager import (
     EncoderCacheManager,
+    EncoderInputs,
     EncoderPlan,
     commit_encoder_inputs,
     free_computed_encoder_inputs,
@@ -406,9 +407,9 @@ class Scheduler:
         Returns whether the request was scheduled (True too when an image it reaches cannot
         be encoded this step and nothing before the image is left to compute).
         """
-        to_encode: list[int] = []
+        encoder_inputs = EncoderInputs()
         if request.mm_features:
-            num_new_tokens, to_encode = schedule_encoder_inputs(
+            num_new_tokens, encoder_inputs = schedule_encoder_inputs(
                 self.encoder_cache_manager, plan.encoder, request,
                 request.num_computed_tokens, num_new_tokens,
             )
@@ -428,7 +429,7 @@ class Scheduler:
             if victim is request:
                 return False
         plan.add_running(request, num_new_tokens, [block.block_id for block in new_blocks])
-        commit_encoder_inputs(self.encoder_cache_manager, plan.encoder, request, to_encode)
+        commit_encoder_inputs(self.encoder_cache_manager, plan.encoder, request, encoder_inputs)
         return True
 
     def _admit(self, request: Request, plan: StepPlan, prefill_budget: PrefillBudget) -> bool:
@@ -453,9 +454,9 @@ class Scheduler:
             return False
         num_new_tokens = min(num_new_tokens, plan.token_budget)
         num_new_tokens = prefill_budget.grant(num_hit_tokens, num_new_tokens)
-        to_encode: list[int] = []
+        encoder_inputs = EncoderInputs()
         if request.mm_features:
-            num_new_tokens, to_encode = schedule_encoder_inputs(
+            num_new_tokens, encoder_inputs = schedule_encoder_inputs(
                 self.encoder_cache_manager, plan.encoder, request, num_hit_tokens, num_new_tokens
             )
         if num_new_tokens == 0:
@@ -475,7 +476,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         plan.add_new(request, num_new_tokens)
-        commit_encoder_inputs(self.encoder_cache_manager, plan.encoder, request, to_encode)
+        commit_encoder_inputs(self.encoder_cache_manager, plan.encoder, request, encoder_inputs)
         return True
 
     # ---- helpers -------------------------------------------------------------------
