@@ -29,6 +29,21 @@ class PoolerConfig:
     normalize: bool = True
 
 
+# Items of a modality a prompt may hold unless --limit-mm-per-prompt says (vLLM V1's default).
+DEFAULT_MM_LIMIT_PER_PROMPT = 999
+
+
+@dataclass
+class MultiModalConfig:
+    """A multimodal model's inputs (multimodal/): the most items of each modality one prompt
+    may hold (vLLM's `limit_mm_per_prompt`, {"image": N})."""
+
+    limit_per_prompt: dict[str, int] = field(default_factory=dict)
+
+    def get_limit_per_prompt(self, modality: str) -> int:
+        return self.limit_per_prompt.get(modality, DEFAULT_MM_LIMIT_PER_PROMPT)
+
+
 @dataclass
 class ModelConfig:
     model: str
@@ -53,23 +68,31 @@ class ModelConfig:
     is_encoder_only: bool = False
     # Matryoshka embeddings: `dimensions` may shorten them.
     is_matryoshka: bool = False
+    # A vision-language model (LLaVA, Idefics3): its inputs' limits; None: text only.
+    multimodal_config: MultiModalConfig | None = None
+
+    @property
+    def text_config(self) -> Any:
+        """The language model's config: a vision-language model's `text_config`, else the config."""
+        return getattr(self.hf_config, "text_config", None) or self.hf_config
 
     @property
     def num_layers(self) -> int:
-        return self.hf_config.num_hidden_layers
+        return self.text_config.num_hidden_layers
 
     @property
     def num_kv_heads(self) -> int:
-        return getattr(self.hf_config, "num_key_value_heads", None) or self.hf_config.num_attention_heads
+        config = self.text_config
+        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
     @property
     def head_dim(self) -> int:
-        head_dim = getattr(self.hf_config, "head_dim", None)
-        return head_dim or self.hf_config.hidden_size // self.hf_config.num_attention_heads
+        head_dim = getattr(self.text_config, "head_dim", None)
+        return head_dim or self.text_config.hidden_size // self.text_config.num_attention_heads
 
     @property
     def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
+        return self.text_config.vocab_size
 
     def kv_bytes_per_token(self, cache_dtype: torch.dtype | None = None) -> int:
         """Bytes of K and V per token over all layers, in `cache_dtype` (default: the
@@ -115,6 +138,16 @@ class SchedulerConfig:
     # Admit a request only if the running requests and it fit the KV pool over their next
     # this many tokens of growth (core/kv_lookahead.py); 0: admit whenever the prompt fits.
     admission_lookahead_tokens: int = DEFAULT_LOOKAHEAD_TOKENS
+    # Multimodal models: image encoder output tokens one step may compute (vLLM's name), and
+    # how many the encoder cache holds; None: max_num_batched_tokens, as vLLM.
+    max_num_encoder_input_tokens: int | None = None
+    encoder_cache_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_encoder_input_tokens is None:
+            self.max_num_encoder_input_tokens = self.max_num_batched_tokens
+        if self.encoder_cache_size is None:
+            self.encoder_cache_size = self.max_num_encoder_input_tokens
 
 
 # The executors the engine core can run the model with (executor/backends.py): "uni", one

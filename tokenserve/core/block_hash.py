@@ -2,7 +2,7 @@
 
 A block's hash covers its parent's hash, its own token ids and the extra keys that
 change the KV beyond the tokens (`cache_salt`, on the first block only; the LoRA
-adapter's key, on every block).
+adapter's key, on every block; the hash of each image whose placeholders overlap the block).
 """
 
 from __future__ import annotations
@@ -51,17 +51,27 @@ def extend_block_hashes(
     block_size: int,
     cache_salt: str | None,
     lora_key: str | None = None,
+    mm_spans: Sequence[tuple[int, int, str]] = (),
 ) -> None:
-    """Append the hashes of every full block of `token_ids` not hashed yet."""
+    """Append the hashes of every full block of `token_ids` not hashed yet.
+
+    `mm_spans`: (offset, length, content hash) of each image's placeholders, in prompt
+    order; a block's KV depends on the images its positions embed."""
     num_full_blocks = len(token_ids) // block_size
     for index in range(len(block_hashes), num_full_blocks):
         start = index * block_size
         parent = block_hashes[-1] if block_hashes else None
         extra: tuple[str, ...] = (cache_salt,) if index == 0 and cache_salt else ()
-        if lora_key:
-            # The first block's salt slot is always there with an adapter ("" without a
-            # salt), so that a salt can never spell an adapter's key.
-            extra = ((extra or ("",)) if index == 0 else ()) + (lora_key,)
+        mm_keys = tuple(
+            f"mm:{identifier}"
+            for offset, length, identifier in mm_spans
+            if offset < start + block_size and offset + length > start
+        )
+        if lora_key or mm_keys:
+            # The first block's salt slot is always there with an adapter or an image (""
+            # without a salt), so that a salt can never spell their keys.
+            extra = ((extra or ("",)) if index == 0 else ()) + ((lora_key,) if lora_key else ())
+            extra += mm_keys
         block_hashes.append(
             hash_block(hash_fn, parent, token_ids[start : start + block_size], extra)
         )

@@ -142,5 +142,6 @@ class KVCacheManager:
             self.block_size,
             request.cache_salt,
             request.lora_request.block_hash_key if request.lora_request else None,
+            [(f.offset, f.length, f.identifier) for f in request.mm_features or ()],
         )
         return request.block_hashes

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from tokenserve.lora.request import LoRARequest
 from tokenserve.messages.engine_core import EngineCoreRequest
+from tokenserve.messages.multimodal import MultiModalFeature
 from tokenserve.pooling_params import PoolingParams
 from tokenserve.sampling_params import SamplingParams
 
@@ -62,6 +63,8 @@ class Request:
     pooling_params: PoolingParams | None = None
     # The adapter it runs with (LoRA): a block-hash extra key, so adapters share no KV.
     lora_request: LoRARequest | None = None
+    # Its images: placeholder spans, hashes (block-hash extra keys), encoder inputs.
+    mm_features: list[MultiModalFeature] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -96,6 +99,7 @@ class Request:
             skip_prefix_cache=request.skip_prefix_cache,
             pooling_params=request.pooling_params,
             lora_request=request.lora_request,
+            mm_features=request.mm_features,
         )
 
     def to_engine_core_request(self) -> EngineCoreRequest:
@@ -111,6 +115,7 @@ class Request:
             skip_prefix_cache=self.skip_prefix_cache,
             pooling_params=self.pooling_params,
             lora_request=self.lora_request,
+            mm_features=self.mm_features,
         )
 
     @property

@@ -20,6 +20,9 @@ running request is preempted: it gives back its blocks and waits to be recompute
 Admission and preemption never share a step. With a target step time (`target_step_ms`),
 a `TargetStepBudget` caps the prompt tokens of each step on top of its decodes
 (core/step_cost.py).
+A prompt chunk over an image's placeholders needs the image's encoder output: it is run
+in the step (within `max_num_encoder_input_tokens`) or found in the encoder cache, else
+the chunk stops before the image (core/encoder_cache_manager.py).
 After the step, each sampled request takes its new tokens one by one up to its first stop
 (core/stop_checks.py); drafts the model rejected are taken back from `num_computed_tokens`.
 """
@@ -36,6 +39,14 @@ from tokenserve.config import (
     LoRAConfig,
     SchedulerConfig,
     SpeculativeConfig,
+)
+from tokenserve.core.encoder_cache_manager import (
+    EncoderCacheManager,
+    EncoderInputs,
+    EncoderPlan,
+    commit_encoder_inputs,
+    free_computed_encoder_inputs,
+    schedule_encoder_inputs,
 )
 from tokenserve.core.kv_cache_manager import KVCacheManager
 from tokenserve.core.kv_lookahead import admission_fits
@@ -68,6 +79,8 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     # Blocks a running request got this step (the runner appends them to its table).
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # The images whose encoder runs this step, within the encoder budget.
+    encoder: EncoderPlan = field(default_factory=lambda: EncoderPlan(0))
 
     def add_running(self, request: Request, num_new_tokens: int, new_block_ids: list[int]) -> None:
         self.scheduled_running.append(request)
@@ -119,6 +132,8 @@ class Scheduler:
             hash_algo=cache_config.prefix_caching_hash_algo,
         )
         self.requests: dict[str, Request] = {}
+        # Which images' encoder outputs the workers hold (multimodal models).
+        self.encoder_cache_manager = EncoderCacheManager(scheduler_config.encoder_cache_size)
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
         # Requests finished since the last schedule(), for the runner to forget.
@@ -165,6 +180,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = StepPlan(self.config.max_num_batched_tokens)
+        plan.encoder = EncoderPlan(self.config.max_num_encoder_input_tokens)
         prefill_budget = self._prefill_budget()
         if self._schedule_decodes(plan):
             self._schedule_prompt_chunks(plan, prefill_budget)
@@ -183,9 +199,13 @@ class Scheduler:
             scheduled_spec_decode_tokens=scheduled_drafts,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in plan.preempted},
+            scheduled_encoder_inputs=plan.encoder.inputs,
+            free_encoder_mm_hashes=self.encoder_cache_manager.get_freed_mm_hashes(),
         )
         for request in (*plan.scheduled_running, *plan.scheduled_new):
             request.num_computed_tokens += plan.num_scheduled_tokens[request.request_id]
+            if request.mm_features:
+                free_computed_encoder_inputs(self.encoder_cache_manager, request)
         self.finished_req_ids = set()
         self.last_token_budget = prefill_budget.token_budget or self.config.max_num_batched_tokens
         if isinstance(prefill_budget, TargetStepBudget) and not output.is_empty:
@@ -384,8 +404,17 @@ class Scheduler:
 
         When the pool is short and `may_preempt`, running requests are preempted
         (`_choose_victim`) until the tokens fit or the request itself is the victim.
-        Returns whether the request was scheduled.
+        Returns whether the request was scheduled (True too when an image it reaches cannot
+        be encoded this step and nothing before the image is left to compute).
         """
+        encoder_inputs = EncoderInputs()
+        if request.mm_features:
+            num_new_tokens, encoder_inputs = schedule_encoder_inputs(
+                self.encoder_cache_manager, plan.encoder, request,
+                request.num_computed_tokens, num_new_tokens,
+            )
+            if num_new_tokens == 0:
+                return True
         while (
             new_blocks := self.kv_cache_manager.allocate_slots(
                 request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
@@ -400,6 +429,7 @@ class Scheduler:
             if victim is request:
                 return False
         plan.add_running(request, num_new_tokens, [block.block_id for block in new_blocks])
+        commit_encoder_inputs(self.encoder_cache_manager, plan.encoder, request, encoder_inputs)
         return True
 
     def _admit(self, request: Request, plan: StepPlan, prefill_budget: PrefillBudget) -> bool:
@@ -424,6 +454,11 @@ class Scheduler:
             return False
         num_new_tokens = min(num_new_tokens, plan.token_budget)
         num_new_tokens = prefill_budget.grant(num_hit_tokens, num_new_tokens)
+        encoder_inputs = EncoderInputs()
+        if request.mm_features:
+            num_new_tokens, encoder_inputs = schedule_encoder_inputs(
+                self.encoder_cache_manager, plan.encoder, request, num_hit_tokens, num_new_tokens
+            )
         if num_new_tokens == 0:
             return False
         new_blocks = self.kv_cache_manager.allocate_slots(
@@ -441,6 +476,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         plan.add_new(request, num_new_tokens)
+        commit_encoder_inputs(self.encoder_cache_manager, plan.encoder, request, encoder_inputs)
         return True
 
     # ---- helpers -------------------------------------------------------------------
@@ -471,6 +507,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -479,6 +516,7 @@ class Scheduler:
 
     def _free_request(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.encoder_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 
@@ -493,6 +531,7 @@ class Scheduler:
             eos_token_id=request.eos_token_id,
             pooling_params=request.pooling_params,
             lora_request=request.lora_request,
+            mm_features=request.mm_features,
         )
 
 

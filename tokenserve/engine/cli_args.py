@@ -97,6 +97,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
     lora.add_argument("--max-cpu-loras", type=int, default=defaults.max_cpu_loras,
                       help="Adapters kept loaded in memory, least recently used dropped first "
                            "(default: --max-loras).")
+    parser.add_argument("--limit-mm-per-prompt", default=None,
+                        help='Vision-language models: the most images one prompt may hold, as '
+                             'JSON, e.g. \'{"image": 2}\' (default 999).')
+    parser.add_argument("--max-num-encoder-input-tokens", type=int, default=None,
+                        help="Vision-language models: image encoder output tokens one step may "
+                             "compute (default: --max-num-batched-tokens).")
     parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
                         default=defaults.scheduling_policy, help="Order of admission and preemption.")
     parser.add_argument("--prefill-order", choices=list(PREFILL_ORDERS),

@@ -6,6 +6,7 @@ weight is read, so that a bad setting fails fast with a ValueError that names it
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import re
@@ -23,12 +24,13 @@ from tokenserve.config import (
     KernelConfig,
     LoRAConfig,
     ModelConfig,
+    MultiModalConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
 from tokenserve.engine.runner_config import RunnerSettings, configure_runner
-from tokenserve.model.loader import resolve_model
+from tokenserve.model.loader import MULTIMODAL_ARCHITECTURES, resolve_model
 from tokenserve.spec_decode.config import create_speculative_config
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,27 @@ def parse_memory(value: int | float | str) -> int:
     if match is None or unit not in _MEMORY_UNITS:
         raise ValueError(f"kv_cache_memory must be bytes or a size like '4GiB', got {value!r}.")
     return int(float(match.group(1)) * _MEMORY_UNITS[unit])
+
+
+def parse_limit_mm_per_prompt(value: dict | str | None) -> dict[str, int]:
+    """--limit-mm-per-prompt: {"image": N} (or its JSON) → {modality: limit}, checked."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"limit_mm_per_prompt must be JSON such as '{{\"image\": 2}}': {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"limit_mm_per_prompt must map modalities to counts, got {value!r}.")
+    limits = {}
+    for modality, limit in value.items():
+        if modality not in ("image",):
+            raise ValueError(f"limit_mm_per_prompt: unsupported modality {modality!r}; supported: 'image'.")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be a non-negative integer, got {limit!r}.")
+        limits[modality] = limit
+    return limits
 
 
 # A step's token budget on CPU: no less W1 throughput than 2048, and a shorter step, which
@@ -132,6 +155,14 @@ class EngineArgs:
     # "prompt_lookup_min": .., "prompt_lookup_max": ..} or {"method": "draft_model",
     # "model": path, "num_speculative_tokens": k}, and "disable_by_batch_size" (spec_decode/).
     speculative_config: dict | None = None
+    # Vision-language models (docs/MULTIMODAL.md): the most images one prompt may hold,
+    # {"image": N} or its JSON (vLLM's; 999 by default), and the image encoder output
+    # tokens one step may compute (None: max_num_batched_tokens).
+    limit_mm_per_prompt: dict | str | None = None
+    max_num_encoder_input_tokens: int | None = None
+    # Image encoder output tokens the encoder cache holds (None: max_num_encoder_input_tokens,
+    # as vLLM; an image larger than the cache still fits an empty one).
+    encoder_cache_size: int | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -156,12 +187,13 @@ class EngineArgs:
             architecture=files.architecture,
             hf_config=hf_config,
             dtype=self._resolve_dtype(),
-            max_model_len=self._resolve_max_model_len(hf_config),
+            max_model_len=self._resolve_max_model_len(getattr(hf_config, "text_config", None) or hf_config),
             files=files,
             tokenizer=self.tokenizer,
             seed=self.seed,
             max_logprobs=self.max_logprobs,
             disable_cascade_attn=self.disable_cascade_attn,
+            multimodal_config=self._multimodal_config(files.architecture),
         )
         settings = configure_runner(
             model_config,
@@ -214,6 +246,8 @@ class EngineArgs:
             target_step_ms=self.target_step_ms,
             prefill_order=self.prefill_order,
             admission_lookahead_tokens=self.admission_lookahead_tokens,
+            max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
+            encoder_cache_size=self.encoder_cache_size,
         )
         return EngineConfig(
             model_config,
@@ -225,6 +259,11 @@ class EngineArgs:
             speculative_config=speculative_config,
         )
 
+    def _multimodal_config(self, architecture: str) -> MultiModalConfig | None:
+        if architecture not in MULTIMODAL_ARCHITECTURES:
+            return None  # a text-only model: any image is refused (engine/processor.py)
+        return MultiModalConfig(parse_limit_mm_per_prompt(self.limit_mm_per_prompt))
+
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
             return None
@@ -232,7 +271,9 @@ class EngineArgs:
         return LoRAConfig(self.max_loras, self.max_lora_rank, max_cpu_loras)
 
     def _validate_numbers(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
+        parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size",
+                     "max_num_encoder_input_tokens", "encoder_cache_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
         if self.max_model_len is not None and self.max_model_len < 2:

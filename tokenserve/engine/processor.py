@@ -20,10 +20,13 @@ from tokenserve.engine.pooling_requests import (
 )
 from tokenserve.lora.peft_loader import check_adapter
 from tokenserve.lora.request import LoRARequest
+from tokenserve.messages.multimodal import MultiModalFeature
+from tokenserve.multimodal.processing import MultiModalProcessor
 from tokenserve.pooling_params import PoolingParams
 from tokenserve.sampling_params import RequestOutputKind, SamplingParams
 
-# A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids".
+# A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids" (and, for a
+# vision-language model, "multi_modal_data": {"image": PIL image(s)}).
 PromptType = Union[str, Sequence[int], Mapping[str, Any]]
 
 
@@ -37,6 +40,11 @@ class Processor:
         self.max_logprobs = config.model_config.max_logprobs
         # Adapters checked so far, by id (an id names one adapter for the engine's life).
         self.lora_requests: dict[int, LoRARequest] = {}
+        # A vision-language model's images → placeholders and pixels (multimodal/).
+        self.mm_processor: MultiModalProcessor | None = None
+        mm_config = config.model_config.multimodal_config
+        if mm_config is not None:
+            self.mm_processor = MultiModalProcessor(config.model_config.model, tokenizer, mm_config)
 
     def process(
         self,
@@ -67,6 +75,7 @@ class Processor:
             self.check_lora_request(lora_request)
         params = self._process_sampling_params(params)
         text, token_ids = self._tokenize(prompt)
+        token_ids, mm_features = self._process_multimodal(prompt, token_ids)
         self._validate_prompt(token_ids)
         request = Request(
             request_id=request_id,
@@ -79,8 +88,24 @@ class Processor:
             # Prompt logprobs need every prompt position's logits: nothing may come from the cache.
             skip_prefix_cache=params.prompt_logprobs is not None,
             lora_request=lora_request,
+            mm_features=mm_features,
         )
         return text, request
+
+    def _process_multimodal(
+        self, prompt: PromptType, token_ids: list[int]
+    ) -> tuple[list[int], list[MultiModalFeature] | None]:
+        """A vision-language model's prompt: image tokens expanded, one feature per image."""
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, Mapping) else None
+        if self.mm_processor is None:
+            if mm_data:
+                raise ValueError(
+                    f"This model ({self.config.model_config.architecture}) takes no images: "
+                    "multi_modal_data needs a vision-language model (LLaVA, Idefics3)."
+                )
+            return token_ids, None
+        token_ids, features = self.mm_processor.process(token_ids, mm_data or {})
+        return token_ids, features or None
 
     def _process_pooling(
         self,
@@ -94,6 +119,8 @@ class Processor:
         """A pooling request: its params against the model, its prompt truncated (a text's
         first tokens, token ids' last), a text pair's token types; it samples nothing."""
         model_config = self.config.model_config
+        if isinstance(prompt, Mapping) and prompt.get("multi_modal_data"):
+            raise ValueError("Pooling requests take no images (multi_modal_data).")
         params = check_pooling_params(params, model_config)
         self._check_priority_and_salt(priority, cache_salt)
         keep = truncate_length(params, self.max_model_len)

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from tokenserve.lora.request import LoRARequest
+from tokenserve.messages.multimodal import MultiModalFeature
 from tokenserve.pooling_params import PoolingParams
 from tokenserve.sampling_params import SamplingParams
 
@@ -41,6 +42,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     pooling_params: PoolingParams | None = None
     # The adapter the request runs with (LoRA); None: the base model.
     lora_request: LoRARequest | None = None
+    # The prompt's images, in prompt order (messages/multimodal.py); None: text only.
+    mm_features: list[MultiModalFeature] | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenserve.lora.request import LoRARequest
+from tokenserve.messages.multimodal import MultiModalFeature
 from tokenserve.pooling_params import PoolingParams
 from tokenserve.sampling_params import SamplingParams
 
@@ -27,6 +28,8 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None
     # Its adapter (the runner maps its tokens to the adapter's slot); None: the base model.
     lora_request: LoRARequest | None = None
+    # Its images (placeholders, pixels, hashes); None: text only.
+    mm_features: list[MultiModalFeature] | None = None
 
 
 @dataclass
@@ -52,6 +55,10 @@ class SchedulerOutput:
     # Requests the runner should forget: finished, aborted or preempted since the last step.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Images whose encoder runs this step: request id → indices into its mm_features.
+    scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
+    # Encoder outputs the workers may drop (evicted from the encoder cache), by image hash.
+    free_encoder_mm_hashes: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -179,8 +179,11 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+        """`inputs_embeds`: the step's input embeddings when some are not the tokens' own
+        (a vision-language model's image rows); None: embed `input_ids`."""
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         hidden_states, residual = self.layer_stack(positions, hidden_states, kv_caches, metadata)
         return self.norm(hidden_states, residual)
 

