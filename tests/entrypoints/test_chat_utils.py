@@ -205,8 +205,9 @@ def media_server() -> Iterator[MediaServer]:
 
 
 def test_llm_chat_fetches_images_into_multi_modal_data(tiny_model_dirs, media_server, monkeypatch):
-    """LLM.chat hands `{"prompt", "multi_modal_data": {"image": [PIL]}}` to generate; the
-    image URL on 127.0.0.1 is refused unless the LLM was given that network."""
+    """LLM.chat hands `{"prompt", "prompt_token_ids", "multi_modal_data": {"image": [PIL]}}`
+    to generate; the image URL on 127.0.0.1 is refused unless the LLM was given that
+    network."""
     from tokenserve.entrypoints.llm import LLM
 
     llm = LLM(tiny_model_dirs["llama"], num_kv_blocks=16, block_size=16,
@@ -218,7 +219,10 @@ def test_llm_chat_fetches_images_into_multi_modal_data(tiny_model_dirs, media_se
     [prompt] = given
     assert prompt["prompt"] == "<|im_start|>user\n<image>\nDescribe.<|im_end|>\n<|im_start|>assistant\n"
     [image] = prompt["multi_modal_data"]["image"]
-    assert image.size == (8, 6) and "prompt_token_ids" not in prompt
+    assert image.size == (8, 6)
+    # The template wrote the special tokens: the ids are the text's, none added (no 2nd BOS).
+    tokenizer = llm.get_tokenizer()
+    assert prompt["prompt_token_ids"] == tokenizer.encode(prompt["prompt"], add_special_tokens=False)
 
     given.clear()
     llm.chat([{"role": "user", "content": "Hi"}])

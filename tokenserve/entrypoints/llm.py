@@ -55,9 +55,12 @@ class LLM:
         if unknown:
             raise ValueError(f"Unknown engine argument(s): {', '.join(sorted(unknown))}.")
         self.media_connector = MediaConnector(MediaConnectorConfig(**media_args))
-        # The model's image placeholder for "string" chat templates (the VLM's processor's).
-        self.image_placeholder = ChatContentConfig().image_placeholder
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
+        # The model's image placeholder for "string" chat templates (the VLM's processor's).
+        mm_processor = self.llm_engine.processor.mm_processor
+        self.image_placeholder = (
+            mm_processor.image_token if mm_processor else ChatContentConfig().image_placeholder
+        )
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
@@ -128,12 +131,13 @@ class LLM:
                 chat_template_kwargs=chat_template_kwargs,
                 content=content,
             )
+            # The template wrote the special tokens (BOS included) itself.
+            token_ids = tokenizer.encode(prompt.text, add_special_tokens=False)
+            engine_prompt: dict[str, Any] = {"prompt": prompt.text, "prompt_token_ids": token_ids}
             if prompt.images:
                 images = self.media_connector.fetch_images(prompt.images)
-                prompts.append({"prompt": prompt.text, "multi_modal_data": {"image": images}})
-            else:
-                token_ids = tokenizer.encode(prompt.text, add_special_tokens=False)
-                prompts.append({"prompt": prompt.text, "prompt_token_ids": token_ids})
+                engine_prompt["multi_modal_data"] = {"image": images}
+            prompts.append(engine_prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def encode(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -335,6 +336,9 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         observers.append(RequestTraceRecorder(args.request_trace))
     engine = AsyncLLM(config, log_stats=not args.disable_log_stats, stat_loggers=[metrics],
                       request_observers=observers)
+    mm_processor = engine.processor.mm_processor
+    if mm_processor is not None:  # "string" chat templates get the model's own placeholder
+        chat_content = dataclasses.replace(chat_content, image_placeholder=mm_processor.image_token)
     try:
         models = OpenAIServingModels(
             engine,

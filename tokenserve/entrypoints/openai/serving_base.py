@@ -110,8 +110,8 @@ class OpenAIServing:
         multi_modal_data: dict[str, Any] | None = None,
     ) -> list[RequestOutputStream]:
         """Add one engine request per (text, token ids) prompt; all or none are added.
-        With `multi_modal_data` (fetched images) the prompt goes as text, for the engine's
-        processor to expand the image placeholders.
+        With `multi_modal_data` (fetched images) the engine's processor expands each image
+        placeholder in the token ids into the image's tokens.
 
         Validation errors surface here, before any response (or stream) has started: 400
         beyond the request limits, 503 (Retry-After) when the engine holds all it may.
@@ -132,11 +132,9 @@ class OpenAIServing:
         try:
             for index, (text, token_ids) in enumerate(prompts):
                 engine_request_id = f"{request_id}-{index}"
-                prompt: dict[str, Any] = (
-                    {"prompt": text, "multi_modal_data": multi_modal_data}
-                    if multi_modal_data
-                    else {"prompt": text, "prompt_token_ids": token_ids}
-                )
+                prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": token_ids}
+                if multi_modal_data:
+                    prompt["multi_modal_data"] = multi_modal_data
                 collector = await self.engine.add_request(
                     engine_request_id,
                     prompt,
