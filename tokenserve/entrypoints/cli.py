@@ -168,10 +168,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Log level of the HTTP server.")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from tokenserve.benchmarks.commands import add_bench_parser
+def build_parser(serve_only: bool = False) -> argparse.ArgumentParser:
+    """The command line; `serve_only`: just `serve`, for a server starting (its start waits on
+    these imports, docs/STARTUP.md)."""
     from tokenserve.engine.cli_args import add_engine_arguments
-    from tokenserve.simulator.commands import add_diagnosis_parsers
 
     parser = argparse.ArgumentParser(prog="tokenserve", description="LLM inference and serving engine.")
     subcommands = parser.add_subparsers(dest="command", required=True)
@@ -186,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve, positional_model=True)
     add_server_arguments(serve)
     serve.set_defaults(handler=_run_serve)
+    if serve_only:
+        return parser
 
     chat = subcommands.add_parser("chat", help="Answer one chat message offline and print the reply.")
     chat.add_argument("message", help="The user message.")
@@ -197,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--max-tokens", type=int, default=128, help="Most tokens to generate.")
         sub.set_defaults(handler=runner)
 
+    from tokenserve.benchmarks.commands import add_bench_parser
+    from tokenserve.simulator.commands import add_diagnosis_parsers
+
     add_bench_parser(subcommands, _offline_llm)
     add_diagnosis_parsers(subcommands, _calibration_app)
     return parser
@@ -207,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     engine_process = _prestart_engine_process(argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(serve_only=engine_process is not None).parse_args(argv)
         args.engine_process = engine_process
         return args.handler(args)
     except ValueError as error:
