@@ -136,10 +136,10 @@ def format_report(summary: dict[str, Any], cold: bool) -> str:
     for name in PHASES:
         figure = summary.get(f"{name}_s")
         if figure is not None:
-            lines.append(f"  {labels[name]:34s} {figure['median']:6.2f}  "
+            lines.append(f"  {labels[name]:37s} {figure['median']:6.2f}  "
                          f"({figure['min']:.2f}-{figure['max']:.2f})")
     if "install_s" in summary:
-        lines.append(f"  {'kernel build (install step)':34s} {summary['install_s']:6.2f}")
+        lines.append(f"  {'kernel build (install step)':37s} {summary['install_s']:6.2f}")
     mib = 1024**2
     lines.append(
         f"  RSS after the answer: API {summary['rss_api_bytes'] / mib:.0f} MiB + engine core "
