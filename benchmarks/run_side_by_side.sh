@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# tokenserve and vLLM's CPU build (and, if asked, llama.cpp) side by side on M0: the workloads
-# W1-W5 of WORKLOADS.md, in one sitting, with the same client (`tokenserve bench serve`) for
-# every server. Each workload runs on one engine right after the other, so that all see the
-# same machine.
+# tokenserve, vLLM's CPU build (float32 and bfloat16) and llama.cpp (F32 and F16) side by
+# side on M0: the workloads W1-W5 of WORKLOADS.md, in one sitting, with the same client
+# (`tokenserve bench serve`) for every server. Each workload runs on one engine right after
+# the other, so that all see the same machine. The sitting records the CPU (lscpu: model,
+# flags) in meta.json, and each server's start time and resident memory (its processes'
+# RSS and peak RSS) in server_<session>_<engine>.json; the report prints them.
 #
 # usage: benchmarks/run_side_by_side.sh [OUT_DIR]      (default: /tmp/side_by_side/DATE)
+#        DRY_RUN=1 benchmarks/run_side_by_side.sh OUT_DIR   prints every command, runs none
 #
 # env knobs:
-#   ENGINES=tokenserve,vllm,transformers   engines to run (transformers: W1 only); add
-#                                   llamacpp for llama.cpp (built by the install phase)
-#   PHASES=export,install,w1,w2,w3,w4,w5
+#   ENGINES=tokenserve,vllm,vllm_bf16,llamacpp,llamacpp_f16,transformers   engines to run
+#                                   (transformers: W1 only). vllm: --dtype float32;
+#                                   vllm_bf16: --dtype bfloat16, run only on a CPU with
+#                                   native bf16 (avx512_bf16 or amx_bf16; VLLM_BF16=1 forces
+#                                   it; 5-7x slower without); llamacpp: F32 weights + F32 KV;
+#                                   llamacpp_f16: F16 weights + F16 KV (its fastest on
+#                                   AVX-512). llama.cpp is built by the install phase.
+#   PHASES=export,install,startup,w1,w2,w3,w4,w5   (startup: `tokenserve bench startup`,
+#                                   STARTUP_RUNS=3 warm starts of tokenserve serve)
 #   TS_MODEL=<the default GGUF>     what tokenserve loads: M0's own GGUF file, whose weights it
 #                                   multiplies by in float32 (the Q4_1 blocks are expanded in
 #                                   registers for decode); TS_MODEL=$MODEL_DIR gives it the
@@ -29,6 +38,8 @@
 #                                   file it rounds activations to 8-bit blocks, and was slower
 #                                   on W1: docs/BENCHMARKS.md)
 #   LLAMA_KV_FLAGS="-ctk f32 -ctv f32"   llama.cpp's KV cache type (its default is f16)
+#   LLAMA_GGUF_F16=${MODEL_DIR}-f16.gguf  LLAMA_F16_KV_FLAGS="-ctk f16 -ctv f16"   llamacpp_f16's
+#                                   model (gguf_to_f32.py --outtype f16) and KV cache
 #   LLAMA_SLOTS=64  LLAMA_SLOT_CTX=2304   llama-server's parallel slots and each one's context
 #                                   (a slot holds one request: W2, W3 and W5 send 64 or 32 at
 #                                   once; W4's long prompts are 2,048 tokens)
@@ -46,6 +57,10 @@
 #                                   estimated 2032) and 2032 on 64 blocks of 32 (it
 #                                   estimated 2016); it accepted 2016
 #
+#   DRY_RUN=1                       print the commands (preparation, servers, clients) and the
+#                                   report of whatever OUT_DIR holds; run nothing heavy, take
+#                                   no lock
+#
 # Servers listen on 127.0.0.1 only and are stopped by their PID (then process group).
 # Results: OUT/<workload>_<engine>.json, logs in OUT/logs, summary in OUT/summary.md.
 set -uo pipefail
@@ -54,8 +69,10 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${1:-/tmp/side_by_side/$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT/logs"
 OUT=$(cd "$OUT" && pwd)
-ENGINES=${ENGINES:-tokenserve,vllm,transformers}
-PHASES=${PHASES:-export,install,w1,w2,w3,w4,w5}
+ENGINES=${ENGINES:-tokenserve,vllm,vllm_bf16,llamacpp,llamacpp_f16,transformers}
+PHASES=${PHASES:-export,install,startup,w1,w2,w3,w4,w5}
+DRY_RUN=${DRY_RUN:-0}
+STARTUP_RUNS=${STARTUP_RUNS:-3}
 MODEL_DIR=${MODEL_DIR:-$OUT/m0_hf}
 PYTHON=${PYTHON:-python3}
 TS_FLAGS=${TS_FLAGS:-}
@@ -77,6 +94,8 @@ VLLM_W5_ARGS=${VLLM_W5_ARGS:---block-size 32 --num-gpu-blocks-override 64 --max-
 LLAMA_CPP_DIR=${LLAMA_CPP_DIR:-/tmp/peers/llama.cpp}
 LLAMA_GGUF=${LLAMA_GGUF:-${MODEL_DIR%/}-f32.gguf}
 LLAMA_KV_FLAGS=${LLAMA_KV_FLAGS:--ctk f32 -ctv f32}
+LLAMA_GGUF_F16=${LLAMA_GGUF_F16:-${MODEL_DIR%/}-f16.gguf}
+LLAMA_F16_KV_FLAGS=${LLAMA_F16_KV_FLAGS:--ctk f16 -ctv f16}
 LLAMA_SLOTS=${LLAMA_SLOTS:-64}
 LLAMA_SLOT_CTX=${LLAMA_SLOT_CTX:-2304}
 TOKENSERVE=("$PYTHON" -m tokenserve.entrypoints.cli)
@@ -85,56 +104,98 @@ cd "$REPO" || exit 1
 
 has() { [[ ",$PHASES," == *",$1,"* ]]; }
 runs() { [[ ",$ENGINES," == *",$1,"* ]]; }
+runs_vllm() { runs vllm || runs vllm_bf16; }
+runs_llamacpp() { runs llamacpp || runs llamacpp_f16; }
 log() { echo "[side_by_side $(date +%H:%M:%S)] $*" | tee -a "$OUT/logs/run.log"; }
+# x CMD...: run CMD, or with DRY_RUN=1 print it (to the terminal, whatever CMD's redirections).
+exec 8>&1
+x() {
+  if [ "$DRY_RUN" = 1 ]; then
+    printf '+' >&8; printf ' %q' "$@" >&8; printf '\n' >&8
+  else
+    "$@"
+  fi
+}
+dry() { [ "$DRY_RUN" = 1 ]; }
 prompts() { if [ "$QUICK" = 1 ]; then echo $(( $1 / 8 > 2 ? $1 / 8 : 2 )); else echo "$1"; fi; }
 
+# vLLM in bfloat16 only where the CPU computes bf16 natively (peers/README.md).
+if runs vllm_bf16 && [ "${VLLM_BF16:-0}" != 1 ] && ! grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then
+  log "no avx512_bf16 / amx_bf16 on this CPU: vLLM bfloat16 not run (VLLM_BF16=1 runs it)"
+  ENGINES=${ENGINES//vllm_bf16/}
+fi
+vllm_dtype() { if [ "$1" = vllm_bf16 ]; then echo bfloat16; else echo float32; fi; }
+llama_gguf() { if [ "$1" = llamacpp_f16 ]; then echo "$LLAMA_GGUF_F16"; else echo "$LLAMA_GGUF"; fi; }
+llama_kv() { if [ "$1" = llamacpp_f16 ]; then echo "$LLAMA_F16_KV_FLAGS"; else echo "$LLAMA_KV_FLAGS"; fi; }
+
 # The settings peers/README.md measured best for vLLM on this CPU: all cores to OMP,
-# tcmalloc and vLLM's libiomp5 preloaded, fp32 (below), telemetry and hub access off.
+# tcmalloc and vLLM's libiomp5 preloaded, telemetry and hub access off.
 VLLM_ENV=(env VLLM_CPU_OMP_THREADS_BIND="0-$(( $(nproc) - 1 ))" VLLM_CPU_KVCACHE_SPACE=4
           LD_PRELOAD="/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:$VENV/lib/libiomp5.so"
           VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1)
 
 # ------------------------------------------------------------------- preparation
-if has export && [ ! -f "$MODEL_DIR/model.safetensors" ]; then
+# In a dry run a missing file is reported, not fatal: nothing will read it.
+need() {  # $1 test result (0: present), rest: the message
+  local present=$1; shift
+  (( present == 0 )) && return 0
+  log "$*"; dry || exit 1
+}
+if has export && { dry || [ ! -f "$MODEL_DIR/model.safetensors" ]; }; then
   log "export M0 -> $MODEL_DIR"
-  timeout 900 "$PYTHON" benchmarks/export_hf.py "$MODEL_DIR" > "$OUT/logs/export.log" 2>&1 \
+  x timeout 900 "$PYTHON" benchmarks/export_hf.py "$MODEL_DIR" > "$OUT/logs/export.log" 2>&1 \
     || { log "export failed, see $OUT/logs/export.log"; exit 1; }
 fi
-[ -f "$MODEL_DIR/config.json" ] || { log "no model at $MODEL_DIR (run the export phase)"; exit 1; }
-if has export && runs llamacpp && [ ! -f "$LLAMA_GGUF" ]; then
-  log "M0 as a float32 GGUF -> $LLAMA_GGUF"
-  timeout 900 "$PYTHON" benchmarks/gguf_to_f32.py "$DEFAULT_GGUF" "$LLAMA_GGUF" \
-      > "$OUT/logs/gguf_to_f32.log" 2>&1 \
-    || { log "conversion failed, see $OUT/logs/gguf_to_f32.log"; exit 1; }
-fi
+[ -f "$MODEL_DIR/config.json" ]; need $? "no model at $MODEL_DIR (run the export phase)"
+for engine in llamacpp llamacpp_f16; do
+  runs "$engine" || continue
+  gguf=$(llama_gguf "$engine"); outtype=f32; [ "$engine" = llamacpp_f16 ] && outtype=f16
+  if has export && { dry || [ ! -f "$gguf" ]; }; then
+    log "M0 as an $outtype GGUF -> $gguf"
+    x timeout 900 "$PYTHON" benchmarks/gguf_to_f32.py "$DEFAULT_GGUF" "$gguf" --outtype "$outtype" \
+        > "$OUT/logs/gguf_to_$outtype.log" 2>&1 \
+      || { log "conversion failed, see $OUT/logs/gguf_to_$outtype.log"; exit 1; }
+  fi
+done
 
-if has install && runs vllm; then
-  [ -f "$PEERS" ] || { log "missing $PEERS (set PEERS=.../vllm_cpu.sh)"; exit 1; }
+if has install && runs_vllm; then
+  [ -f "$PEERS" ]; need $? "missing $PEERS (set PEERS=.../vllm_cpu.sh)"
   log "install vLLM CPU into $VENV (via $PEERS)"
-  OUT="$OUT/logs/peers" timeout 3600 bash "$PEERS" "$MODEL_DIR" "$PORT" install \
+  x env OUT="$OUT/logs/peers" timeout 3600 bash "$PEERS" "$MODEL_DIR" "$PORT" install \
       > "$OUT/logs/install_vllm.log" 2>&1 || { log "install failed, see logs/install_vllm.log"; exit 1; }
 fi
-if runs vllm && [ ! -x "${VLLM[0]}" ]; then
-  log "no vLLM CLI at ${VLLM[0]} (run the install phase)"; exit 1
+if runs_vllm; then
+  [ -x "${VLLM[0]}" ]; need $? "no vLLM CLI at ${VLLM[0]} (run the install phase)"
 fi
-if has install && runs llamacpp && [ ! -x "$LLAMA_CPP_DIR/bin/llama-server" ]; then
+if has install && runs_llamacpp && { dry || [ ! -x "$LLAMA_CPP_DIR/bin/llama-server" ]; }; then
   log "build llama.cpp into $LLAMA_CPP_DIR"
-  timeout 3600 bash benchmarks/build_llama_cpp.sh "$LLAMA_CPP_DIR" \
+  x timeout 3600 bash benchmarks/build_llama_cpp.sh "$LLAMA_CPP_DIR" \
       > "$OUT/logs/build_llama_cpp.log" 2>&1 \
     || { log "llama.cpp build failed, see logs/build_llama_cpp.log"; exit 1; }
 fi
-if runs llamacpp && [ ! -x "$LLAMA_CPP_DIR/bin/llama-server" ]; then
-  log "no llama-server in $LLAMA_CPP_DIR/bin (run the install phase)"; exit 1
+if runs_llamacpp; then
+  [ -x "$LLAMA_CPP_DIR/bin/llama-server" ]
+  need $? "no llama-server in $LLAMA_CPP_DIR/bin (run the install phase)"
 fi
 PLOT=1
 "$PYTHON" -c "import matplotlib" 2>/dev/null || { PLOT=0; log "no matplotlib: no plots"; }
 
 # One lock from the first benchmark to the last: nothing else CPU-heavy runs meanwhile.
-exec 9>"$LOCK"
-log "waiting for $LOCK"
-flock -w "$LOCK_WAIT" 9 || { log "could not take $LOCK in $LOCK_WAIT s"; exit 1; }
+if ! dry; then
+  exec 9>"$LOCK"
+  log "waiting for $LOCK"
+  flock -w "$LOCK_WAIT" 9 || { log "could not take $LOCK in $LOCK_WAIT s"; exit 1; }
+fi
 "$PYTHON" - "$OUT/meta.json" "$ENGINES" "$QUICK" "$MODEL_DIR" "$TS_MODEL" "$TS_FLAGS" <<'EOF'
 import json, os, subprocess, sys, time
+def lscpu():
+    # The CPU as lscpu names it (model, caches, flags), for the report's header.
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines())
+            if v.strip()}
 meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "engines": sys.argv[2],
         "quick": sys.argv[3] == "1", "model_dir": sys.argv[4], "tokenserve_model": sys.argv[5],
         "tokenserve_flags": sys.argv[6],
@@ -143,6 +204,7 @@ meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "engines": sys.argv[2],
         **{key.strip(): value.strip() for key, _, value in (
             line.partition(":") for line in open("/proc/cpuinfo").read().split("\n\n")[0]
             .splitlines()) if key.strip() in ("model name", "flags")},
+        "lscpu": lscpu(),
         "loadavg_start": os.getloadavg(),
         "tokenserve_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                             text=True).stdout.strip(),
@@ -165,25 +227,29 @@ wait_port_free() {
 start_server() {  # $1 engine, $2 session name, rest: engine flags
   local engine=$1 session=$2; shift 2
   local logf="$OUT/logs/server_${session}_${engine}.log"
-  if ! wait_port_free; then
+  if ! dry && ! wait_port_free; then
     log "port $PORT is still taken after 120 s: another server is running there"; return 1
   fi
+  local started; started=$(date +%s.%N)
   if [ "$engine" = tokenserve ]; then
-    setsid timeout "$SERVER_LIFETIME" "${TOKENSERVE[@]}" serve "$TS_MODEL" --host 127.0.0.1 \
+    x setsid timeout "$SERVER_LIFETIME" "${TOKENSERVE[@]}" serve "$TS_MODEL" --host 127.0.0.1 \
         --port "$PORT" --served-model-name M0 --max-model-len "$MAX_MODEL_LEN" \
         --disable-log-stats --uvicorn-log-level warning "$@" > "$logf" 2>&1 9>&- &
-  elif [ "$engine" = llamacpp ]; then
+  elif [[ $engine == llamacpp* ]]; then
     # Its defaults otherwise (flash attention off: -fa was slower here; docs/BENCHMARKS.md).
-    setsid timeout "$SERVER_LIFETIME" "$LLAMA_CPP_DIR/bin/llama-server" -m "$LLAMA_GGUF" \
+    # shellcheck disable=SC2046  # the KV flags are a word list
+    x setsid timeout "$SERVER_LIFETIME" "$LLAMA_CPP_DIR/bin/llama-server" -m "$(llama_gguf "$engine")" \
         --host 127.0.0.1 --port "$PORT" -a M0 --metrics -np "$LLAMA_SLOTS" \
-        -c $(( LLAMA_SLOTS * LLAMA_SLOT_CTX )) -t "$(nproc)" -tb "$(nproc)" $LLAMA_KV_FLAGS "$@" \
+        -c $(( LLAMA_SLOTS * LLAMA_SLOT_CTX )) -t "$(nproc)" -tb "$(nproc)" $(llama_kv "$engine") "$@" \
         > "$logf" 2>&1 9>&- &
   else
-    setsid timeout "$SERVER_LIFETIME" "${VLLM_ENV[@]}" "${VLLM[@]}" serve "$MODEL_DIR" \
-        --host 127.0.0.1 --port "$PORT" --served-model-name M0 --dtype float32 --max-model-len "$MAX_MODEL_LEN" \
-        --enable-prompt-tokens-details --disable-uvicorn-access-log "$@" > "$logf" 2>&1 9>&- &
+    x setsid timeout "$SERVER_LIFETIME" "${VLLM_ENV[@]}" "${VLLM[@]}" serve "$MODEL_DIR" \
+        --host 127.0.0.1 --port "$PORT" --served-model-name M0 --dtype "$(vllm_dtype "$engine")" \
+        --max-model-len "$MAX_MODEL_LEN" --enable-prompt-tokens-details \
+        --disable-uvicorn-access-log "$@" > "$logf" 2>&1 9>&- &
   fi
   SERVER_PID=$!
+  if dry; then wait "$SERVER_PID"; SERVER_PID=""; return 0; fi
   local t0=$SECONDS
   until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do
     if ! kill -0 "$SERVER_PID" 2>/dev/null; then
@@ -192,9 +258,23 @@ start_server() {  # $1 engine, $2 session name, rest: engine flags
     if (( SECONDS - t0 > START_TIMEOUT )); then
       log "$engine server ($session) not healthy in $START_TIMEOUT s"; stop_server; return 1
     fi
-    sleep 2
+    sleep 0.5
   done
-  log "$engine server ($session) pid $SERVER_PID ready in $((SECONDS - t0)) s"
+  SERVER_READY_S=$(awk -v a="$started" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
+  log "$engine server ($session) pid $SERVER_PID ready in $SERVER_READY_S s"
+}
+# The server's start time and memory: the RSS and peak RSS (VmHWM) of every process of its
+# process group (the engine's workers included), summed, in KiB, once its benchmarks ran.
+record_server() {  # $1 engine, $2 session name
+  [ -n "$SERVER_PID" ] || return 0
+  local rss=0 peak=0 pid value
+  for pid in $(pgrep -g "$SERVER_PID"); do
+    value=$(awk '/^VmRSS:/ { print $2 }' "/proc/$pid/status" 2>/dev/null); rss=$(( rss + ${value:-0} ))
+    value=$(awk '/^VmHWM:/ { print $2 }' "/proc/$pid/status" 2>/dev/null); peak=$(( peak + ${value:-0} ))
+  done
+  printf '{"engine": "%s", "session": "%s", "ready_s": %s, "rss_kib": %d, "peak_rss_kib": %d}\n' \
+      "$1" "$2" "${SERVER_READY_S:-null}" "$rss" "$peak" > "$OUT/server_$2_$1.json"
+  log "$1 server ($2): RSS $(( rss / 1024 )) MiB, peak $(( peak / 1024 )) MiB"
 }
 stop_server() {
   [ -n "$SERVER_PID" ] || return 0
@@ -212,9 +292,9 @@ bench_serve() {  # $1 result name (workload_engine), rest: client flags
   local name=$1; shift
   local plot=() backend=()
   [ "$PLOT" = 1 ] && plot=(--plot "$OUT/$name.png")
-  [[ $name == *_llamacpp ]] && backend=(--backend llama.cpp)
+  [[ $name == *_llamacpp* ]] && backend=(--backend llama.cpp)
   log "bench serve $name"
-  timeout "$RUN_TIMEOUT" "${TOKENSERVE[@]}" bench serve --base-url "http://127.0.0.1:$PORT" \
+  x timeout "$RUN_TIMEOUT" "${TOKENSERVE[@]}" bench serve --base-url "http://127.0.0.1:$PORT" \
       --tokenizer "$MODEL_DIR" --ignore-eos --output-json "$OUT/$name.json" "${plot[@]}" \
       "${backend[@]}" "$@" \
       > "$OUT/logs/$name.log" 2>&1
@@ -230,17 +310,18 @@ session() {  # $1 name, $2 tokenserve flags, $3 vLLM flags, $4 llama.cpp flags (
   local name=$1 ts_flags=$2 vllm_flags=$3 llama_flags=$4 body=$5 engine flags
   shift 5
   [ -z "$SESSIONS" ] || [[ ",$SESSIONS," == *",$name,"* ]] || return 0
-  for engine in tokenserve vllm llamacpp; do
+  for engine in tokenserve vllm vllm_bf16 llamacpp llamacpp_f16; do
     runs "$engine" || continue
     flags="$ts_flags $TS_FLAGS"
-    [ "$engine" = vllm ] && flags=$vllm_flags
-    if [ "$engine" = llamacpp ]; then
+    [[ $engine == vllm* ]] && flags=$vllm_flags
+    if [[ $engine == llamacpp* ]]; then
       [ "$llama_flags" = skip ] && continue
       flags=$llama_flags
     fi
     # shellcheck disable=SC2086  # the flags are word lists
     start_server "$engine" "$name" $flags || continue
     "$body" "$engine" "$@"
+    record_server "$engine" "$name"
     stop_server
   done
 }
@@ -267,45 +348,62 @@ w5() {  # $2: constrained | unconstrained
       --request-rate inf --dataset-seed 5
 }
 
+# ------------------------------------------------------------------- startup
+# tokenserve's start: seconds to /health and to a first chat answer, warm (docs/STARTUP.md).
+# The peers' start times and every server's memory are in server_<session>_<engine>.json.
+if has startup && runs tokenserve; then
+  log "startup tokenserve: bench startup, $STARTUP_RUNS warm starts"
+  # shellcheck disable=SC2086  # TS_FLAGS is a word list
+  x timeout "$RUN_TIMEOUT" "${TOKENSERVE[@]}" bench startup --num-runs "$STARTUP_RUNS" \
+      --output-json "$OUT/startup_tokenserve.json" -- "$TS_MODEL" \
+      --max-model-len "$MAX_MODEL_LEN" $TS_FLAGS > "$OUT/logs/startup_tokenserve.log" 2>&1 \
+    || log "startup tokenserve failed, see logs/startup_tokenserve.log"
+  dry || sed -n '/^tokenserve bench startup/,$p' "$OUT/logs/startup_tokenserve.log" | sed "s/^/    /"
+fi
+
 # ------------------------------------------------------------------------ W1
 if has w1; then
   N1=$(prompts 64)
   if runs tokenserve; then
     log "W1 tokenserve: bench throughput, $N1 x (256 in, 128 out)"
     # shellcheck disable=SC2086  # TS_FLAGS is a word list
-    timeout "$RUN_TIMEOUT" "${TOKENSERVE[@]}" bench throughput --model "$TS_MODEL" \
+    x timeout "$RUN_TIMEOUT" "${TOKENSERVE[@]}" bench throughput --model "$TS_MODEL" \
         --max-model-len "$MAX_MODEL_LEN" --num-prompts "$N1" --input-len 256 --output-len 128 \
         --output-json "$OUT/w1_tokenserve.json" $TS_FLAGS > "$OUT/logs/w1_tokenserve.log" 2>&1 \
       || log "W1 tokenserve failed, see logs/w1_tokenserve.log"
-    grep -E "^Throughput" "$OUT/logs/w1_tokenserve.log" | sed "s/^/    /"
+    dry || grep -E "^Throughput" "$OUT/logs/w1_tokenserve.log" | sed "s/^/    /"
   fi
-  if runs vllm; then
-    log "W1 vLLM: vllm bench throughput, $N1 x (256 in, 128 out)"
-    timeout "$RUN_TIMEOUT" "${VLLM_ENV[@]}" "${VLLM[@]}" bench throughput --model "$MODEL_DIR" --dtype float32 \
-        --max-model-len "$MAX_MODEL_LEN" --dataset-name random --random-input-len 256 \
-        --random-output-len 128 --num-prompts "$N1" --output-json "$OUT/w1_vllm.json" \
-        > "$OUT/logs/w1_vllm.log" 2>&1 || log "W1 vLLM failed, see logs/w1_vllm.log"
-    grep -E "^Throughput" "$OUT/logs/w1_vllm.log" | sed "s/^/    /"
-  fi
-  if runs llamacpp; then
+  for engine in vllm vllm_bf16; do
+    runs "$engine" || continue
+    log "W1 $engine: vllm bench throughput --dtype $(vllm_dtype "$engine"), $N1 x (256 in, 128 out)"
+    x timeout "$RUN_TIMEOUT" "${VLLM_ENV[@]}" "${VLLM[@]}" bench throughput --model "$MODEL_DIR" \
+        --dtype "$(vllm_dtype "$engine")" --max-model-len "$MAX_MODEL_LEN" --dataset-name random \
+        --random-input-len 256 --random-output-len 128 --num-prompts "$N1" \
+        --output-json "$OUT/w1_$engine.json" > "$OUT/logs/w1_$engine.log" 2>&1 \
+      || log "W1 $engine failed, see logs/w1_$engine.log"
+    dry || grep -E "^Throughput" "$OUT/logs/w1_$engine.log" | sed "s/^/    /"
+  done
+  for engine in llamacpp llamacpp_f16; do
+    runs "$engine" || continue
     # llama.cpp's offline batch benchmark on W1's shape: 64 sequences of 256 prompt tokens
     # (its own filler tokens, not random ones) decoded together for 128 tokens each.
-    log "W1 llama.cpp: llama-batched-bench, $N1 x (256 in, 128 out)"
-    timeout "$RUN_TIMEOUT" "$LLAMA_CPP_DIR/bin/llama-batched-bench" -m "$LLAMA_GGUF" \
-        -c $(( N1 * 384 )) -b 2048 -ub 512 -t "$(nproc)" -tb "$(nproc)" $LLAMA_KV_FLAGS \
+    log "W1 $engine: llama-batched-bench, $N1 x (256 in, 128 out)"
+    # shellcheck disable=SC2046  # the KV flags are a word list
+    x timeout "$RUN_TIMEOUT" "$LLAMA_CPP_DIR/bin/llama-batched-bench" -m "$(llama_gguf "$engine")" \
+        -c $(( N1 * 384 )) -b 2048 -ub 512 -t "$(nproc)" -tb "$(nproc)" $(llama_kv "$engine") \
         -npp 256 -ntg 128 -npl "$N1" --output-format jsonl \
-        > "$OUT/logs/w1_llamacpp.jsonl" 2> "$OUT/logs/w1_llamacpp.log" \
-      && grep '^{' "$OUT/logs/w1_llamacpp.jsonl" | tail -n 1 > "$OUT/w1_llamacpp.json" \
-      || log "W1 llama.cpp failed, see logs/w1_llamacpp.log"
-    [ -s "$OUT/w1_llamacpp.json" ] && sed "s/^/    /" "$OUT/w1_llamacpp.json"
-  fi
+        > "$OUT/logs/w1_$engine.jsonl" 2> "$OUT/logs/w1_$engine.log" \
+      && { dry || grep '^{' "$OUT/logs/w1_$engine.jsonl" | tail -n 1 > "$OUT/w1_$engine.json"; } \
+      || log "W1 $engine failed, see logs/w1_$engine.log"
+    [ -s "$OUT/w1_$engine.json" ] && sed "s/^/    /" "$OUT/w1_$engine.json"
+  done
   if runs transformers; then
     log "W1 transformers: generate, static batches of 64, $N1 x (256 in, 128 out)"
-    timeout "$RUN_TIMEOUT" "$PYTHON" benchmarks/transformers_generate.py "$MODEL_DIR" \
+    x timeout "$RUN_TIMEOUT" "$PYTHON" benchmarks/transformers_generate.py "$MODEL_DIR" \
         --num-prompts "$N1" --input-len 256 --output-len 128 --batch-size 64 \
         --output-json "$OUT/w1_transformers.json" > "$OUT/logs/w1_transformers.log" 2>&1 \
       || log "W1 transformers failed, see logs/w1_transformers.log"
-    grep -E "^Throughput" "$OUT/logs/w1_transformers.log" | sed "s/^/    /"
+    dry || grep -E "^Throughput" "$OUT/logs/w1_transformers.log" | sed "s/^/    /"
   fi
 fi
 
@@ -345,6 +443,6 @@ meta = json.load(open(sys.argv[1]))
 meta.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S"), loadavg_end=os.getloadavg())
 json.dump(meta, open(sys.argv[1], "w"), indent=2)
 EOF
-flock -u 9
+dry || flock -u 9
 "$PYTHON" benchmarks/side_by_side_report.py "$OUT" | tee "$OUT/summary.md"
 log "done; results in $OUT"

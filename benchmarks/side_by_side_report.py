@@ -4,8 +4,12 @@ usage: python benchmarks/side_by_side_report.py OUT_DIR
 
 Reads OUT_DIR/<workload>_<engine>.json (written by `tokenserve bench serve`, `tokenserve bench
 throughput`, `vllm bench throughput` and llama.cpp's `llama-batched-bench`), prints the tables
-and writes OUT_DIR/summary.json. The ratio columns are tokenserve / vLLM and, where llama.cpp
-ran, tokenserve / llama.cpp. transformers (`benchmarks/transformers_generate.py`) has W1 only.
+and writes OUT_DIR/summary.json. The ratio columns are tokenserve / each peer that ran: vLLM
+(float32), vLLM bf16, llama.cpp (F32 weights and KV), llama.cpp F16 (F16 weights and KV).
+transformers (`benchmarks/transformers_generate.py`) has W1 only. The header names the CPU
+(meta.json's lscpu); the servers table gives each server's start time and resident memory
+(server_<session>_<engine>.json), and tokenserve's start to a first answer
+(startup_tokenserve.json, `tokenserve bench startup`).
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ import os
 import sys
 from typing import Any
 
-ENGINES = ("tokenserve", "vllm", "transformers", "llamacpp")
-NAMES = {"tokenserve": "tokenserve", "vllm": "vLLM", "transformers": "transformers",
-         "llamacpp": "llama.cpp"}
+ENGINES = ("tokenserve", "vllm", "vllm_bf16", "transformers", "llamacpp", "llamacpp_f16")
+NAMES = {"tokenserve": "tokenserve", "vllm": "vLLM", "vllm_bf16": "vLLM bf16",
+         "transformers": "transformers", "llamacpp": "llama.cpp", "llamacpp_f16": "llama.cpp F16"}
 # Engines that get a column only where they have results (the others always have one).
-OPTIONAL = ("transformers", "llamacpp")
+OPTIONAL = ("vllm_bf16", "transformers", "llamacpp", "llamacpp_f16")
+PEERS = ("vllm", "vllm_bf16", "llamacpp", "llamacpp_f16")
+# The instruction sets the figures depend on, as lscpu / /proc/cpuinfo name them.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 W1_OUTPUT_LEN = 128  # vLLM's throughput JSON has no output-token count; W1 fixes it
 
 # A figure: its label, and its path of keys into a `bench serve` summary.
@@ -93,22 +100,65 @@ def w1_figures(out_dir: str) -> dict[str, dict[str, float | None]]:
                 "total tok/s": data["total_tokens_per_second"],
                 "wall s": data["elapsed_time"],
             }
-    vllm = load(out_dir, "w1_vllm")
-    if vllm is not None:
-        figures["vllm"] = {
-            "output tok/s": vllm["num_requests"] * W1_OUTPUT_LEN / vllm["elapsed_time"],
-            "total tok/s": vllm["tokens_per_second"],
-            "wall s": vllm["elapsed_time"],
-        }
+    for engine in ("vllm", "vllm_bf16"):
+        vllm = load(out_dir, f"w1_{engine}")
+        if vllm is not None:
+            figures[engine] = {
+                "output tok/s": vllm["num_requests"] * W1_OUTPUT_LEN / vllm["elapsed_time"],
+                "total tok/s": vllm["tokens_per_second"],
+                "wall s": vllm["elapsed_time"],
+            }
     # One line of llama-batched-bench's JSONL: pl sequences of pp prompt and tg output tokens.
-    llama = load(out_dir, "w1_llamacpp")
-    if llama is not None:
-        figures["llamacpp"] = {
-            "output tok/s": llama["pl"] * llama["tg"] / llama["t"],
-            "total tok/s": llama["speed"],
-            "wall s": llama["t"],
-        }
+    for engine in ("llamacpp", "llamacpp_f16"):
+        llama = load(out_dir, f"w1_{engine}")
+        if llama is not None:
+            figures[engine] = {
+                "output tok/s": llama["pl"] * llama["tg"] / llama["t"],
+                "total tok/s": llama["speed"],
+                "wall s": llama["t"],
+            }
     return figures
+
+
+def server_figures(out_dir: str) -> dict[str, dict[str, float | None]]:
+    """Each engine's server in its main session (else its first): seconds to /health, RSS
+    and peak RSS in MiB; tokenserve's `bench startup` medians beside them."""
+    figures: dict[str, dict[str, float | None]] = {}
+    names = sorted(
+        name[: -len(".json")] for name in os.listdir(out_dir)
+        if name.startswith("server_") and name.endswith(".json")
+    )
+    for engine in ENGINES:
+        mine = [name for name in names if name.endswith(f"_{engine}")]  # server_<session>_<engine>
+        if not mine:
+            continue
+        data = load(out_dir, next((n for n in mine if n.startswith("server_main_")), mine[0]))
+        assert data is not None
+        ready = data.get("ready_s")
+        figures[engine] = {
+            "server ready s": float(ready) if isinstance(ready, (int, float)) else None,
+            "RSS MiB": data["rss_kib"] / 1024,
+            "peak RSS MiB": data["peak_rss_kib"] / 1024,
+        }
+    startup = load(out_dir, "startup_tokenserve")
+    if startup is not None:
+        summary = startup["summary"]
+        row = figures.setdefault("tokenserve", {})
+        for label, key in (("start: /health 200 s", "ready_s"),
+                           ("start: first answer s", "first_answer_s")):
+            if key in summary:
+                row[label] = summary[key]["median"]
+    return figures
+
+
+def cpu_line(meta: dict[str, Any]) -> str:
+    """The CPU a sitting ran on: lscpu's model name, its CPUs, and the ISA flags that matter."""
+    lscpu = meta.get("lscpu") or {}
+    model = lscpu.get("Model name") or meta.get("model name") or "unknown CPU"
+    flags = set((lscpu.get("Flags") or meta.get("flags") or "").split())
+    isa = [flag for flag in ISA_FLAGS if flag in flags]
+    cpus = lscpu.get("CPU(s)") or meta.get("nproc") or "?"
+    return f"CPU: {model}, {cpus} CPU(s); {', '.join(isa) or 'none of ' + ', '.join(ISA_FLAGS)}"
 
 
 def w5_outputs_equal(out_dir: str, engine: str) -> str | None:
@@ -124,7 +174,7 @@ def w5_outputs_equal(out_dir: str, engine: str) -> str | None:
 
 def table(title: str, rows: dict[str, dict[str, Any]]) -> list[str]:
     engines = [engine for engine in ENGINES if engine in rows or engine not in OPTIONAL]
-    peers = [peer for peer in ("vllm", "llamacpp") if peer in engines]
+    peers = [peer for peer in PEERS if peer in engines]
     header = " | ".join(NAMES[engine] for engine in engines)
     ratios = " | ".join(f"tokenserve / {NAMES[peer]}" for peer in peers)
     lines = [f"### {title}", "", f"| figure | {header} | {ratios} |",
@@ -166,8 +216,12 @@ def main(out_dir: str) -> int:
                 "outputs equal to unconstrained"
             ] = equal
 
+    servers = server_figures(out_dir)
+    if servers:
+        summary["servers"] = servers
     meta = load(out_dir, "meta") or {}
-    lines = [f"## Side by side: {out_dir}", "", f"meta: {json.dumps(meta)}", ""]
+    brief = {key: value for key, value in meta.items() if key not in ("lscpu", "flags")}
+    lines = [f"## Side by side: {out_dir}", "", cpu_line(meta), "", f"meta: {json.dumps(brief)}", ""]
     for name, rows in summary.items():
         lines += table(name, rows)
     print("\n".join(lines))

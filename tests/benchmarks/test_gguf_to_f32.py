@@ -6,6 +6,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 from gguf.quants import dequantize, quantize
 
 from tests.benchmarks.scripts import load_script
@@ -19,7 +20,8 @@ def metadata(reader: gguf.GGUFReader) -> dict:
     }
 
 
-def test_tensors_become_their_dequantized_values_and_metadata_stays(tmp_path: Path):
+@pytest.mark.parametrize("outtype", ["f32", "f16"])
+def test_tensors_become_their_dequantized_values_and_metadata_stays(tmp_path: Path, outtype: str):
     rng = np.random.default_rng(0)
     weights = {
         "blk.0.attn_q.weight": (rng.standard_normal((8, 64)), gguf.GGMLQuantizationType.Q4_1),
@@ -46,20 +48,26 @@ def test_tensors_become_their_dequantized_values_and_metadata_stays(tmp_path: Pa
     writer.close()
 
     target = tmp_path / "model-f32.gguf"
-    load_script("gguf_to_f32").convert(str(source), str(target))
+    script = load_script("gguf_to_f32")
+    script.convert(str(source), str(target), outtype)
 
     before, after = gguf.GGUFReader(str(source)), gguf.GGUFReader(str(target))
     expected = metadata(before)
     assert expected["general.file_type"] == int(gguf.LlamaFileType.MOSTLY_Q4_1)
-    expected["general.file_type"] = int(gguf.LlamaFileType.ALL_F32)
+    expected["general.file_type"] = int(script.FILE_TYPES[outtype])
     assert metadata(after) == expected
     assert [t.name for t in after.tensors] == [t.name for t in before.tensors]
     for old, new in zip(before.tensors, after.tensors):
-        assert new.tensor_type == gguf.GGMLQuantizationType.F32, new.name
+        # f16: the matrices rounded to float16, the norms kept in float32 (as llama.cpp's own
+        # converter writes an F16 model).
+        half = outtype == "f16" and len(old.shape) == 2
+        kind = gguf.GGMLQuantizationType.F16 if half else gguf.GGMLQuantizationType.F32
+        assert new.tensor_type == kind, new.name
         assert list(new.shape) == list(old.shape), new.name
+        values = dequantize(old.data, old.tensor_type).reshape(-1)
         np.testing.assert_array_equal(
             np.asarray(new.data).reshape(-1),
-            dequantize(old.data, old.tensor_type).reshape(-1),
+            values.astype(np.float16) if half else values,
             err_msg=new.name,
         )
     # The quantized tensors changed: the check above compared dequantized values, not bytes.

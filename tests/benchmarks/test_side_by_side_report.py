@@ -73,3 +73,48 @@ def test_report_adds_llama_cpp_and_its_ratio_where_it_ran(tmp_path, capsys):
     assert "| total tok/s | 300.0 | 600.0 | 153.6 | 0.50 | 1.95 |" in printed
     # vLLM has no W2 result here: its cells and ratio are dashes, llama.cpp's ratio is not.
     assert "| output tok/s | 50.0 | - | 25.0 | - | 2.00 |" in printed
+
+
+def test_report_names_the_cpu_and_puts_every_peer_configuration_and_server_beside(
+    tmp_path, capsys
+):
+    files = {
+        "meta": {"nproc": 2, "lscpu": {"Model name": "Intel(R) Xeon(R) Processor", "CPU(s)": "2",
+                                       "Flags": "fpu sse avx2 avx512f avx512_bf16 amx_tile"}},
+        "w1_tokenserve": {"output_tokens_per_second": 100.0, "total_tokens_per_second": 300.0,
+                          "elapsed_time": 80.0},
+        "w1_vllm": {"num_requests": 64, "elapsed_time": 40.96, "tokens_per_second": 600.0},
+        "w1_vllm_bf16": {"num_requests": 64, "elapsed_time": 20.48, "tokens_per_second": 1200.0},
+        "w1_llamacpp": {"pp": 256, "tg": 128, "pl": 64, "t": 160.0, "speed": 153.6},
+        "w1_llamacpp_f16": {"pp": 256, "tg": 128, "pl": 64, "t": 80.0, "speed": 307.2},
+        "server_main_tokenserve": {"engine": "tokenserve", "session": "main", "ready_s": 2.5,
+                                   "rss_kib": 1024 * 900, "peak_rss_kib": 1024 * 1000},
+        "server_w4_mbt_256_tokenserve": {"engine": "tokenserve", "session": "w4_mbt_256",
+                                         "ready_s": 9.0, "rss_kib": 1, "peak_rss_kib": 1},
+        "server_main_vllm_bf16": {"engine": "vllm_bf16", "session": "main", "ready_s": 100.0,
+                                  "rss_kib": 1024 * 3000, "peak_rss_kib": 1024 * 3600},
+        "server_main_llamacpp_f16": {"engine": "llamacpp_f16", "session": "main", "ready_s": 1.0,
+                                     "rss_kib": 1024 * 450, "peak_rss_kib": 1024 * 500},
+        "startup_tokenserve": {"summary": {"ready_s": {"median": 2.0},
+                                           "first_answer_s": {"median": 2.75}}},
+    }
+    for name, data in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+
+    assert load_report_script().main(str(tmp_path)) == 0
+
+    printed = capsys.readouterr().out
+    assert "CPU: Intel(R) Xeon(R) Processor, 2 CPU(s); avx2, avx512f, avx512_bf16, amx_tile" in printed
+    assert (
+        "| figure | tokenserve | vLLM | vLLM bf16 | llama.cpp | llama.cpp F16 | tokenserve / vLLM "
+        "| tokenserve / vLLM bf16 | tokenserve / llama.cpp | tokenserve / llama.cpp F16 |"
+    ) in printed
+    assert "| total tok/s | 300.0 | 600.0 | 1200.0 | 153.6 | 307.2 | 0.50 | 0.25 | 1.95 | 0.98 |" in printed
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    servers = summary["servers"]
+    # The main session's server, not another session's.
+    assert servers["tokenserve"]["server ready s"] == 2.5
+    assert servers["tokenserve"]["RSS MiB"] == 900 and servers["tokenserve"]["peak RSS MiB"] == 1000
+    assert servers["tokenserve"]["start: first answer s"] == 2.75
+    assert servers["vllm_bf16"]["RSS MiB"] == 3000
+    assert "| RSS MiB | 900.0 | - | 3000.0 | 450.0 | - | 0.30 | 2.00 |" in printed

@@ -9,6 +9,8 @@ that object and each layer's cache through to `forward` without looking inside e
 
 from __future__ import annotations
 
+import math
+import mmap
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -78,7 +80,7 @@ class AttentionBackend(ABC):
         """One cache per layer. Zeroed, not empty: padded gathers may read unused slots,
         which must hold finite values."""
         shape = self.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size)
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return [zeros_on_first_touch(shape, dtype, device) for _ in range(num_layers)]
 
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
@@ -95,3 +97,15 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write key/value into their slots, then attend causally over each request's context."""
+
+
+def zeros_on_first_touch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor whose CPU memory the kernel zeroes page by page as it is first used
+    (an anonymous mapping), instead of all of it at start: a 4 GiB cache costs no start time
+    and only the blocks in use count in the resident memory."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * dtype.itemsize
+    buffer = mmap.mmap(-1, max(num_bytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # The tensor keeps the mapping alive (torch.frombuffer holds a reference to it).
+    return torch.frombuffer(buffer, dtype=torch.uint8)[:num_bytes].view(dtype).view(shape)

@@ -1,4 +1,5 @@
-"""The `tokenserve bench` command group: `throughput` (offline) and `serve` (HTTP client)."""
+"""The `tokenserve bench` command group: `throughput` (offline), `serve` (HTTP client) and
+`startup` (from `tokenserve serve` to the first answer)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from tokenserve.benchmarks import serve, throughput
+from tokenserve.benchmarks import serve, startup, throughput
 from tokenserve.engine.cli_args import add_engine_arguments, engine_args_from
 
 
@@ -40,6 +41,17 @@ def add_bench_parser(subcommands: Any, llm_class: Callable[..., Any]) -> None:
     )
     serve.add_arguments(online)
     online.set_defaults(handler=_run_serve_benchmark)
+
+    start = kinds.add_parser(
+        "startup",
+        help="Seconds from `tokenserve serve` to /health 200 and to the first chat answer; RSS.",
+        description="Starts `tokenserve serve [serve args]` --num-runs times, each time waiting "
+                    "for /health and one chat answer (temperature 0, max_tokens 8): the split "
+                    "import / load / ready / first token, and the server's resident memory. "
+                    "--cold: after emptying tokenserve's cache directory (docs/STARTUP.md).",
+    )
+    startup.add_arguments(start)
+    start.set_defaults(handler=lambda args: 0 if startup.run(args) else 1)
 
 
 def _run_throughput(args: argparse.Namespace, llm_class: Callable[..., Any]) -> int:

@@ -30,6 +30,7 @@ from tokenserve.core.dashboard_snapshot import SnapshotClock, dashboard_snapshot
 from tokenserve.core.engine_core import EngineCore
 from tokenserve.core.request import Request
 from tokenserve.core.step_cost import StepShape
+from tokenserve.executor.backends import import_executor_class
 from tokenserve.messages.engine_core import (
     EngineCoreOutputs,
     EngineCoreRequestType,
@@ -45,6 +46,8 @@ PARENT_POLL_INTERVAL_MS = 1000
 # How long the output socket may keep unsent messages when the process exits.
 SOCKET_LINGER_MS = 2000
 
+ENGINE_CORE_LOG_FORMAT = "%(levelname)s %(asctime)s [engine core] %(name)s: %(message)s"
+
 _SHUTDOWN = "shutdown"  # an input-queue item that ends the busy loop
 
 
@@ -59,9 +62,7 @@ def run_engine_core(
     """The process entry point: build the engine core, report ready, loop until told to stop.
     `load_tokenizer` returns the tokenizer for structured outputs (picklable: the API
     process passes it, as the engine core does not import model code)."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(levelname)s %(asctime)s [engine core] %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=logging.INFO, format=ENGINE_CORE_LOG_FORMAT)
     # Ctrl-C reaches the whole process group; the API server decides how to stop us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_system_exit)
@@ -92,6 +93,26 @@ def run_engine_core(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def run_engine_core_when_configured(
+    start_pipe: Connection, ready_pipe: Connection, parent_pid: int
+) -> None:
+    """The entry point of a process started before its configuration existed
+    (engine/core_client.py): the default executor's modules, the model code among them, are
+    imported while the API process builds the configuration; then `run_engine_core`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format=ENGINE_CORE_LOG_FORMAT)
+    import_executor_class("uni")
+    logger.info("Engine core process: modules imported.")  # bench startup's "import" mark
+    try:
+        config, input_address, output_address, load_tokenizer = start_pipe.recv()
+    except EOFError:  # the API process stopped before configuring us (bad flags, Ctrl-C)
+        os._exit(0)
+    finally:
+        start_pipe.close()
+    logger.info("Engine core process: configured.")  # bench startup's "configured" mark
+    run_engine_core(config, input_address, output_address, ready_pipe, parent_pid, load_tokenizer)
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:

@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from tokenserve.config import EngineConfig
-from tokenserve.engine.core_client import EngineCoreClient, EngineDeadError
+from tokenserve.engine.core_client import EngineCoreClient, EngineCoreProcess, EngineDeadError
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.engine.output_processor import OutputProcessor
 from tokenserve.engine.parallel_sampling import fan_out
@@ -138,9 +138,11 @@ class AsyncLLM:
         log_stats: bool = True,
         stat_loggers: list[StatLogger] | None = None,
         request_observers: list[RequestObserver] | None = None,
+        engine_process: EngineCoreProcess | None = None,
     ) -> None:
         """`request_observers` hear of each engine-core request's arrival, every message of
-        the engine core and aborts (`--request-trace`, /dashboard)."""
+        the engine core and aborts (`--request-trace`, /dashboard); `engine_process`: an
+        engine-core process started earlier (core_client.py), loading while this one starts."""
         self.config = config
         self.tokenizer = load_tokenizer(config.model_config.files, config.model_config.tokenizer)
         self.processor = Processor(config, self.tokenizer)
@@ -153,7 +155,7 @@ class AsyncLLM:
         self.collectors: dict[str, RequestOutputCollector] = {}
         # The engine core's latest scheduler stats (None before its first message).
         self.scheduler_stats: SchedulerStats | None = None
-        self.engine_core = EngineCoreClient(config)
+        self.engine_core = EngineCoreClient(config, engine_process)
         self._background_tasks: set[asyncio.Task[Any]] = set()
         self._output_handler: asyncio.Task[None] | None = None
         self._death_callbacks: list[Any] = []

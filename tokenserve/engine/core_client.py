@@ -1,9 +1,14 @@
 """The API process's side of the engine core: start it, talk to it, notice when it dies.
 
-The client binds two ipc:// sockets in a private temporary directory (PUSH for requests,
-PULL for outputs), starts the engine-core process with multiprocessing's 'spawn' and
-waits for its ready handshake over a pipe. Sends and receives are asyncio (zmq.asyncio).
-The process's sentinel is watched on the event loop, so a dead engine is known at once.
+`EngineCoreProcess` starts the engine-core process with multiprocessing's 'spawn' before
+its configuration exists: the child imports the engine (torch, the model code) while this
+process parses flags, builds the configuration and imports the HTTP stack, then loads the
+model as soon as `configure` hands it the configuration (`tokenserve serve` starts it
+first thing, docs/STARTUP.md). The client binds two ipc:// sockets in the process's private
+temporary directory (PUSH for requests, PULL for outputs) and waits for the ready
+handshake over a pipe. Sends and receives are asyncio (zmq.asyncio). The process's
+sentinel is watched on the event loop, so a dead engine is known at once. This module
+imports nothing heavy: the engine's modules load in the child.
 """
 
 from __future__ import annotations
@@ -12,16 +17,17 @@ import asyncio
 import functools
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
 
-from tokenserve.config import EngineConfig
-from tokenserve.core.engine_core_proc import run_engine_core
 from tokenserve.messages.engine_core import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -29,7 +35,9 @@ from tokenserve.messages.engine_core import (
     make_encoder,
     make_outputs_decoder,
 )
-from tokenserve.model.loader import load_tokenizer
+
+if TYPE_CHECKING:
+    from tokenserve.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,63 +49,110 @@ class EngineDeadError(RuntimeError):
     """The engine-core process is gone; no request can be served any more."""
 
 
-class EngineCoreClient:
-    def __init__(self, config: EngineConfig) -> None:
-        self._socket_dir = tempfile.mkdtemp(prefix="tokenserve-")
-        input_address = f"ipc://{self._socket_dir}/input"
-        output_address = f"ipc://{self._socket_dir}/output"
-        self.context = zmq.asyncio.Context()
-        self.input_socket = self.context.socket(zmq.PUSH)
-        self.input_socket.bind(input_address)
-        self.output_socket = self.context.socket(zmq.PULL)
-        self.output_socket.bind(output_address)
-        self.encoder = make_encoder()
-        self.decoder = make_outputs_decoder()
-        self.dead_reason: str | None = None
-        self._closing = False
+def _engine_core_main(start_pipe: Connection, ready_pipe: Connection, parent_pid: int) -> None:
+    """The child's entry point; the engine's modules are imported here, in the child only."""
+    from tokenserve.core.engine_core_proc import run_engine_core_when_configured
 
+    run_engine_core_when_configured(start_pipe, ready_pipe, parent_pid)
+
+
+class EngineCoreProcess:
+    """The engine-core process, started now and configured later (`configure`)."""
+
+    def __init__(self) -> None:
+        self._socket_dir = tempfile.mkdtemp(prefix="tokenserve-")
+        self.input_address = f"ipc://{self._socket_dir}/input"
+        self.output_address = f"ipc://{self._socket_dir}/output"
+        self.config: EngineConfig | None = None
         spawn = multiprocessing.get_context("spawn")
-        ready_reader, ready_writer = spawn.Pipe(duplex=False)
+        start_reader, self._start_writer = spawn.Pipe(duplex=False)
+        self.ready_reader, ready_writer = spawn.Pipe(duplex=False)
         self.process = spawn.Process(
-            target=run_engine_core,
-            args=(
-                config,
-                input_address,
-                output_address,
-                ready_writer,
-                multiprocessing.current_process().pid,
-                functools.partial(
-                    load_tokenizer, config.model_config.files, config.model_config.tokenizer
-                ),
-            ),
+            target=_engine_core_main,
+            args=(start_reader, ready_writer, os.getpid()),
             name="tokenserve-engine-core",
             daemon=True,
         )
-        started = time.perf_counter()
+        self.started = time.perf_counter()
         self.process.start()
+        start_reader.close()
         ready_writer.close()
-        try:
-            self._wait_until_ready(ready_reader)
-        except BaseException:
-            self.shutdown()
-            raise
-        logger.info(
-            "Engine core process %d ready in %.1f s.",
-            self.process.pid,
-            time.perf_counter() - started,
-        )
 
-    def _wait_until_ready(self, ready_reader) -> None:
+    def configure(self, config: EngineConfig) -> None:
+        """Hand the process its configuration: it loads the model from here on."""
+        from tokenserve.model.loader import load_tokenizer
+
+        if self.config is not None:
+            raise RuntimeError("The engine core process is configured already.")
+        self.config = config
+        # The tokenizer, for structured outputs: the engine core does not import model code.
+        tokenizer = functools.partial(
+            load_tokenizer, config.model_config.files, config.model_config.tokenizer
+        )
         try:
-            message = ready_reader.recv()
+            self._start_writer.send((config, self.input_address, self.output_address, tokenizer))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it died while importing: the ready handshake reports that
+        finally:
+            self._start_writer.close()
+
+    def wait_until_ready(self) -> None:
+        try:
+            message = self.ready_reader.recv()
         except EOFError:
             raise RuntimeError(
                 "The engine core process exited while starting; see its log above."
             ) from None
         finally:
-            ready_reader.close()
+            self.ready_reader.close()
         if message.get("status") != "ready":
             raise RuntimeError(f"The engine core failed to start: {message.get('error')}")
+        logger.info(
+            "Engine core process %d ready %.1f s after it started.",
+            self.process.pid,
+            time.perf_counter() - self.started,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the process (SIGTERM, then SIGKILL) and remove its socket directory."""
+        if not self._start_writer.closed:
+            self._start_writer.close()  # never configured: it exits on its own
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(SHUTDOWN_TIMEOUT_S)
+        if self.process.is_alive():
+            logger.warning(
+                "The engine core did not stop in %.0f s; killing it.", SHUTDOWN_TIMEOUT_S
+            )
+            self.process.kill()
+            self.process.join()
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig, engine_process: EngineCoreProcess | None = None) -> None:
+        """`engine_process`: one started earlier (configured with `config`, or not yet);
+        by default one is started here."""
+        self.engine_process = engine_process or EngineCoreProcess()
+        if self.engine_process.config is None:
+            self.engine_process.configure(config)
+        elif self.engine_process.config is not config:
+            raise ValueError("The engine core process was configured with another configuration.")
+        self.process = self.engine_process.process
+        self.context = zmq.asyncio.Context()
+        self.input_socket = self.context.socket(zmq.PUSH)
+        self.input_socket.bind(self.engine_process.input_address)
+        self.output_socket = self.context.socket(zmq.PULL)
+        self.output_socket.bind(self.engine_process.output_address)
+        self.encoder = make_encoder()
+        self.decoder = make_outputs_decoder()
+        self.dead_reason: str | None = None
+        self._closing = False
+        try:
+            self.engine_process.wait_until_ready()
+        except BaseException:
+            self.shutdown()
+            raise
 
     @property
     def is_dead(self) -> bool:
@@ -151,14 +206,5 @@ class EngineCoreClient:
     def shutdown(self) -> None:
         """Stop the engine process (SIGTERM, then SIGKILL) and release the sockets."""
         self._closing = True
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(SHUTDOWN_TIMEOUT_S)
-        if self.process.is_alive():
-            logger.warning(
-                "The engine core did not stop in %.0f s; killing it.", SHUTDOWN_TIMEOUT_S
-            )
-            self.process.kill()
-            self.process.join()
+        self.engine_process.shutdown()
         self.context.destroy(linger=0)
-        shutil.rmtree(self._socket_dir, ignore_errors=True)

@@ -1,21 +1,26 @@
-"""The `tokenserve` command line."""
+"""The `tokenserve` command line.
+
+This module imports only argparse-level code: `tokenserve serve` starts its engine-core
+process first thing (which imports this module again, as multiprocessing's spawn does), and
+each subcommand imports what it runs when it runs (docs/STARTUP.md).
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING, Any
 
-from tokenserve.benchmarks.commands import add_bench_parser
-from tokenserve.engine.cli_args import add_engine_arguments, engine_args_from
-from tokenserve.engine.engine_args import parse_memory
-from tokenserve.entrypoints.llm import LLM
-from tokenserve.sampling_params import SamplingParams
-from tokenserve.simulator.calibrate import CALIBRATION_MODEL_NAME
-from tokenserve.simulator.commands import add_diagnosis_parsers
+if TYPE_CHECKING:
+    from tokenserve.engine.core_client import EngineCoreProcess
 
 
 def _run_chat(args: argparse.Namespace) -> int:
+    from tokenserve.engine.cli_args import engine_args_from
+    from tokenserve.entrypoints.llm import LLM
+    from tokenserve.sampling_params import SamplingParams
+
     llm = LLM(**vars(engine_args_from(args)))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     messages = [{"role": "user", "content": args.message}]
@@ -25,6 +30,10 @@ def _run_chat(args: argparse.Namespace) -> int:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from tokenserve.engine.cli_args import engine_args_from
+    from tokenserve.entrypoints.llm import LLM
+    from tokenserve.sampling_params import SamplingParams
+
     llm = LLM(**vars(engine_args_from(args)))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
     for output in llm.generate(args.prompt, params, use_tqdm=False):
@@ -35,19 +44,36 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _run_serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from tokenserve.engine.cli_args import engine_args_from
+
+    engine_args = engine_args_from(args)
+    engine_process: EngineCoreProcess | None = getattr(args, "engine_process", None)
+    if engine_process is not None:
+        # The engine process loads the model while this one imports the HTTP stack below.
+        engine_process.configure(engine_args.create_engine_config())
     from tokenserve.entrypoints.openai.api_server import run_server
 
-    return asyncio.run(run_server(args, engine_args_from(args)))
+    return asyncio.run(run_server(args, engine_args, engine_process))
+
+
+def _offline_llm(**engine_kwargs: Any) -> Any:
+    """The offline engine `bench throughput` measures, imported when it runs."""
+    from tokenserve.entrypoints.llm import LLM
+
+    return LLM(**engine_kwargs)
 
 
 def _calibration_app(engine):
     """The OpenAI app `tokenserve calibrate` serves its rounds through (as `serve` would)."""
     from tokenserve.entrypoints.openai.api_server import build_app
+    from tokenserve.simulator.calibrate import CALIBRATION_MODEL_NAME
 
     return build_app(engine, [CALIBRATION_MODEL_NAME])
 
 
 def _size(value: str) -> int:
+    from tokenserve.engine.engine_args import parse_memory
+
     try:
         size = parse_memory(value)
     except ValueError:
@@ -168,7 +194,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Log level of the HTTP server.")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(serve_only: bool = False) -> argparse.ArgumentParser:
+    """The command line; `serve_only`: just `serve`, for a server starting (its start waits on
+    these imports, docs/STARTUP.md)."""
+    from tokenserve.engine.cli_args import add_engine_arguments
+
     parser = argparse.ArgumentParser(prog="tokenserve", description="LLM inference and serving engine.")
     subcommands = parser.add_subparsers(dest="command", required=True)
 
@@ -182,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve, positional_model=True)
     add_server_arguments(serve)
     serve.set_defaults(handler=_run_serve)
+    if serve_only:
+        return parser
 
     chat = subcommands.add_parser("chat", help="Answer one chat message offline and print the reply.")
     chat.add_argument("message", help="The user message.")
@@ -193,19 +225,38 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--max-tokens", type=int, default=128, help="Most tokens to generate.")
         sub.set_defaults(handler=runner)
 
-    add_bench_parser(subcommands, LLM)
+    from tokenserve.benchmarks.commands import add_bench_parser
+    from tokenserve.simulator.commands import add_diagnosis_parsers
+
+    add_bench_parser(subcommands, _offline_llm)
     add_diagnosis_parsers(subcommands, _calibration_app)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    engine_process = _prestart_engine_process(argv)
     try:
+        args = build_parser(serve_only=engine_process is not None).parse_args(argv)
+        args.engine_process = engine_process
         return args.handler(args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    finally:
+        if engine_process is not None:
+            engine_process.shutdown()
+
+
+def _prestart_engine_process(argv: list[str]) -> Any:
+    """For `serve`: the engine-core process, started before anything heavy is imported here,
+    so that both processes import their stacks at once (it waits for its configuration)."""
+    if argv[:1] != ["serve"] or any(flag in argv for flag in ("-h", "--help")):
+        return None
+    from tokenserve.engine.core_client import EngineCoreProcess
+
+    return EngineCoreProcess()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,11 @@ from tokenserve.executor.abstract import Executor
 
 
 def get_executor_class(config: EngineConfig) -> type[Executor]:
-    backend = config.parallel_config.distributed_executor_backend
+    return import_executor_class(config.parallel_config.distributed_executor_backend)
+
+
+def import_executor_class(backend: str) -> type[Executor]:
+    """The class of a backend by name, imported (with its workers and model code) now."""
     if backend == "uni":
         from tokenserve.executor.uniprocess import UniprocessExecutor
 

@@ -23,10 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
-from gguf import GGUFReader, ReaderTensor
+from gguf import ReaderTensor
 from gguf.quants import dequantize
 
 from tokenserve.cache_dir import cache_root
+from tokenserve.model.gguf_file import GGUFFile, GGUFTensor
 from tokenserve.model.layers.quantization.gguf import QUANTIZED_KINDS, QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def load_gguf_config(path: str) -> transformers.LlamaConfig:
         )
     vocab_size = _metadata(reader, "llama.vocab_size")
     if vocab_size is None:
-        vocab_size = len(_required_field(reader, path, "tokenizer.ggml.tokens").data)
+        vocab_size = len(_required(reader, path, "tokenizer.ggml.tokens"))
 
     config = transformers.LlamaConfig(
         architectures=[GGUF_ARCHITECTURE],
@@ -199,50 +200,33 @@ def _write_tokenizer_cache(tokenizer: transformers.PreTrainedTokenizerBase, cach
         shutil.rmtree(partial_dir, ignore_errors=True)
 
 
-def _open_reader(path: str) -> GGUFReader:
-    """The parsed file, shared by the config, weight and tokenizer loaders of a process:
-    parsing the default model's 49k-token vocabulary takes seconds."""
+def _open_reader(path: str) -> GGUFFile:
+    """The file's header, read once per process and shared by the config and weight
+    loaders; the tensors are views of one memory map."""
     stat = os.stat(path)
     return _read_file(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=2)
-def _read_file(path: str, size: int, mtime_ns: int) -> GGUFReader:
-    try:
-        reader = GGUFReader(path)
-    except Exception as error:  # truncation surfaces as assorted numpy/struct errors
-        raise ValueError(f"GGUF file {path} is corrupt or truncated: {error}") from error
-    file_size = os.path.getsize(path)
-    for tensor in reader.tensors:
-        if tensor.data_offset + tensor.n_bytes > file_size:
-            raise ValueError(
-                f"GGUF file {path} is truncated: tensor {tensor.name!r} ends past the end "
-                f"of the file ({file_size} bytes)."
-            )
-    return reader
+def _read_file(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
-def _metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
+def _metadata(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.get(key, default)
 
 
-def _required_field(reader: GGUFReader, path: str, key: str) -> Any:
-    field = reader.get_field(key)
-    if field is None:
+def _required(reader: GGUFFile, path: str, key: str) -> Any:
+    if key not in reader.metadata:
         raise ValueError(f"GGUF file {path} lacks the metadata key {key!r}.")
-    return field
-
-
-def _required(reader: GGUFReader, path: str, key: str) -> Any:
-    return _required_field(reader, path, key).contents()
+    return reader.metadata[key]
 
 
 def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def _rope_parameters(reader: GGUFReader, path: str, head_dim: int) -> dict[str, Any]:
+def _rope_parameters(reader: GGUFFile, path: str, head_dim: int) -> dict[str, Any]:
     """transformers' `rope_parameters` from the rope.* metadata and any rope_freqs tensor."""
     theta = float(_metadata(reader, "llama.rope.freq_base", 10000.0))
     scaling_type = _metadata(reader, "llama.rope.scaling.type", "none")
@@ -324,7 +308,7 @@ def _hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{suffix}"
 
 
-def dequantize_tensor(tensor: ReaderTensor, path: str) -> torch.Tensor:
+def dequantize_tensor(tensor: GGUFTensor | ReaderTensor, path: str) -> torch.Tensor:
     """A GGUF tensor as float32 in PyTorch's dimension order (ValueError for a quantization
     the gguf package cannot expand)."""
     try:

@@ -35,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
 from tokenserve.engine.async_llm import AsyncLLM
+from tokenserve.engine.core_client import EngineCoreProcess
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.entrypoints.chat_utils import ChatContentConfig, load_chat_template
 from tokenserve.entrypoints.openai.assistant_message import ChatParsing
@@ -315,8 +316,11 @@ def media_connector_from(args: argparse.Namespace) -> MediaConnector:
     )
 
 
-async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
-    """Start the engine, serve until SIGINT/SIGTERM (exit 0) or the engine dies (exit 1)."""
+async def run_server(
+    args: argparse.Namespace, engine_args: EngineArgs, engine_process: EngineCoreProcess | None = None
+) -> int:
+    """Start the engine, serve until SIGINT/SIGTERM (exit 0) or the engine dies (exit 1).
+    `engine_process`: an engine-core process started (and maybe configured) earlier."""
     # The API process only tokenizes and detokenizes; the engine core gets the cores.
     torch.set_num_threads(1)
     if args.shutdown_timeout < 0:
@@ -328,14 +332,24 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     chat_content = chat_content_from(args)
     media_connector = media_connector_from(args)
     served_model_names = served_model_names_from(args)
-    config = engine_args.create_engine_config()
+    if engine_process is not None and engine_process.config is not None:
+        config = engine_process.config
+    else:
+        config = engine_args.create_engine_config()
+    # Listening from here on: a request that comes while the engine loads waits for it
+    # (as vLLM's server binds before its engine is up); /health answers once it is ready.
+    listen_socket = uvicorn.Config(None, host=args.host, port=args.port).bind_socket()
     metrics = PrometheusStatLogger(served_model_names[0])
     dashboard = DashboardState()
     observers: list[RequestObserver] = [dashboard]
     if getattr(args, "request_trace", None):
         observers.append(RequestTraceRecorder(args.request_trace))
-    engine = AsyncLLM(config, log_stats=not args.disable_log_stats, stat_loggers=[metrics],
-                      request_observers=observers)
+    try:
+        engine = AsyncLLM(config, log_stats=not args.disable_log_stats, stat_loggers=[metrics],
+                          request_observers=observers, engine_process=engine_process)
+    except BaseException:
+        listen_socket.close()
+        raise
     mm_processor = engine.processor.mm_processor
     if mm_processor is not None:  # "string" chat templates get the model's own placeholder
         chat_content = dataclasses.replace(chat_content, image_placeholder=mm_processor.image_token)
@@ -387,7 +401,7 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
         # it, so that the engine below is still shut down and the exit code stays ours.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: None)
-        await server.serve()
+        await server.serve(sockets=[listen_socket])
         if not server.started:
             exit_code = exit_code or 1
         return exit_code

@@ -1,0 +1,82 @@
+"""benchmarks/run_side_by_side.sh in its dry run: the commands it would run for every engine
+configuration (vLLM float32 and bfloat16, llama.cpp F32 and F16), the CPU it records, and
+that it starts nothing and takes no lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "run_side_by_side.sh"
+
+
+def test_script_parses():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
+def test_script_is_shellcheck_clean():
+    subprocess.run(["shellcheck", "-x", str(SCRIPT)], check=True)
+
+
+def dry_run(tmp_path: Path, **env: str) -> tuple[str, Path]:
+    out = tmp_path / "out"
+    result = subprocess.run(
+        ["bash", str(SCRIPT), str(out)],
+        env={**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable,
+             "MODEL_DIR": str(tmp_path / "m0"), "VENV": str(tmp_path / "vllm"),
+             "LLAMA_CPP_DIR": str(tmp_path / "llama.cpp"), "LOCK": str(tmp_path / "cpu.lock"),
+             "PHASES": "export,install,startup,w1,w2", **env},
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout, out
+
+
+def commands(printed: str, program: str) -> list[str]:
+    return [line for line in printed.splitlines() if line.startswith("+ ") and program in line]
+
+
+def test_dry_run_prints_every_configuration_and_runs_nothing(tmp_path: Path):
+    printed, out = dry_run(
+        tmp_path, ENGINES="tokenserve,vllm,vllm_bf16,llamacpp,llamacpp_f16", VLLM_BF16="1"
+    )
+    vllm_servers = commands(printed, "vllm-cpu-cli serve")
+    assert [("--dtype float32" in c, "--dtype bfloat16" in c) for c in vllm_servers] == [
+        (True, False), (False, True)
+    ]
+    vllm_w1 = commands(printed, "vllm-cpu-cli bench throughput")
+    assert len(vllm_w1) == 2 and "--dtype bfloat16" in vllm_w1[1]
+    llama_servers = commands(printed, "llama-server")
+    assert len(llama_servers) == 2
+    assert "m0-f32.gguf" in llama_servers[0] and "-ctk f32 -ctv f32" in llama_servers[0]
+    assert "m0-f16.gguf" in llama_servers[1] and "-ctk f16 -ctv f16" in llama_servers[1]
+    assert any("--outtype f16" in c for c in commands(printed, "gguf_to_f32.py"))
+    assert len(commands(printed, "llama-batched-bench")) == 2
+    assert len(commands(printed, "bench startup")) == 1
+    # Every server session has its client runs, each engine's results named apart.
+    for engine in ("tokenserve", "vllm", "vllm_bf16", "llamacpp", "llamacpp_f16"):
+        assert any(f"w2_rate_inf_{engine}.json" in c for c in commands(printed, "bench serve"))
+    # Nothing ran: no results, no lock taken; the CPU is recorded all the same.
+    assert not list(out.glob("w*.json")) and not list(out.glob("server_*.json"))
+    assert not (tmp_path / "cpu.lock").exists()
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["model name"] and "flags" in meta
+    if shutil.which("lscpu"):
+        assert meta["lscpu"]["Model name"] and meta["lscpu"]["Flags"]
+    assert "CPU: " in printed  # the report's header
+
+
+def test_vllm_bfloat16_runs_only_on_a_cpu_with_native_bf16(tmp_path: Path):
+    printed, _ = dry_run(tmp_path, ENGINES="vllm,vllm_bf16", PHASES="w1")
+    with open("/proc/cpuinfo") as file:
+        flags = set(file.read().split())
+    native = bool(flags & {"avx512_bf16", "amx_bf16"})
+    assert any("--dtype bfloat16" in c for c in commands(printed, "bench throughput")) == native
+    assert ("vLLM bfloat16 not run" in printed) == (not native)

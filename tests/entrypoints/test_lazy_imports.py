@@ -1,0 +1,120 @@
+"""What each process of `tokenserve serve` imports, checked in fresh interpreters.
+
+The command line module is imported again by the engine-core process (multiprocessing's
+spawn), so it must stay light; the API process serves HTTP and never runs the model; the
+engine-core process imports the model code but not the HTTP stack. Features the default
+path does not use (structured outputs' grammar engine, LoRA, spec decode's proposers,
+pooling references, plotting) are imported when first used. A test here fails when someone
+adds an eager import of one of them (docs/STARTUP.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+# Never imported by `import tokenserve.entrypoints.cli` (nor `import tokenserve`).
+HEAVY = ["torch", "transformers", "numpy", "fastapi", "uvicorn", "zmq", "gguf"]
+# Imported by no process of a server on the default path until a request uses them (the
+# n-gram proposer, a few lines of numpy the runner's spec-decode helpers sit beside, may be).
+FEATURES = [
+    "xgrammar", "llguidance", "peft", "sentence_transformers", "matplotlib",
+    "tokenserve.structured_output.grammar", "tokenserve.spec_decode.draft_model_proposer",
+    "tokenserve.entrypoints.llm",
+]
+# The API process runs no model: no worker, executor or engine core.
+MODEL_SIDE = ["tokenserve.worker", "tokenserve.executor", "tokenserve.core.engine_core"]
+# `tokenserve serve` parses its own flags only: the other subcommands' code stays out.
+OTHER_COMMANDS = ["tokenserve.simulator", "tokenserve.benchmarks"]
+# The engine-core process serves no HTTP.
+HTTP_SIDE = ["fastapi", "uvicorn", "starlette", "tokenserve.entrypoints.openai"]
+
+
+def imported_after(code: str, timeout: float = 600) -> set[str]:
+    """The modules in sys.modules after `code` runs in a fresh interpreter."""
+    script = textwrap.dedent(code) + "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))\n"
+    result = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True,
+        timeout=timeout, env=os.environ,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return set(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+def found(modules: set[str], names: list[str]) -> list[str]:
+    """The names (or submodules of them) present in `modules`."""
+    return sorted(m for m in modules for n in names if m == n or m.startswith(n + "."))
+
+
+def test_cli_module_imports_nothing_heavy():
+    modules = imported_after("import tokenserve.entrypoints.cli")
+    assert found(modules, HEAVY + FEATURES + MODEL_SIDE + HTTP_SIDE) == []
+
+
+def test_package_root_is_lazy_and_complete():
+    modules = imported_after(
+        "import tokenserve\n"
+        "assert tokenserve.__version__\n"
+        "assert sorted(dir(tokenserve)) == sorted(tokenserve.__all__)\n"
+    )
+    assert found(modules, HEAVY) == []
+    # Every public name still resolves, to the class its module defines.
+    modules = imported_after(
+        "import tokenserve\n"
+        "from tokenserve import SamplingParams, LLM\n"
+        "from tokenserve.entrypoints.llm import LLM as Defined\n"
+        "assert LLM is Defined and all(getattr(tokenserve, n) for n in tokenserve.__all__)\n"
+    )
+    assert "tokenserve.entrypoints.llm" in modules
+
+
+def test_engine_core_process_imports_no_http_and_no_features():
+    # What the pre-started engine-core process imports before it is configured.
+    modules = imported_after(
+        "from tokenserve.executor.backends import import_executor_class\n"
+        "import tokenserve.core.engine_core_proc\n"
+        "import_executor_class('uni')\n"
+    )
+    assert "tokenserve.worker.model_runner" in modules  # the preload does preload
+    assert found(modules, HTTP_SIDE + FEATURES) == []
+
+
+def test_api_process_of_a_running_server(tiny_model_dirs: dict[str, str]):
+    # A real `tokenserve serve` in a fresh interpreter; once /health answers 200, the API
+    # process lists what it has imported and stops itself (SIGTERM, as a supervisor would).
+    code = f"""
+        import json, os, signal, socket, sys, threading, time
+        import httpx
+        from tokenserve.entrypoints import cli
+
+        sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1]
+        sock.close()
+
+        def watch():
+            deadline = time.monotonic() + 500
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(f"http://127.0.0.1:{{port}}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.1)
+            print("MODULES " + json.dumps(sorted(sys.modules)), flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, daemon=True).start()
+        sys.exit(cli.main(["serve", {tiny_model_dirs["llama"]!r}, "--port", str(port),
+                           "--disable-log-stats", "--max-model-len", "256",
+                           "--num-kv-blocks", "16", "--block-size", "16"]))
+    """
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], check=False, capture_output=True,
+        text=True, timeout=600,
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("MODULES ")]
+    assert result.returncode == 0 and lines, result.stdout[-2000:] + result.stderr[-4000:]
+    modules = set(json.loads(lines[0][len("MODULES "):]))
+    assert "fastapi" in modules  # it did serve
+    assert found(modules, FEATURES + MODEL_SIDE + OTHER_COMMANDS) == []
