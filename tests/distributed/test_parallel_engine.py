@@ -1,0 +1,47 @@
+"""Tensor and pipeline parallelism on two ranks (the mp executor, one core each) give the
+one-rank engine's greedy tokens and logprobs under chunked prefill, preemption and
+prefix-cache hits, on Llama and on Qwen2 (GQA, qkv bias, tied embeddings)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.parallel_workload import (
+    SETTINGS,
+    assert_same_as,
+    kv_cache_shapes,
+    run_workload,
+)
+from tokenserve import LLM
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dirs):
+    results = {}
+    for family in ("llama", "qwen2"):
+        llm = LLM(tiny_model_dirs[family], **SETTINGS)
+        vocab_size = llm.llm_engine.config.model_config.vocab_size
+        results[family] = (run_workload(llm, vocab_size), vocab_size)
+    return results
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    "layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"]
+)
+def test_two_ranks_give_one_ranks_tokens_and_logprobs(tiny_model_dirs, references, family, layout):
+    reference, vocab_size = references[family]
+    llm = LLM(tiny_model_dirs[family], **SETTINGS, **layout)
+    try:
+        executor = llm.llm_engine.engine_core.executor
+        assert type(executor).__name__ == "MultiprocExecutor"  # the default for two ranks
+        assert_same_as(run_workload(llm, vocab_size), reference)
+        # Each rank's cache holds its own KV heads (tp) or its own layers (pp).
+        shapes = llm.llm_engine.collective_rpc(kv_cache_shapes)
+        assert len(shapes) == 2 and shapes[0] == shapes[1]
+        if "tensor_parallel_size" in layout:
+            assert len(shapes[0]) == 2 and shapes[0][0][2] == 1  # 2 layers, 1 of 2 KV heads
+        else:
+            assert len(shapes[0]) == 1 and shapes[0][0][2] == 2  # 1 of 2 layers, 2 KV heads
+    finally:
+        llm.llm_engine.engine_core.shutdown()
