@@ -166,11 +166,6 @@ class ParallelConfig:
     ) -> None:
         """ValueError when the model's heads, vocabulary or layers do not split over the ranks."""
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
-        if vocab_size % tp:
-            raise ValueError(
-                f"The model's vocabulary of {vocab_size} tokens does not split over "
-                f"tensor_parallel_size={tp} ranks."
-            )
         if num_heads % tp:
             raise ValueError(
                 f"The model's {num_heads} attention heads do not split over "
@@ -180,6 +175,11 @@ class ParallelConfig:
             raise ValueError(
                 f"The model's {num_kv_heads} KV heads neither split over nor replicate evenly "
                 f"on tensor_parallel_size={tp} ranks."
+            )
+        if vocab_size % tp:
+            raise ValueError(
+                f"The model's vocabulary of {vocab_size} tokens does not split over "
+                f"tensor_parallel_size={tp} ranks."
             )
         if num_layers % pp:
             raise ValueError(

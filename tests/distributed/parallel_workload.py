@@ -11,10 +11,10 @@ from tokenserve import LLM, SamplingParams
 MAX_TOKENS = 12
 # 12 blocks of 16 tokens cannot hold all requests at once: without admission lookahead the
 # newest are preempted as they grow; 16 tokens a step chunks every longer prompt.
-SETTINGS = dict(
-    num_kv_blocks=12, block_size=16, max_model_len=150, admission_lookahead_tokens=0,
-    max_num_batched_tokens=16,
-)
+SETTINGS = {
+    "num_kv_blocks": 12, "block_size": 16, "max_model_len": 150, "admission_lookahead_tokens": 0,
+    "max_num_batched_tokens": 16,
+}
 PROMPT_LENGTHS = (3, 17, 40, 64, 100)
 SHARED_PREFIX = 48  # three whole blocks of 16
 

@@ -27,7 +27,7 @@ def references(tiny_model_dirs):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize(
-    "layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)], ids=["tp2", "pp2"]
+    "layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"]
 )
 def test_two_ranks_give_one_ranks_tokens_and_logprobs(tiny_model_dirs, references, family, layout):
     reference, vocab_size = references[family]
