@@ -66,3 +66,9 @@ def kv_cache_shapes(worker) -> list[tuple[int, ...]]:
     """A worker's KV cache, one shape per layer it holds (collective_rpc pickles this
     function by name to the worker processes)."""
     return [tuple(cache.shape) for cache in worker.model_runner.kv_caches]
+
+
+def gguf_block_layers(worker) -> int:
+    """How many decoder layers of a worker's stage keep their projections' GGUF blocks."""
+    layers = worker.model_runner.model.model.layer_stack.layers
+    return sum(layer.mlp.down_proj.blocks is not None for layer in layers)

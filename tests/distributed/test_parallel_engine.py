@@ -9,10 +9,11 @@ import pytest
 from tests.distributed.parallel_workload import (
     SETTINGS,
     assert_same_as,
+    gguf_block_layers,
     kv_cache_shapes,
     run_workload,
 )
-from tokenserve import LLM
+from tokenserve import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -43,5 +44,25 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs(tiny_model_dirs, reference
             assert len(shapes[0]) == 2 and shapes[0][0][2] == 1  # 2 layers, 1 of 2 KV heads
         else:
             assert len(shapes[0]) == 1 and shapes[0][0][2] == 2  # 1 of 2 layers, 2 KV heads
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_the_default_gguf_model_in_two_pipeline_stages(default_model_path):
+    """SmolLM2-135M Q4_1 (its 9 heads do not split over 2 tensor-parallel ranks; its 30
+    layers split over 2 stages): the one-rank engine's greedy tokens, each stage keeping
+    its layers' GGUF blocks."""
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    reference = LLM(default_model_path, kv_cache_memory="32MiB").generate(
+        prompts, params, use_tqdm=False
+    )
+    llm = LLM(default_model_path, kv_cache_memory="32MiB", pipeline_parallel_size=2)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [
+            o.outputs[0].token_ids for o in reference
+        ]
+        assert llm.llm_engine.collective_rpc(gguf_block_layers) == [15, 15]
     finally:
         llm.llm_engine.engine_core.shutdown()
