@@ -331,10 +331,10 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("model.embed_tokens."):
             # A tied LM head on a later stage loads the embedding table as its weight.
             return self.model.embed_tokens is not None or (
-                self.tie_word_embeddings and self.lm_head is not None
+                self.tie_word_embeddings and self.model.pp.is_last
             )
         if name.startswith(("model.norm.", "lm_head.")):
-            return self.lm_head is not None
+            return self.model.pp.is_last
         return True
 
     def _param_for(self, name: str) -> tuple[str, str | int | None]:
