@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 
 # The call that ends a worker's loop.
 SHUTDOWN = "__shutdown__"
-# Seconds a worker is given to leave its loop at shutdown before it is terminated.
-_SHUTDOWN_GRACE_S = 5.0
+# Seconds a worker is given to leave its loop at shutdown before it is terminated (within
+# the 5 s the API server gives the engine core to stop).
+_SHUTDOWN_GRACE_S = 2.0
 
 
 def output_rank(config: EngineConfig) -> int:
