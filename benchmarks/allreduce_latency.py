@@ -48,7 +48,10 @@ def _rank(rank: int, cpus: list[int], init_method: str, args, results) -> None:
         reduce_us = _time_us(lambda x=x: dist.all_reduce(x), args.repeats)
         logits = torch.randn(rows, args.vocab // 2)
         parts = [torch.empty_like(logits) for _ in range(2)]
-        gather_us = _time_us(lambda: dist.all_gather(parts, logits), max(20, args.repeats // 4))
+        gather_us = _time_us(
+            lambda parts=parts, logits=logits: dist.all_gather(parts, logits),
+            max(20, args.repeats // 4),
+        )
         rows_figures.append({
             "rows": rows,
             "bytes": x.numel() * 4,
