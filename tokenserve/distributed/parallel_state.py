@@ -9,7 +9,6 @@ A single rank gets `ModelParallel()`, whose operations do nothing.
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,9 +85,9 @@ class PipelineStage:
         before the last, which did not sample them)."""
         if self.size == 1:
             return value
-        holder = [pickle.dumps(value) if dist.get_rank() == self.output_rank else None]
+        holder = [value if dist.get_rank() == self.output_rank else None]
         dist.broadcast_object_list(holder, src=self.output_rank)
-        return pickle.loads(holder[0])
+        return holder[0]
 
 
 @dataclass
