@@ -5,7 +5,10 @@ prefix-cache hits, on Llama and on Qwen2 (GQA, qkv bias, tied embeddings)."""
 from __future__ import annotations
 
 import pytest
+import torch
+import transformers
 
+from tests.conftest import tiny_model_config
 from tests.distributed.parallel_workload import (
     SETTINGS,
     assert_same_as,
@@ -64,5 +67,38 @@ def test_the_default_gguf_model_in_two_pipeline_stages(default_model_path):
             o.outputs[0].token_ids for o in reference
         ]
         assert llm.llm_engine.collective_rpc(gguf_block_layers) == [15, 15]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated(tiny_tokenizer_dir, tmp_path):
+    """A tiny Llama with one KV head at TP=2: each rank holds that head (its cache too) and
+    the tokens and logprobs are one rank's."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    config = tiny_model_config("llama", vocab_size=len(tokenizer))
+    config.num_key_value_heads = 1
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompts = ["Hello there, how are", "The sky is blue because"]
+
+    def run(llm: LLM) -> list[list[tuple[int, float]]]:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [
+            [(t, step[t].logprob) for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+            for o in outputs
+        ]
+
+    reference = run(LLM(str(tmp_path), kv_cache_memory="1MiB"))
+    llm = LLM(str(tmp_path), kv_cache_memory="1MiB", tensor_parallel_size=2)
+    try:
+        got = run(llm)
+        assert [[t for t, _ in row] for row in got] == [[t for t, _ in row] for row in reference]
+        for row, expected in zip(got, reference):
+            assert max(abs(a[1] - b[1]) for a, b in zip(row, expected)) < 1e-4
+        assert [shapes[0][2] for shapes in llm.llm_engine.collective_rpc(kv_cache_shapes)] == [1, 1]
     finally:
         llm.llm_engine.engine_core.shutdown()
