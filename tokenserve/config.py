@@ -94,11 +94,17 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return self.text_config.vocab_size
 
-    def kv_bytes_per_token(self, cache_dtype: torch.dtype | None = None) -> int:
+    def kv_bytes_per_token(
+        self, cache_dtype: torch.dtype | None = None, parallel: ParallelConfig | None = None
+    ) -> int:
         """Bytes of K and V per token over all layers, in `cache_dtype` (default: the
-        model's dtype)."""
+        model's dtype); with `parallel`, over one rank's layers and KV heads."""
         element_size = torch.empty((), dtype=cache_dtype or self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+        layers, kv_heads = self.num_layers, self.num_kv_heads
+        if parallel is not None:
+            layers = len(parallel.stage_layers(layers, 0))
+            kv_heads = parallel.kv_heads_per_rank(kv_heads)
+        return 2 * layers * kv_heads * self.head_dim * element_size
 
 
 @dataclass
@@ -151,20 +157,83 @@ class SchedulerConfig:
 
 
 # The executors the engine core can run the model with (executor/backends.py): "uni", one
-# worker in the engine core's process.
-DISTRIBUTED_EXECUTOR_BACKENDS = ("uni",)
+# worker in the engine core's process; "mp", one worker process per rank on this machine;
+# "ray", one Ray actor per rank, on the machines of a Ray cluster.
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass
 class ParallelConfig:
-    distributed_executor_backend: str = "uni"
+    """How the model is split over ranks (docs/PARALLELISM.md): tensor parallel within a
+    pipeline stage, pipeline stages over the layers; rank = pp_rank * tp_size + tp_rank.
+    `distributed_executor_backend` None: "uni" for one rank, else "mp"."""
+
+    distributed_executor_backend: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(
                 "distributed_executor_backend must be one of "
                 f"{list(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {self.distributed_executor_backend!r}."
             )
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one rank; tensor_parallel_size x "
+                f"pipeline_parallel_size = {self.world_size} needs 'mp' or 'ray'."
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def check_model(
+        self, num_heads: int, num_kv_heads: int, num_layers: int, vocab_size: int
+    ) -> None:
+        """ValueError when the model's heads, vocabulary or layers do not split over the ranks."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if num_heads % tp:
+            raise ValueError(
+                f"The model's {num_heads} attention heads do not split over "
+                f"tensor_parallel_size={tp} ranks; pick a size that divides {num_heads}."
+            )
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(
+                f"The model's {num_kv_heads} KV heads neither split over nor replicate evenly "
+                f"on tensor_parallel_size={tp} ranks."
+            )
+        if vocab_size % tp:
+            raise ValueError(
+                f"The model's vocabulary of {vocab_size} tokens does not split over "
+                f"tensor_parallel_size={tp} ranks."
+            )
+        if num_layers % pp:
+            raise ValueError(
+                f"The model's {num_layers} layers do not split over pipeline_parallel_size={pp} "
+                f"stages; pick a size that divides {num_layers}."
+            )
+
+    def kv_heads_per_rank(self, num_kv_heads: int) -> int:
+        """A tensor-parallel rank's KV heads: its share, or one (replicated) when the model
+        has fewer KV heads than ranks."""
+        return max(1, num_kv_heads // self.tensor_parallel_size)
+
+    def stage_layers(self, num_layers: int, pp_rank: int) -> range:
+        return stage_layers(num_layers, self.pipeline_parallel_size, pp_rank)
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """The decoder layers pipeline stage `pp_rank` of `pp_size` holds (equal consecutive
+    shares; ParallelConfig.check_model refuses a split that is not even)."""
+    per_stage = num_layers // pp_size
+    return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
 
 
 # The most rows of a product that go to a GGUF weight's few-row kernel and its many-row

@@ -109,9 +109,9 @@ def test_every_step_goes_through_the_executor(config):
 
 def test_an_unknown_executor_backend_is_refused_with_the_settings():
     with pytest.raises(ValueError, match="distributed_executor_backend"):
-        ParallelConfig("ray")
+        ParallelConfig("threads")
     # Before the model is even looked for.
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
-        EngineArgs(model="/nonexistent", distributed_executor_backend="mp").create_engine_config()
+        EngineArgs(model="/nonexistent", distributed_executor_backend="nccl").create_engine_config()
     with pytest.raises(ValueError, match="distributed_executor_backend"):
         LLM("/nonexistent", distributed_executor_backend="threads")

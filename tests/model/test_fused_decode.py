@@ -50,10 +50,10 @@ def fused_calls(monkeypatch) -> list[int]:
     calls: list[int] = []
     original = FusedDecodeLayerStack.__call__
 
-    def counting(self, positions, hidden_states, *args):
-        if self.takes(hidden_states.shape[0], args[-1]):
+    def counting(self, positions, hidden_states, kv_caches, metadata, residual=None):
+        if residual is None and self.takes(hidden_states.shape[0], metadata):
             calls.append(hidden_states.shape[0])
-        return original(self, positions, hidden_states, *args)
+        return original(self, positions, hidden_states, kv_caches, metadata, residual)
 
     monkeypatch.setattr(FusedDecodeLayerStack, "__call__", counting)
     return calls

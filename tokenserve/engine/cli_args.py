@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenserve.config import PREFILL_ORDERS
+from tokenserve.config import DISTRIBUTED_EXECUTOR_BACKENDS, PREFILL_ORDERS
 from tokenserve.engine.engine_args import KV_CACHE_DTYPES, EngineArgs
 from tokenserve.spec_decode.config import parse_speculative_config_json
 
@@ -56,6 +56,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                         default=defaults.disable_cascade_attn,
                         help="Attend each prefill chunk over its whole context alone, instead "
                              "of a long prefix shared by several chunks once for all of them.")
+    parallel = parser.add_argument_group("Parallelism (docs/PARALLELISM.md)")
+    parallel.add_argument("-tp", "--tensor-parallel-size", type=int,
+                          default=defaults.tensor_parallel_size,
+                          help="Ranks each layer is split over (heads, MLP rows, vocabulary).")
+    parallel.add_argument("-pp", "--pipeline-parallel-size", type=int,
+                          default=defaults.pipeline_parallel_size,
+                          help="Pipeline stages the layers are split over.")
+    parallel.add_argument("--distributed-executor-backend", choices=list(DISTRIBUTED_EXECUTOR_BACKENDS),
+                          default=defaults.distributed_executor_backend,
+                          help="What runs the ranks: uni (one process), mp (a process per "
+                               "rank), ray (Ray actors; pip install tokenserve[ray]). Default: "
+                               "uni for one rank, else mp.")
     kernels = parser.add_argument_group("CPU kernels (all on by default)")
     kernels.add_argument("--disable-c-kernels", action="store_true",
                          default=defaults.disable_c_kernels,

@@ -29,6 +29,7 @@ from tokenserve.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from tokenserve.engine.parallel_checks import check_parallel_model
 from tokenserve.engine.runner_config import RunnerSettings, configure_runner
 from tokenserve.model.loader import MULTIMODAL_ARCHITECTURES, resolve_model
 from tokenserve.spec_decode.config import create_speculative_config
@@ -131,9 +132,12 @@ class EngineArgs:
     # Prefill chunks that share a long cached prefix attend to it in one call (cascade
     # attention); True: each chunk attends to its whole context alone.
     disable_cascade_attn: bool = False
-    # What runs the model's workers (executor/abstract.py): "uni", one worker in the
-    # engine core's process.
-    distributed_executor_backend: str = "uni"
+    # Parallelism (docs/PARALLELISM.md): tensor-parallel ranks per pipeline stage, pipeline
+    # stages, and what runs the ranks' workers (executor/): "uni" (one worker in the engine
+    # core's process), "mp" (a process per rank) or "ray"; None: uni for one rank, else mp.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     # The CPU fast paths (config.KernelConfig): off switches for comparison, and the row
     # limits of the GGUF block kernels.
     disable_c_kernels: bool = False
@@ -171,7 +175,10 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         self._validate_numbers()
         self._lora_config()  # LoRA settings fail before any weight is read
-        parallel_config = ParallelConfig(self.distributed_executor_backend)
+        parallel_config = ParallelConfig(
+            self.distributed_executor_backend, self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+        )
         kernel_config = KernelConfig(
             disable_c_kernels=self.disable_c_kernels,
             disable_onednn=self.disable_onednn,
@@ -204,8 +211,11 @@ class EngineArgs:
         enable_chunked_prefill = settings.enable_chunked_prefill
 
         speculative_config = create_speculative_config(self.speculative_config, model_config)
+        check_parallel_model(parallel_config, model_config, self, speculative_config)
         cache_dtype = self._resolve_kv_cache_dtype(model_config.dtype)
-        num_blocks = self._resolve_num_blocks(model_config, cache_dtype, speculative_config)
+        num_blocks = self._resolve_num_blocks(
+            model_config, cache_dtype, speculative_config, parallel_config
+        )
         capacity = num_blocks * self.block_size
         if model_config.max_model_len > capacity:
             if self.max_model_len is not None:
@@ -347,13 +357,15 @@ class EngineArgs:
         model_config: ModelConfig,
         cache_dtype: torch.dtype,
         speculative_config: SpeculativeConfig | None = None,
+        parallel_config: ParallelConfig | None = None,
     ) -> int:
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         memory = DEFAULT_CPU_KV_CACHE_MEMORY
         if self.kv_cache_memory is not None:
             memory = parse_memory(self.kv_cache_memory)
-        bytes_per_token = model_config.kv_bytes_per_token(cache_dtype)
+        # kv_cache_memory is each rank's: it holds its stage's layers and its KV heads.
+        bytes_per_token = model_config.kv_bytes_per_token(cache_dtype, parallel_config)
         if speculative_config is not None and speculative_config.draft_model_config is not None:
             # A draft model's cache has the same blocks: the memory holds both.
             bytes_per_token += speculative_config.draft_model_config.kv_bytes_per_token(cache_dtype)

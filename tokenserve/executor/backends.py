@@ -17,6 +17,14 @@ def import_executor_class(backend: str) -> type[Executor]:
         from tokenserve.executor.uniprocess import UniprocessExecutor
 
         return UniprocessExecutor
+    if backend == "mp":
+        from tokenserve.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor
+    if backend == "ray":
+        from tokenserve.executor.ray_executor import RayExecutor
+
+        return RayExecutor
     raise ValueError(
         f"distributed_executor_backend must be one of {list(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
         f"got {backend!r}."

@@ -90,9 +90,11 @@ class FusedDecodeLayerStack(LayerStack):
         hidden_states: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
+        residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.takes(hidden_states.shape[0], metadata):
-            return super().__call__(positions, hidden_states, kv_caches, metadata)
+        # A later pipeline stage's input is mid-stream (its residual apart): operator by operator.
+        if residual is not None or not self.takes(hidden_states.shape[0], metadata):
+            return super().__call__(positions, hidden_states, kv_caches, metadata, residual)
         assert isinstance(metadata, TorchSDPAMetadata) and self.ops is not None
         first = self.layers[0]
         attn, rotary = first.self_attn.attn, first.self_attn.rotary_emb

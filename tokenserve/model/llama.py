@@ -6,10 +6,17 @@ gate/up are merged layers (one product each instead of three and two); `load_wei
 the checkpoint's separate tensors to their shards. How each product runs (oneDNN, GGUF
 blocks) is the linear layers' quantization method; how a step's layers run (one by one, or
 each as one C call for a few-row decode step) is the layer stack's.
+
+Under tensor parallelism (`ModelParallel.tp`) every projection holds its rank's heads or
+rows and the row-parallel ones sum over the ranks; under pipeline parallelism a rank builds
+only its stage's layers (the others are empty placeholders, so parameter names keep the
+checkpoint's layer numbers), receives the residual stream from the stage before and sends
+it to the next; only the last stage has the final norm and the LM head.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from typing import ClassVar
@@ -19,6 +26,7 @@ from torch import nn
 
 from tokenserve.attention.backend import AttentionBackend, AttentionMetadata
 from tokenserve.config import KernelConfig
+from tokenserve.distributed.parallel_state import ModelParallel, TensorParallelGroup
 from tokenserve.model.fused_decode import FusedDecodeLayerStack
 from tokenserve.model.layers.activation import SiluAndMul
 from tokenserve.model.layers.attention import Attention
@@ -46,8 +54,10 @@ class LlamaAttention(nn.Module):
         backend: AttentionBackend,
         linear_method: QuantizationMethod,
         dtype: torch.dtype,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
+        tp = tp or TensorParallelGroup()
         hidden_size = config.hidden_size
         total_num_heads = config.num_attention_heads
         total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
@@ -55,13 +65,14 @@ class LlamaAttention(nn.Module):
         qkv_bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         self.qkv_proj = QKVParallelLinear(
             hidden_size, head_dim, total_num_heads, total_num_kv_heads, bias=qkv_bias,
-            quant_method=linear_method, params_dtype=dtype,
+            quant_method=linear_method, params_dtype=dtype, tp_size=tp.size, tp_rank=tp.rank,
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.o_proj = RowParallelLinear(
-            total_num_heads * head_dim, hidden_size, quant_method=linear_method, params_dtype=dtype
+            total_num_heads * head_dim, hidden_size, quant_method=linear_method, params_dtype=dtype,
+            tp_size=tp.size, tp_rank=tp.rank, tp_group=tp,
         )
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, backend)
@@ -86,15 +97,23 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(
-        self, config, linear_method: QuantizationMethod, dtype: torch.dtype, use_c_kernels: bool
+        self,
+        config,
+        linear_method: QuantizationMethod,
+        dtype: torch.dtype,
+        use_c_kernels: bool,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
+        tp = tp or TensorParallelGroup()
         hidden_size, intermediate_size = config.hidden_size, config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, quant_method=linear_method, params_dtype=dtype
+            hidden_size, [intermediate_size] * 2, quant_method=linear_method, params_dtype=dtype,
+            tp_size=tp.size, tp_rank=tp.rank,
         )
         self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, quant_method=linear_method, params_dtype=dtype
+            intermediate_size, hidden_size, quant_method=linear_method, params_dtype=dtype,
+            tp_size=tp.size, tp_rank=tp.rank, tp_group=tp,
         )
         self.act_fn = SiluAndMul(dtype, use_c_kernels)
 
@@ -114,14 +133,15 @@ class LlamaDecoderLayer(nn.Module):
         linear_method: QuantizationMethod,
         dtype: torch.dtype,
         use_c_kernels: bool,
+        tp: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, use_c_kernels)
-        self.self_attn = self.attention_class(config, rotary_emb, backend, linear_method, dtype)
+        self.self_attn = self.attention_class(config, rotary_emb, backend, linear_method, dtype, tp)
         self.post_attention_layernorm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, dtype, use_c_kernels
         )
-        self.mlp = LlamaMLP(config, linear_method, dtype, use_c_kernels)
+        self.mlp = LlamaMLP(config, linear_method, dtype, use_c_kernels, tp)
 
     def forward(
         self,
@@ -155,23 +175,43 @@ class LlamaModel(nn.Module):
         max_position: int,
         linear_method: QuantizationMethod,
         kernel_config: KernelConfig,
+        parallel: ModelParallel | None = None,
     ) -> None:
         super().__init__()
+        parallel = parallel or ModelParallel()
+        tp, self.pp = parallel.tp, parallel.pp
+        self.hidden_size, self.dtype = config.hidden_size, dtype
+        if tp.size > 1:
+            # The fused C decode layer has no all-reduce between its products.
+            kernel_config = dataclasses.replace(kernel_config, disable_fused_decode=True)
         use_c_kernels = not kernel_config.disable_c_kernels
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, params_dtype=dtype
+        self.embed_tokens = (
+            VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, params_dtype=dtype,
+                tp_size=tp.size, tp_rank=tp.rank, tp_group=tp,
+            )
+            if self.pp.is_first
+            else None
         )
         # One table of cos/sin for all layers.
         rotary_emb = RotaryEmbedding(config, _head_dim(config), max_position, dtype, use_c_kernels)
+        self.layer_range = self.pp.layers(config.num_hidden_layers)
         self.layers = nn.ModuleList(
             self.decoder_layer_class(
-                config, rotary_emb, backend, linear_method, dtype, use_c_kernels
+                config, rotary_emb, backend, linear_method, dtype, use_c_kernels, tp
             )
-            for _ in range(config.num_hidden_layers)
+            if index in self.layer_range
+            else nn.Identity()  # another stage's layer
+            for index in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, use_c_kernels)
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, use_c_kernels)
+            if self.pp.is_last
+            else None
+        )
         # The layers over a step: one by one, or a few-row decode step as one C call per layer.
-        self.layer_stack = FusedDecodeLayerStack(self.layers, kernel_config)
+        local_layers = nn.ModuleList(self.layers[index] for index in self.layer_range)
+        self.layer_stack = FusedDecodeLayerStack(local_layers, kernel_config)
 
     def forward(
         self,
@@ -180,11 +220,23 @@ class LlamaModel(nn.Module):
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`inputs_embeds`: the step's input embeddings when some are not the tokens' own
-        (a vision-language model's image rows); None: embed `input_ids`."""
-        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        hidden_states, residual = self.layer_stack(positions, hidden_states, kv_caches, metadata)
+    ) -> torch.Tensor | None:
+        """The final hidden states; None on a pipeline stage before the last (which sends
+        its residual stream on instead). `inputs_embeds`: the step's input embeddings when
+        some are not the tokens' own (a vision-language model's image rows); None: embed
+        `input_ids`."""
+        if self.pp.is_first:
+            hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
+        else:
+            shape = (positions.shape[0], self.hidden_size)
+            hidden_states, residual = self.pp.recv(shape, self.dtype, 2)
+        hidden_states, residual = self.layer_stack(
+            positions, hidden_states, kv_caches, metadata, residual
+        )
+        if not self.pp.is_last:
+            self.pp.send([hidden_states, residual])
+            return None
         return self.norm(hidden_states, residual)
 
 
@@ -213,20 +265,27 @@ class LlamaForCausalLM(nn.Module):
         max_position: int,
         linear_method: QuantizationMethod,
         kernel_config: KernelConfig,
+        parallel: ModelParallel | None = None,
     ) -> None:
         super().__init__()
         self.config = hf_config
         self.dtype = dtype
         self.linear_method = linear_method
+        parallel = parallel or ModelParallel()
         self.model = self.model_class(
-            hf_config, dtype, attention, max_position, linear_method, kernel_config
+            hf_config, dtype, attention, max_position, linear_method, kernel_config, parallel
         )
-        self.lm_head = ParallelLMHead(
-            hf_config.vocab_size, hf_config.hidden_size, quant_method=linear_method,
-            params_dtype=dtype,
+        tp = parallel.tp
+        self.lm_head = (
+            ParallelLMHead(
+                hf_config.vocab_size, hf_config.hidden_size, quant_method=linear_method,
+                params_dtype=dtype, tp_size=tp.size, tp_rank=tp.rank, tp_group=tp,
+            )
+            if parallel.pp.is_last
+            else None
         )
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.lm_head and self.model.embed_tokens:
             self.lm_head.tie_weights(self.model.embed_tokens)
 
     def forward(
@@ -235,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         return self.model(input_ids, positions, kv_caches, metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -251,6 +310,8 @@ class LlamaForCausalLM(nn.Module):
         for name, loaded_weight in weights:
             if _IGNORED.search(name) or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue  # Some tied checkpoints still carry a copy of the embeddings.
+            if not self._held_here(name):
+                continue  # another pipeline stage's
             param_name, shard_id = self._param_for(name)
             param = params.get(param_name)
             if param is None:
@@ -260,13 +321,29 @@ class LlamaForCausalLM(nn.Module):
                 weight_loader(param, loaded_weight, shard_id)
             except ValueError as error:
                 raise ValueError(f"Tensor {name!r}: {error}.") from None
-            loaded.add(name)
+            loaded.update((name, param_name))  # a tied head on a later stage: lm_head
         missing = sorted(self._checkpoint_names(params) - loaded)
         if missing:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"The checkpoint is missing {len(missing)} tensor(s): {shown}")
 
+    def _held_here(self, name: str) -> bool:
+        """Whether this pipeline stage holds the checkpoint tensor `name`."""
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        if layer is not None:
+            return int(layer.group(1)) in self.model.layer_range
+        if name.startswith("model.embed_tokens."):
+            # A tied LM head on a later stage loads the embedding table as its weight.
+            return self.model.embed_tokens is not None or (
+                self.tie_word_embeddings and self.model.pp.is_last
+            )
+        if name.startswith(("model.norm.", "lm_head.")):
+            return self.model.pp.is_last
+        return True
+
     def _param_for(self, name: str) -> tuple[str, str | int | None]:
+        if name.startswith("model.embed_tokens.") and self.model.embed_tokens is None:
+            return name.replace("model.embed_tokens.", "lm_head."), None
         for checkpoint_part, (merged, shard_id) in self.packed_modules_mapping.items():
             if f".{checkpoint_part}." in name:
                 return name.replace(f".{checkpoint_part}.", f".{merged}."), shard_id

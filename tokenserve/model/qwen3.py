@@ -20,8 +20,10 @@ from tokenserve.model.llama import (
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config, rotary_emb, backend, linear_method, dtype: torch.dtype) -> None:
-        super().__init__(config, rotary_emb, backend, linear_method, dtype)
+    def __init__(
+        self, config, rotary_emb, backend, linear_method, dtype: torch.dtype, tp=None
+    ) -> None:
+        super().__init__(config, rotary_emb, backend, linear_method, dtype, tp)
         # Per head, over head_dim: one weight shared by every head.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, use_c_kernels=False)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, use_c_kernels=False)
@@ -55,12 +57,16 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
 class Qwen3Model(LlamaModel):
     decoder_layer_class: ClassVar[type[LlamaDecoderLayer]] = Qwen3DecoderLayer
 
-    def __init__(self, config, dtype, backend, max_position, linear_method, kernel_config) -> None:
+    def __init__(
+        self, config, dtype, backend, max_position, linear_method, kernel_config, parallel=None
+    ) -> None:
         # The fused C decode layer knows no q/k norms: these layers run operator by operator.
         kernel_config = dataclasses.replace(
             kernel_config or KernelConfig(), disable_fused_decode=True
         )
-        super().__init__(config, dtype, backend, max_position, linear_method, kernel_config)
+        super().__init__(
+            config, dtype, backend, max_position, linear_method, kernel_config, parallel
+        )
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

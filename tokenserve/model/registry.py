@@ -9,6 +9,7 @@ import torch
 
 from tokenserve.attention.backend import AttentionBackend
 from tokenserve.config import KernelConfig, ModelConfig
+from tokenserve.distributed.parallel_state import ModelParallel
 from tokenserve.model.bert import BertForSequenceClassification, BertModel
 from tokenserve.model.decoder_pooling import (
     LlamaForEmbedding,
@@ -86,11 +87,14 @@ def build_model(
     model_config: ModelConfig,
     attention: AttentionBackend,
     kernel_config: KernelConfig | None = None,
+    parallel: ModelParallel | None = None,
 ) -> torch.nn.Module:
     """The model with its weights allocated, not loaded; its linear layers' quantization
-    method chosen from the model's format."""
+    method chosen from the model's format. `parallel`: this rank's share of it (the llama
+    family; several ranks)."""
     model_class = model_class_for(model_config.architecture, model_config.runner)
     kernel_config = kernel_config or KernelConfig()
+    extra = {"parallel": parallel} if parallel is not None and parallel.world_size > 1 else {}
     return model_class(
         model_config.hf_config,
         dtype=model_config.dtype,
@@ -98,6 +102,7 @@ def build_model(
         max_position=model_config.max_model_len,
         linear_method=get_linear_method(model_config.format, model_config.dtype, kernel_config),
         kernel_config=kernel_config,
+        **extra,
     )
 
 
@@ -115,11 +120,12 @@ def get_model(
     attention: AttentionBackend,
     kernel_config: KernelConfig,
     device: torch.device,
+    parallel: ModelParallel | None = None,
 ) -> torch.nn.Module:
     """The model built, its weights loaded (GGUF blocks too, for a method that keeps them),
     moved to `device` and processed: ready to run."""
     torch.manual_seed(model_config.seed)
-    model = build_model(model_config, attention, kernel_config)
+    model = build_model(model_config, attention, kernel_config, parallel)
     files = model_config.files
     model.load_weights(itertools.chain(iterate_weights(files), iterate_quantized_weights(files)))
     model = model.to(device).eval()

@@ -23,6 +23,7 @@ import torch
 from tokenserve.attention.batch_layout import BatchLayout
 from tokenserve.attention.selector import get_attention_backend
 from tokenserve.config import EngineConfig
+from tokenserve.distributed.parallel_state import ModelParallel
 from tokenserve.lora.manager import LoRAModelManager
 from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.messages.scheduler_output import SchedulerOutput
@@ -47,9 +48,16 @@ _PROMPT_LOGITS_CHUNK = 256
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device | None = None,
+        parallel: ModelParallel | None = None,
+    ) -> None:
         self.config = config
         self.device = device or torch.device("cpu")
+        # This rank's share of the model: its heads and its pipeline stage's layers.
+        self.parallel = parallel or ModelParallel()
         self.block_size = config.cache_config.block_size
         model_config = config.model_config
         self.attention = get_attention_backend(
@@ -81,7 +89,8 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = get_model(
-            self.config.model_config, self.attention, self.config.kernel_config, self.device
+            self.config.model_config, self.attention, self.config.kernel_config, self.device,
+            self.parallel,
         )
         if self.config.lora_config is not None:
             model_config = self.config.model_config
@@ -97,10 +106,10 @@ class ModelRunner:
         if model_config.is_encoder_only:
             return  # bidirectional encoders keep no KV cache
         self.kv_caches = self.attention.allocate_kv_cache(
-            num_layers=model_config.num_layers,
+            num_layers=len(self.parallel.pp.layers(model_config.num_layers)),
             num_blocks=self.config.cache_config.num_blocks,
             block_size=self.block_size,
-            num_kv_heads=model_config.num_kv_heads,
+            num_kv_heads=self.config.parallel_config.kv_heads_per_rank(model_config.num_kv_heads),
             head_size=model_config.head_dim,
             dtype=self.config.cache_config.dtype,
             device=self.device,
@@ -185,6 +194,9 @@ class ModelRunner:
             hidden_states = self.model(*model_inputs)
         else:
             hidden_states = self.model(*model_inputs, inputs_embeds=inputs_embeds)
+        if hidden_states is None:  # a pipeline stage before the last: that one samples
+            self._append_sampled_elsewhere(sampled_ids)
+            return ModelRunnerOutput()
         for request_id, rows in prompt_rows.items():
             self._gather_prompt_logprobs(self.requests[request_id], hidden_states, *rows)
         output = ModelRunnerOutput()
@@ -192,6 +204,8 @@ class ModelRunner:
             output = self._sample(
                 sampled_ids, hidden_states[logits_indices], grammar_bitmask, all_drafts
             )
+        # The earlier pipeline stages append these tokens too (no-op with one stage).
+        self.parallel.pp.share_from_output_rank(output.sampled_token_ids)
         if self.proposer is not None:
             output.draft_token_ids = self.proposer.propose(
                 scheduler_output, self.requests, sampled_ids
@@ -279,6 +293,13 @@ class ModelRunner:
                 output.logprobs[request_id] = lists
                 position += count
         return output
+
+    def _append_sampled_elsewhere(self, sampled_ids: list[str]) -> None:
+        """The tokens the last pipeline stage sampled for `sampled_ids`, into their states."""
+        sampled = self.parallel.pp.share_from_output_rank(None)
+        for request_id, new_tokens in zip(sampled_ids, sampled, strict=True):
+            for token in new_tokens:
+                self.requests[request_id].append_token(token)
 
     def _prompt_logprob_positions(
         self, state: CachedRequestState, start: int, end: int

@@ -1,7 +1,8 @@
 """A worker: one device's share of the model, driven by the executor.
 
-It owns its device and its ModelRunner; the executor reaches the runner only through the
-worker's methods (`collective_rpc` calls them by name on every worker).
+It owns its device, its place among the ranks (distributed/parallel_state.py: joined on
+construction when there are several) and its ModelRunner; the executor reaches the runner
+only through the worker's methods (`collective_rpc` calls them by name on every worker).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenserve.config import EngineConfig
+from tokenserve.distributed.parallel_state import destroy_model_parallel, init_model_parallel
 from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.messages.scheduler_output import SchedulerOutput
 from tokenserve.worker.model_runner import ModelRunner
@@ -20,11 +22,20 @@ if TYPE_CHECKING:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0, device: torch.device | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        device: torch.device | None = None,
+        distributed_init_method: str | None = None,
+    ):
         self.config = config
         self.rank = rank
         self.device = device or torch.device("cpu")
-        self.model_runner = ModelRunner(config, self.device)
+        self.parallel = init_model_parallel(
+            config.parallel_config, rank, distributed_init_method, self.device
+        )
+        self.model_runner = ModelRunner(config, self.device, self.parallel)
 
     def load_model(self) -> None:
         self.model_runner.load_model()
@@ -36,3 +47,7 @@ class Worker:
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
     ) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output, grammar_bitmask)
+
+    def shutdown(self) -> None:
+        """Leave the process group (the executor's workers, at the end)."""
+        destroy_model_parallel()

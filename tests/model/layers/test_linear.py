@@ -131,6 +131,19 @@ def test_sharding_needs_even_splits_and_an_existing_rank():
         QKVParallelLinear(8, 4, 9, 3, quant_method=DENSE, tp_size=2)
     with pytest.raises(ValueError, match="rank 2 of 2 does not exist"):
         ColumnParallelLinear(8, 8, quant_method=DENSE, tp_size=2, tp_rank=2)
-    # No process group yet: a layer that would have to sum over ranks says so.
-    with pytest.raises(NotImplementedError, match="process group"):
+    # A layer that would have to sum over ranks without their group says so.
+    with pytest.raises(ValueError, match="needs their group"):
         RowParallelLinear(8, 8, quant_method=DENSE, tp_size=2)
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated():
+    """4 query heads, 1 KV head, 2 ranks: each rank holds 2 query heads and the one KV head."""
+    full = torch.randn(6 * 4, 8)
+    parts = {"q": full[:16], "k": full[16:20], "v": full[20:]}
+    for rank in range(2):
+        layer = QKVParallelLinear(8, 4, 4, 1, quant_method=DENSE, tp_size=2, tp_rank=rank)
+        assert (layer.num_heads, layer.num_kv_heads, layer.kv_head_replicas) == (2, 1, 2)
+        for shard_id, weight in parts.items():
+            layer.weight_loader(layer.weight, weight, shard_id)
+        expected = torch.cat([parts["q"][rank * 8 : rank * 8 + 8], parts["k"], parts["v"]])
+        assert torch.equal(layer.weight.data, expected)

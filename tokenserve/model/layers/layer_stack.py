@@ -23,9 +23,10 @@ class LayerStack:
         hidden_states: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
+        residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the last layer's output, the residual stream before it is added)."""
-        residual = None
+        """(the last layer's output, the residual stream before it is added). `residual`:
+        the stream a pipeline stage receives beside the previous stage's last output."""
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, metadata)
         assert residual is not None, "a model has at least one layer"

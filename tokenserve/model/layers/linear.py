@@ -6,17 +6,23 @@ parallel layer followed by a row-parallel one needs a single sum over the ranks 
 Each parameter's `weight_loader(param, loaded_weight, shard_id)` takes the full checkpoint
 tensor (of one part, for merged layers) and puts this rank's slice of it in place; the
 weight itself lives in the form its quantization method keeps, which also does the
-multiplication. There is no process group yet: a row-parallel layer on several ranks
-returns its partial sum (`reduce_results=False`), and the all-reduce is the caller's.
+multiplication. A row-parallel layer sums its result over its tensor-parallel group
+(`tp_group`, distributed/parallel_state.py); without one (`reduce_results=False`) it returns
+its partial sum and the all-reduce is the caller's.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tokenserve.model.layers.quantization.base import QuantizationMethod
 from tokenserve.model.layers.weight_loading import Rows, copy_rows
+
+if TYPE_CHECKING:
+    from tokenserve.distributed.parallel_state import TensorParallelGroup
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -134,9 +140,12 @@ class ColumnParallelLinear(LinearBase):
 
     def _load_part(self, param: nn.Parameter, loaded_weight, index: int) -> None:
         """Part `index` of a merged layer: this rank's slice of it, at its rows."""
+        self._load_rows(param, rank_slice(loaded_weight, 0, self.tp_size, self.tp_rank), index)
+
+    def _load_rows(self, param: nn.Parameter, rank_part, index: int) -> None:
+        """This rank's rows of part `index`, at their place in the merged weight."""
         first = sum(self.output_partition_sizes[:index])
-        rows = (first, self.output_partition_sizes[index])
-        self._load(param, rank_slice(loaded_weight, 0, self.tp_size, self.tp_rank), rows)
+        self._load(param, rank_part, (first, self.output_partition_sizes[index]))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -167,7 +176,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class QKVParallelLinear(ColumnParallelLinear):
     """The query, key and value projections in one weight, each split by heads over the
-    ranks: shard_id is "q", "k" or "v"."""
+    ranks: shard_id is "q", "k" or "v". With fewer KV heads than ranks, each rank holds one
+    KV head, shared by tp_size / num_kv_heads neighbouring ranks (replicated)."""
 
     def __init__(
         self,
@@ -184,8 +194,12 @@ class QKVParallelLinear(ColumnParallelLinear):
     ) -> None:
         self.head_size = head_size
         self.num_heads = divide(total_num_heads, tp_size)
-        self.num_kv_heads = divide(total_num_kv_heads, tp_size)
-        q_size, kv_size = total_num_heads * head_size, total_num_kv_heads * head_size
+        if total_num_kv_heads >= tp_size:
+            self.num_kv_heads, self.kv_head_replicas = divide(total_num_kv_heads, tp_size), 1
+        else:
+            self.num_kv_heads, self.kv_head_replicas = 1, divide(tp_size, total_num_kv_heads)
+        # The K and V parts as if every rank had its own heads (the replicas counted apart).
+        q_size, kv_size = total_num_heads * head_size, self.num_kv_heads * tp_size * head_size
         super().__init__(
             hidden_size, q_size + 2 * kv_size, bias=bias, quant_method=quant_method,
             params_dtype=params_dtype, tp_size=tp_size, tp_rank=tp_rank,
@@ -195,13 +209,20 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id=None) -> None:
         if shard_id not in ("q", "k", "v"):
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}.")
-        self._load_part(param, loaded_weight, "qkv".index(shard_id))
+        index = "qkv".index(shard_id)
+        if index == 0 or self.kv_head_replicas == 1:
+            self._load_part(param, loaded_weight, index)
+            return
+        # A replicated KV head: the one this rank's query heads attend with.
+        size = self.num_kv_heads * self.head_size
+        first = self.tp_rank // self.kv_head_replicas * size
+        self._load_rows(param, loaded_weight.narrow(0, first, size), index)
 
 
 class RowParallelLinear(LinearBase):
     """The input columns split over the ranks: each rank multiplies its slice of x (the
-    output of a column-parallel layer) and the ranks' results sum to x · Wᵀ. The bias is
-    added once, by rank 0."""
+    output of a column-parallel layer) and the ranks' results sum to x · Wᵀ, over `tp_group`
+    unless `reduce_results` is False. The bias is added once, by rank 0."""
 
     def __init__(
         self,
@@ -214,19 +235,25 @@ class RowParallelLinear(LinearBase):
         tp_size: int = 1,
         tp_rank: int = 0,
         reduce_results: bool = True,
+        tp_group: TensorParallelGroup | None = None,
     ) -> None:
-        if tp_size > 1 and reduce_results:
-            raise NotImplementedError(
-                "summing a row-parallel layer over several ranks needs a process group, which "
-                "tokenserve does not have yet; pass reduce_results=False and sum the results."
+        if tp_size > 1 and reduce_results and tp_group is None:
+            raise ValueError(
+                "summing a row-parallel layer over several ranks needs their group (tp_group); "
+                "or pass reduce_results=False and sum the results."
             )
+        self.reduce_results = reduce_results and tp_size > 1
         super().__init__(
             divide(input_size, tp_size), [output_size], bias, quant_method, params_dtype,
             tp_size, tp_rank,
         )
+        self.tp_group = tp_group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        out = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        if self.reduce_results:
+            out = self.tp_group.all_reduce(out)
+        return out
 
     def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id=None) -> None:
         if param is self.weight:

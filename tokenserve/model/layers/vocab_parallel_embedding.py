@@ -3,11 +3,14 @@ ranks.
 
 A rank looks up only the ids in its share of the vocabulary (zeros for the rest, so the
 ranks' results sum to the embedding) and computes the logits of its share (concatenated
-over the ranks, they are all the logits). There is no process group yet: on several ranks
-the layers return their part (`reduce_results=False`, `gather_output=False`).
+over the ranks, they are all the logits). The sum and the concatenation run over the
+tensor-parallel group (`tp_group`); without one the layers return their part
+(`reduce_results=False`, `gather_output=False`).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +19,9 @@ from torch import nn
 from tokenserve.model.layers.linear import check_tp, divide, rank_slice
 from tokenserve.model.layers.quantization.base import QuantizationMethod
 from tokenserve.model.layers.weight_loading import Rows, copy_rows
+
+if TYPE_CHECKING:
+    from tokenserve.distributed.parallel_state import TensorParallelGroup
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -28,15 +34,17 @@ class VocabParallelEmbedding(nn.Module):
         tp_size: int = 1,
         tp_rank: int = 0,
         reduce_results: bool = True,
+        tp_group: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         check_tp(tp_size, tp_rank)
-        if tp_size > 1 and reduce_results:
-            raise NotImplementedError(
-                "summing the embedding over several ranks needs a process group, which "
-                "tokenserve does not have yet; pass reduce_results=False and sum the results."
+        if tp_size > 1 and reduce_results and tp_group is None:
+            raise ValueError(
+                "summing the embedding over several ranks needs their group (tp_group); or "
+                "pass reduce_results=False and sum the results."
             )
-        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.tp_size, self.tp_rank, self.tp_group = tp_size, tp_rank, tp_group
+        self.reduce_results = reduce_results and tp_size > 1
         self.num_embeddings_per_partition = divide(num_embeddings, tp_size)
         self.vocab_start = tp_rank * self.num_embeddings_per_partition
         self.vocab_end = self.vocab_start + self.num_embeddings_per_partition
@@ -57,7 +65,8 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(input_ids, self.weight)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         out = F.embedding((input_ids - self.vocab_start) * mine, self.weight)
-        return out * mine.unsqueeze(-1)
+        out = out * mine.unsqueeze(-1)
+        return self.tp_group.all_reduce(out) if self.reduce_results else out
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -75,14 +84,17 @@ class ParallelLMHead(VocabParallelEmbedding):
         tp_size: int = 1,
         tp_rank: int = 0,
         gather_output: bool = True,
+        tp_group: TensorParallelGroup | None = None,
     ) -> None:
-        if tp_size > 1 and gather_output:
-            raise NotImplementedError(
-                "gathering the logits of several ranks needs a process group, which tokenserve "
-                "does not have yet; pass gather_output=False and concatenate the results."
+        if tp_size > 1 and gather_output and tp_group is None:
+            raise ValueError(
+                "gathering the logits of several ranks needs their group (tp_group); or pass "
+                "gather_output=False and concatenate the results."
             )
         super().__init__(num_embeddings, embedding_dim, params_dtype=params_dtype,
-                         tp_size=tp_size, tp_rank=tp_rank, reduce_results=False)
+                         tp_size=tp_size, tp_rank=tp_rank, reduce_results=False,
+                         tp_group=tp_group)
+        self.gather_output = gather_output and tp_size > 1
         self.quant_method = quant_method
         quant_method.create_weights(
             self, embedding_dim, [self.num_embeddings_per_partition], params_dtype
@@ -101,4 +113,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.quant_method.load_weight(self, loaded_weight, rows)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, hidden_states)
+        logits = self.quant_method.apply(self, hidden_states)
+        return self.tp_group.all_gather(logits) if self.gather_output else logits
