@@ -125,8 +125,18 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("uni",)
 @dataclass
 class ParallelConfig:
     distributed_executor_backend: str = "uni"
+    # Engine cores behind one API server, each with its own KV cache (engine/dp_client.py).
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if (
+            isinstance(self.data_parallel_size, bool)
+            or not isinstance(self.data_parallel_size, int)
+            or self.data_parallel_size < 1
+        ):
+            raise ValueError(
+                f"data_parallel_size must be a positive integer, got {self.data_parallel_size!r}."
+            )
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(
                 "distributed_executor_backend must be one of "

@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from tokenserve.config import EngineConfig
+from tokenserve.core.cpu_threads import pin_to_cpus
 from tokenserve.core.dashboard_snapshot import SnapshotClock, dashboard_snapshot, num_decode_tokens
 from tokenserve.core.engine_core import EngineCore
 from tokenserve.core.request import Request
@@ -55,17 +56,23 @@ def run_engine_core(
     ready_pipe: Connection,
     parent_pid: int,
     load_tokenizer: Callable[[], Any] | None = None,
+    engine_index: int = 0,
+    cpu_ids: list[int] | None = None,
 ) -> None:
     """The process entry point: build the engine core, report ready, loop until told to stop.
     `load_tokenizer` returns the tokenizer for structured outputs (picklable: the API
-    process passes it, as the engine core does not import model code)."""
+    process passes it, as the engine core does not import model code). `cpu_ids`: the
+    cores this engine runs on (data parallelism); None: all of the process's cores."""
+    name = "engine core" if engine_index == 0 and cpu_ids is None else f"engine core {engine_index}"
     logging.basicConfig(
-        level=logging.INFO, format="%(levelname)s %(asctime)s [engine core] %(name)s: %(message)s"
+        level=logging.INFO, format=f"%(levelname)s %(asctime)s [{name}] %(name)s: %(message)s"
     )
     # Ctrl-C reaches the whole process group; the API server decides how to stop us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_system_exit)
     try:
+        if cpu_ids is not None:
+            pin_to_cpus(cpu_ids)
         engine_core = EngineCore(config, load_tokenizer)
     except BaseException as error:  # the parent must learn why, whatever it was
         ready_pipe.send({"status": "failed", "error": f"{type(error).__name__}: {error}"})

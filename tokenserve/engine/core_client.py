@@ -42,7 +42,11 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, engine_index: int = 0, cpu_ids: list[int] | None = None
+    ) -> None:
+        """`engine_index` and `cpu_ids` (the cores it is pinned to) place one engine of
+        several under data parallelism (engine/dp_client.py)."""
         self._socket_dir = tempfile.mkdtemp(prefix="tokenserve-")
         input_address = f"ipc://{self._socket_dir}/input"
         output_address = f"ipc://{self._socket_dir}/output"
@@ -69,8 +73,10 @@ class EngineCoreClient:
                 functools.partial(
                     load_tokenizer, config.model_config.files, config.model_config.tokenizer
                 ),
+                engine_index,
+                cpu_ids,
             ),
-            name="tokenserve-engine-core",
+            name="tokenserve-engine-core" + (f"-{engine_index}" if engine_index else ""),
             daemon=True,
         )
         started = time.perf_counter()

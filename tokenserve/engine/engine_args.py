@@ -111,6 +111,8 @@ class EngineArgs:
     # What runs the model's workers (executor/abstract.py): "uni", one worker in the
     # engine core's process.
     distributed_executor_backend: str = "uni"
+    # Engine cores behind one API server (`tokenserve serve` only; docs/DATA_PARALLEL.md).
+    data_parallel_size: int = 1
     # The CPU fast paths (config.KernelConfig): off switches for comparison, and the row
     # limits of the GGUF block kernels.
     disable_c_kernels: bool = False
@@ -140,7 +142,9 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         self._validate_numbers()
         self._lora_config()  # LoRA settings fail before any weight is read
-        parallel_config = ParallelConfig(self.distributed_executor_backend)
+        parallel_config = ParallelConfig(
+            self.distributed_executor_backend, data_parallel_size=self.data_parallel_size
+        )
         kernel_config = KernelConfig(
             disable_c_kernels=self.disable_c_kernels,
             disable_onednn=self.disable_onednn,

@@ -289,7 +289,9 @@ async def run_server(args: argparse.Namespace, engine_args: EngineArgs) -> int:
     chat_template = load_chat_template(args.chat_template)
     served_model_names = served_model_names_from(args)
     config = engine_args.create_engine_config()
-    metrics = PrometheusStatLogger(served_model_names[0])
+    metrics = PrometheusStatLogger(
+        served_model_names[0], num_engines=config.parallel_config.data_parallel_size
+    )
     dashboard = DashboardState()
     observers: list[RequestObserver] = [dashboard]
     if getattr(args, "request_trace", None):
