@@ -8,7 +8,8 @@
 #   benchmarks/data_parallel.sh OUT        # OUT/summary.md, OUT/dp<N>_<rep>_<workload>.json
 #
 # Knobs: PYTHON, TS_MODEL (default: the default model), PORT (DP=1; DP=2 on PORT+1),
-# REPEATS (1), LOCK (/tmp/cpu.lock, held throughout), TS_FLAGS (added to both servers).
+# REPEATS (1), KV_MIB (2048: the KV cache memory of each server, split between its
+# engines), LOCK (/tmp/cpu.lock, held throughout), TS_FLAGS (added to both servers).
 set -euo pipefail
 OUT=${1:?usage: $0 OUT}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -17,6 +18,7 @@ PORT=${PORT:-8330}
 REPEATS=${REPEATS:-1}
 LOCK=${LOCK:-/tmp/cpu.lock}
 TS_FLAGS=${TS_FLAGS:-}
+KV_MIB=${KV_MIB:-2048}  # KV cache memory in all, split between the engines
 DEFAULT_GGUF=$("$PYTHON" -c "from tokenserve.model.loader import default_model_path; print(default_model_path())")
 TS_MODEL=${TS_MODEL:-$DEFAULT_GGUF}
 TOKENSERVE=("$PYTHON" -m tokenserve.entrypoints.cli)
@@ -32,7 +34,7 @@ serve() {  # serve DP: start a server with DP engine cores on PORT + DP - 1, wai
   local port=$((PORT + $1 - 1)) pid
   # shellcheck disable=SC2086
   "${TOKENSERVE[@]}" serve "$TS_MODEL" --port "$port" --max-model-len 4096 \
-    --kv-cache-memory 2GiB -dp "$1" $TS_FLAGS > "$OUT/logs/server_dp$1.log" 2>&1 &
+    --kv-cache-memory "$((KV_MIB / $1))MiB" -dp "$1" $TS_FLAGS > "$OUT/logs/server_dp$1.log" 2>&1 &
   pid=$!
   SERVERS+=("$pid")
   for _ in $(seq 900); do

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tokenserve.config import ParallelConfig
 from tokenserve.engine.dp_client import split_cpus
 from tokenserve.engine.dp_router import DataParallelRouter
 
@@ -94,3 +95,19 @@ def test_cpus_are_split_into_distinct_sets():
     assert split_cpus(2, [0, 1, 2, 3, 4]) == [[0, 1], [2, 3]]
     with pytest.raises(ValueError, match="data_parallel_size 3 needs at least 3 CPU cores"):
         split_cpus(3, [0, 1])
+
+
+@pytest.mark.parametrize("argv", [["-dp", "2"], ["--data-parallel-size", "2"]])
+def test_data_parallel_size_flag_reaches_the_parallel_config(tiny_model_dirs, argv):
+    from tokenserve.engine.cli_args import engine_args_from
+    from tokenserve.entrypoints.cli import build_parser
+
+    namespace = build_parser().parse_args(["serve", tiny_model_dirs["llama"], *argv])
+    config = engine_args_from(namespace).create_engine_config()
+    assert config.parallel_config.data_parallel_size == 2
+
+
+@pytest.mark.parametrize("size", [0, -1, True, 1.5])
+def test_bad_data_parallel_sizes_are_refused(size):
+    with pytest.raises(ValueError, match="data_parallel_size must be a positive integer"):
+        ParallelConfig(data_parallel_size=size)
