@@ -166,14 +166,17 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 class ParallelConfig:
     """How the model is split over ranks (docs/PARALLELISM.md): tensor parallel within a
     pipeline stage, pipeline stages over the layers; rank = pp_rank * tp_size + tp_rank.
-    `distributed_executor_backend` None: "uni" for one rank, else "mp"."""
+    `distributed_executor_backend` None: "uni" for one rank, else "mp". Data parallelism
+    runs `data_parallel_size` engine cores, each with its own ranks and KV cache, behind one
+    API server (engine/dp_client.py)."""
 
     distributed_executor_backend: str | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")

@@ -41,3 +41,18 @@ def test_logs_while_busy_and_once_after(caplog):
         # Idle twice in a row: nothing more to say.
         logger.log()
         assert len(caplog.messages) == 2
+
+
+def test_data_parallel_engines_log_as_one(caplog):
+    """Each engine's cumulative counters stay apart; the line sums the engines."""
+    logger = LoggingStatLogger()
+    with caplog.at_level(logging.INFO, logger="tokenserve.stats"):
+        logger.record(stats(2, 100, 40), IterationStats(num_generation_tokens=4, engine_index=0))
+        logger.record(stats(1, 100, 0), IterationStats(num_generation_tokens=4, engine_index=1))
+        logger.log()
+        assert "Running: 3 reqs, Waiting: 2 reqs" in caplog.messages[-1]
+        assert "Prefix cache hit rate: 20.0%" in caplog.messages[-1]
+        # Engine 1 reports again: 100 new queries, 50 hits, over both engines.
+        logger.record(stats(1, 200, 50), IterationStats(num_generation_tokens=1, engine_index=1))
+        logger.log()
+        assert "Prefix cache hit rate: 50.0%" in caplog.messages[-1]

@@ -37,13 +37,13 @@ def test_prometheus_counters_with_vllms_names():
         IterationStats(),
     )
     text = logger.render().decode()
-    assert 'tokenserve:spec_decode_num_drafts_total{model_name="m"} 2.0' in text
-    assert 'tokenserve:spec_decode_num_draft_tokens_total{model_name="m"} 6.0' in text
-    assert 'tokenserve:spec_decode_num_accepted_tokens_total{model_name="m"} 3.0' in text
+    assert 'tokenserve:spec_decode_num_drafts_total{engine="0",model_name="m"} 2.0' in text
+    assert 'tokenserve:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 6.0' in text
+    assert 'tokenserve:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 3.0' in text
     per_pos = "tokenserve:spec_decode_num_accepted_tokens_per_pos_total"
-    assert f'{per_pos}{{model_name="m",position="0"}} 2.0' in text
-    assert f'{per_pos}{{model_name="m",position="1"}} 1.0' in text
-    assert f'{per_pos}{{model_name="m",position="2"}} 0.0' in text
+    assert f'{per_pos}{{engine="0",model_name="m",position="0"}} 2.0' in text
+    assert f'{per_pos}{{engine="0",model_name="m",position="1"}} 1.0' in text
+    assert f'{per_pos}{{engine="0",model_name="m",position="2"}} 0.0' in text
 
 
 def test_log_line_shows_the_acceptance_rate_since_the_last_one(caplog):

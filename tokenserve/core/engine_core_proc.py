@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from tokenserve.config import EngineConfig
+from tokenserve.core.cpu_threads import pin_to_cpus
 from tokenserve.core.dashboard_snapshot import SnapshotClock, dashboard_snapshot, num_decode_tokens
 from tokenserve.core.engine_core import EngineCore
 from tokenserve.core.request import Request
@@ -58,15 +59,24 @@ def run_engine_core(
     ready_pipe: Connection,
     parent_pid: int,
     load_tokenizer: Callable[[], Any] | None = None,
+    engine_index: int = 0,
+    cpu_ids: list[int] | None = None,
 ) -> None:
     """The process entry point: build the engine core, report ready, loop until told to stop.
     `load_tokenizer` returns the tokenizer for structured outputs (picklable: the API
-    process passes it, as the engine core does not import model code)."""
-    logging.basicConfig(level=logging.INFO, format=ENGINE_CORE_LOG_FORMAT)
+    process passes it, as the engine core does not import model code). `cpu_ids`: the
+    cores this engine runs on (data parallelism); None: all of the process's cores."""
+    name = "engine core" if engine_index == 0 and cpu_ids is None else f"engine core {engine_index}"
+    # force: a process started before its configuration logged with the plain name already.
+    logging.basicConfig(
+        level=logging.INFO, format=ENGINE_CORE_LOG_FORMAT.replace("engine core", name), force=True
+    )
     # Ctrl-C reaches the whole process group; the API server decides how to stop us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _raise_system_exit)
     try:
+        if cpu_ids is not None:
+            pin_to_cpus(cpu_ids)
         engine_core = EngineCore(config, load_tokenizer)
     except BaseException as error:  # the parent must learn why, whatever it was
         ready_pipe.send({"status": "failed", "error": f"{type(error).__name__}: {error}"})
@@ -106,13 +116,18 @@ def run_engine_core_when_configured(
     import_executor_class("uni")
     logger.info("Engine core process: modules imported.")  # bench startup's "import" mark
     try:
-        config, input_address, output_address, load_tokenizer = start_pipe.recv()
+        config, input_address, output_address, load_tokenizer, engine_index, cpu_ids = (
+            start_pipe.recv()
+        )
     except EOFError:  # the API process stopped before configuring us (bad flags, Ctrl-C)
         os._exit(0)
     finally:
         start_pipe.close()
     logger.info("Engine core process: configured.")  # bench startup's "configured" mark
-    run_engine_core(config, input_address, output_address, ready_pipe, parent_pid, load_tokenizer)
+    run_engine_core(
+        config, input_address, output_address, ready_pipe, parent_pid, load_tokenizer,
+        engine_index, cpu_ids,
+    )
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:

@@ -20,7 +20,8 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from tokenserve.config import EngineConfig
-from tokenserve.engine.core_client import EngineCoreClient, EngineCoreProcess, EngineDeadError
+from tokenserve.engine.core_client import EngineCoreProcess, EngineDeadError
+from tokenserve.engine.dp_client import make_engine_core_client
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.engine.output_processor import OutputProcessor
 from tokenserve.engine.parallel_sampling import fan_out
@@ -155,7 +156,8 @@ class AsyncLLM:
         self.collectors: dict[str, RequestOutputCollector] = {}
         # The engine core's latest scheduler stats (None before its first message).
         self.scheduler_stats: SchedulerStats | None = None
-        self.engine_core = EngineCoreClient(config, engine_process)
+        # One engine core, or data_parallel_size of them behind a router (engine/dp_client.py).
+        self.engine_core = make_engine_core_client(config, engine_process)
         self._background_tasks: set[asyncio.Task[Any]] = set()
         self._output_handler: asyncio.Task[None] | None = None
         self._death_callbacks: list[Any] = []

@@ -136,6 +136,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                              "from the measured step cost to keep it within the target (every "
                              "decode still gets its token; prefill gets at least 16 tokens a step). "
                              "Default: no target, --max-num-batched-tokens alone limits a step.")
+    parser.add_argument("-dp", "--data-parallel-size", type=int,
+                        default=defaults.data_parallel_size,
+                        help="Engine cores behind one API server, each with its own KV cache "
+                             "and the CPU cores split between them; requests are routed to the "
+                             "least loaded one, requests sharing a prefix to the same one "
+                             "(tokenserve serve only).")
     parser.add_argument("--speculative-config", type=_speculative_config, default=None,
                         help='Speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", '
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '

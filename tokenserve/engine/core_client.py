@@ -57,9 +57,11 @@ def _engine_core_main(start_pipe: Connection, ready_pipe: Connection, parent_pid
 
 
 class EngineCoreProcess:
-    """The engine-core process, started now and configured later (`configure`)."""
+    """The engine-core process, started now and configured later (`configure`).
+    `engine_index`: which of several engines under data parallelism (engine/dp_client.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine_index: int = 0) -> None:
+        self.engine_index = engine_index
         self._socket_dir = tempfile.mkdtemp(prefix="tokenserve-")
         self.input_address = f"ipc://{self._socket_dir}/input"
         self.output_address = f"ipc://{self._socket_dir}/output"
@@ -70,7 +72,7 @@ class EngineCoreProcess:
         self.process = spawn.Process(
             target=_engine_core_main,
             args=(start_reader, ready_writer, os.getpid()),
-            name="tokenserve-engine-core",
+            name="tokenserve-engine-core" + (f"-{engine_index}" if engine_index else ""),
             daemon=True,
         )
         self.started = time.perf_counter()
@@ -78,8 +80,9 @@ class EngineCoreProcess:
         start_reader.close()
         ready_writer.close()
 
-    def configure(self, config: EngineConfig) -> None:
-        """Hand the process its configuration: it loads the model from here on."""
+    def configure(self, config: EngineConfig, cpu_ids: list[int] | None = None) -> None:
+        """Hand the process its configuration: it loads the model from here on, pinned to
+        `cpu_ids` when given (data parallelism), else on all of the process's cores."""
         from tokenserve.model.loader import load_tokenizer
 
         if self.config is not None:
@@ -90,7 +93,10 @@ class EngineCoreProcess:
             load_tokenizer, config.model_config.files, config.model_config.tokenizer
         )
         try:
-            self._start_writer.send((config, self.input_address, self.output_address, tokenizer))
+            self._start_writer.send(
+                (config, self.input_address, self.output_address, tokenizer, self.engine_index,
+                 cpu_ids)
+            )
         except (BrokenPipeError, ConnectionResetError):
             pass  # it died while importing: the ready handshake reports that
         finally:
@@ -130,12 +136,19 @@ class EngineCoreProcess:
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, engine_process: EngineCoreProcess | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        engine_process: EngineCoreProcess | None = None,
+        engine_index: int = 0,
+        cpu_ids: list[int] | None = None,
+    ) -> None:
         """`engine_process`: one started earlier (configured with `config`, or not yet);
-        by default one is started here."""
-        self.engine_process = engine_process or EngineCoreProcess()
+        by default one is started here. `engine_index` and `cpu_ids` (the cores it is
+        pinned to) place one engine of several under data parallelism (engine/dp_client.py)."""
+        self.engine_process = engine_process or EngineCoreProcess(engine_index)
         if self.engine_process.config is None:
-            self.engine_process.configure(config)
+            self.engine_process.configure(config, cpu_ids)
         elif self.engine_process.config is not config:
             raise ValueError("The engine core process was configured with another configuration.")
         self.process = self.engine_process.process

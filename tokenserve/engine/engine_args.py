@@ -138,6 +138,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    # Engine cores behind one API server (`tokenserve serve` only; docs/PARALLELISM.md).
+    data_parallel_size: int = 1
     # The CPU fast paths (config.KernelConfig): off switches for comparison, and the row
     # limits of the GGUF block kernels.
     disable_c_kernels: bool = False
@@ -177,7 +179,7 @@ class EngineArgs:
         self._lora_config()  # LoRA settings fail before any weight is read
         parallel_config = ParallelConfig(
             self.distributed_executor_backend, self.tensor_parallel_size,
-            self.pipeline_parallel_size,
+            self.pipeline_parallel_size, data_parallel_size=self.data_parallel_size,
         )
         kernel_config = KernelConfig(
             disable_c_kernels=self.disable_c_kernels,

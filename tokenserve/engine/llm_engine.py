@@ -25,6 +25,12 @@ from tokenserve.sampling_params import SamplingParams
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if config.parallel_config.data_parallel_size > 1:
+            # Data parallelism runs engine cores in their own processes (engine/dp_client.py).
+            raise ValueError(
+                "data_parallel_size > 1 is served by `tokenserve serve` (AsyncLLM) only; the "
+                "offline LLM runs one engine core in this process."
+            )
         self.config = config
         self.tokenizer = load_tokenizer(config.model_config.files, config.model_config.tokenizer)
         self.processor = Processor(config, self.tokenizer)

@@ -174,6 +174,8 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     first_scheduled_times: dict[str, float] = {}
     # Set when the engine core failed and is about to exit.
     engine_error: str | None = None
+    # The data-parallel engine that sent it (set by the API process as it receives it).
+    engine_index: int = 0
 
 
 def _encode_hook(obj: Any) -> Any:

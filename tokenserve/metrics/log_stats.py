@@ -19,7 +19,8 @@ class LoggingStatLogger:
         self.last_log_time = time.monotonic()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
-        self.scheduler_stats: SchedulerStats | None = None
+        # The latest scheduler stats of each engine (several under data parallelism).
+        self.engine_stats: dict[int, SchedulerStats] = {}
         self._last_logged_prefix = (0, 0)  # (queries, hits) at the previous line
         self._last_logged_spec = (0, 0, 0)  # (drafts, draft tokens, accepted) at the previous line
         self._was_busy = False
@@ -28,7 +29,7 @@ class LoggingStatLogger:
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats
     ) -> None:
         if scheduler_stats is not None:
-            self.scheduler_stats = scheduler_stats
+            self.engine_stats[iteration_stats.engine_index] = scheduler_stats
         self.num_prompt_tokens += iteration_stats.num_prompt_tokens
         self.num_generation_tokens += iteration_stats.num_generation_tokens
 
@@ -36,7 +37,7 @@ class LoggingStatLogger:
         """Log one line if anything ran since the last one (and one more once it went idle)."""
         now = time.monotonic()
         elapsed = max(now - self.last_log_time, 1e-9)
-        stats = self.scheduler_stats
+        stats = combine_engine_stats(list(self.engine_stats.values()))
         busy = bool(
             self.num_prompt_tokens
             or self.num_generation_tokens
@@ -85,3 +86,28 @@ class LoggingStatLogger:
             accepted,
             draft_tokens,
         )
+
+
+def combine_engine_stats(engine_stats: list[SchedulerStats]) -> SchedulerStats | None:
+    """The engines' stats as one: queues and counters summed, KV usage averaged."""
+    if len(engine_stats) <= 1:
+        return engine_stats[0] if engine_stats else None
+    specs = [stats.spec_decoding_stats for stats in engine_stats if stats.spec_decoding_stats]
+    return SchedulerStats(
+        num_running_reqs=sum(stats.num_running_reqs for stats in engine_stats),
+        num_waiting_reqs=sum(stats.num_waiting_reqs for stats in engine_stats),
+        kv_cache_usage=sum(stats.kv_cache_usage for stats in engine_stats) / len(engine_stats),
+        prefix_cache_queries=sum(stats.prefix_cache_queries for stats in engine_stats),
+        prefix_cache_hits=sum(stats.prefix_cache_hits for stats in engine_stats),
+        num_preemptions=sum(stats.num_preemptions for stats in engine_stats),
+        spec_decoding_stats=_sum_spec_decoding(specs) if specs else None,
+    )
+
+
+def _sum_spec_decoding(specs: list[SpecDecodingStats]) -> SpecDecodingStats:
+    total = SpecDecodingStats(specs[0].num_spec_tokens)
+    for spec in specs:
+        total.num_drafts += spec.num_drafts
+        total.num_draft_tokens += spec.num_draft_tokens
+        total.num_accepted_tokens += spec.num_accepted_tokens
+    return total

@@ -67,158 +67,180 @@ _TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384
 
 
 class PrometheusStatLogger:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    """One set of metric families; each data-parallel engine's samples carry its `engine`
+    label (vLLM's `engine="0"`, ...), bound for every engine from the start."""
+
+    def __init__(
+        self, model_name: str, registry: CollectorRegistry | None = None, num_engines: int = 1
+    ) -> None:
         self.registry = registry or CollectorRegistry()
-        # Every metric carries the served model's name; children are bound (and so
-        # exported, at 0) from the start.
         self.model_name = model_name
+        labels = ["model_name", "engine"]
 
         def gauge(name: str, doc: str) -> Any:
-            return Gauge(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(
-                model_name
-            )
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry)
 
         def counter(name: str, doc: str) -> Any:
-            return Counter(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(
-                model_name
-            )
+            return Counter(PREFIX + name, doc, labels, registry=self.registry)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(
-                PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry
-            ).labels(model_name)
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
 
-        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to run.")
-        self.kv_cache_usage = gauge(
-            "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)."
-        )
-        self.prefix_cache_queries = counter(
-            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
-        )
-        self.prefix_cache_hits = counter(
-            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
-        )
-        self.num_preemptions = counter("num_preemptions", "Preemptions of running requests.")
-        self.token_budget = gauge(
-            "token_budget",
-            "Token budget of the latest engine step: max_num_batched_tokens, or under "
-            "--target-step-ms its decode rows plus the prompt tokens the target leaves room for.",
-        )
-        self.predicted_step_time = gauge(
-            "predicted_step_time_seconds",
-            "The step-cost model's prediction for the latest engine step (--target-step-ms).",
-        )
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        families = {
+            "num_requests_running": gauge("num_requests_running", "Requests in the running batch."),
+            "num_requests_waiting": gauge("num_requests_waiting", "Requests waiting to run."),
+            "kv_cache_usage": gauge(
+                "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)."
+            ),
+            "prefix_cache_queries": counter(
+                "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+            ),
+            "prefix_cache_hits": counter(
+                "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+            ),
+            "num_preemptions": counter("num_preemptions", "Preemptions of running requests."),
+            "token_budget": gauge(
+                "token_budget",
+                "Token budget of the latest engine step: max_num_batched_tokens, or under "
+                "--target-step-ms its decode rows plus the prompt tokens the target leaves room for.",
+            ),
+            "predicted_step_time": gauge(
+                "predicted_step_time_seconds",
+                "The step-cost model's prediction for the latest engine step (--target-step-ms).",
+            ),
+            "prompt_tokens": counter("prompt_tokens", "Prompt tokens processed."),
+            "generation_tokens": counter("generation_tokens", "Tokens generated."),
+            "time_to_first_token": histogram(
+                "time_to_first_token_seconds", "Time from arrival to the first token.", _LATENCY_BUCKETS
+            ),
+            "inter_token_latency": histogram(
+                "inter_token_latency_seconds",
+                "Time between two outputs of a request.",
+                _LATENCY_BUCKETS,
+            ),
+            "e2e_request_latency": histogram(
+                "e2e_request_latency_seconds", "Time from arrival to the last token.", _REQUEST_BUCKETS
+            ),
+            "request_queue_time": histogram(
+                "request_queue_time_seconds",
+                "Time from arrival to first being scheduled.",
+                _REQUEST_BUCKETS,
+            ),
+            "iteration_tokens": histogram(
+                "iteration_tokens_total", "Tokens computed by one engine step.", _TOKEN_BUCKETS
+            ),
+            "spec_decode_num_drafts": counter(
+                "spec_decode_num_drafts", "Draft runs verified (one per request and step)."
+            ),
+            "spec_decode_num_draft_tokens": counter(
+                "spec_decode_num_draft_tokens", "Draft tokens verified."
+            ),
+            "spec_decode_num_accepted_tokens": counter(
+                "spec_decode_num_accepted_tokens", "Draft tokens accepted."
+            ),
+        }
         self.request_success = Counter(
             PREFIX + "request_success",
             "Requests that finished, by finish reason.",
-            ["model_name", "finished_reason"],
+            ["model_name", "engine", "finished_reason"],
             registry=self.registry,
-        )
-        for reason in FINISH_REASONS:
-            self.request_success.labels(model_name, reason)
-        self.time_to_first_token = histogram(
-            "time_to_first_token_seconds", "Time from arrival to the first token.", _LATENCY_BUCKETS
-        )
-        self.inter_token_latency = histogram(
-            "inter_token_latency_seconds",
-            "Time between two outputs of a request.",
-            _LATENCY_BUCKETS,
-        )
-        self.e2e_request_latency = histogram(
-            "e2e_request_latency_seconds", "Time from arrival to the last token.", _REQUEST_BUCKETS
-        )
-        self.request_queue_time = histogram(
-            "request_queue_time_seconds",
-            "Time from arrival to first being scheduled.",
-            _REQUEST_BUCKETS,
-        )
-        self.iteration_tokens = histogram(
-            "iteration_tokens_total", "Tokens computed by one engine step.", _TOKEN_BUCKETS
-        )
-        self.spec_decode_num_drafts = counter(
-            "spec_decode_num_drafts", "Draft runs verified (one per request and step)."
-        )
-        self.spec_decode_num_draft_tokens = counter(
-            "spec_decode_num_draft_tokens", "Draft tokens verified."
-        )
-        self.spec_decode_num_accepted_tokens = counter(
-            "spec_decode_num_accepted_tokens", "Draft tokens accepted."
         )
         self.spec_decode_num_accepted_tokens_per_pos = Counter(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position in the draft (0: the first).",
-            ["model_name", "position"],
+            ["model_name", "engine", "position"],
             registry=self.registry,
         )
-        # The engine core's counters are cumulative; these turn them into increments.
-        self._last_core_counters = (0, 0, 0)
-        self._last_spec_counters: tuple[int, ...] = (0, 0, 0)
-        self._last_accepted_per_pos: list[int] = []
+        self.engines = [
+            _EngineMetrics(
+                str(index),
+                {name: family.labels(model_name, str(index)) for name, family in families.items()},
+            )
+            for index in range(num_engines)
+        ]
+        for engine in self.engines:
+            for reason in FINISH_REASONS:
+                self.request_success.labels(model_name, engine.label, reason)
 
     def record(
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats
     ) -> None:
+        engine = self.engines[iteration_stats.engine_index]
         if scheduler_stats is not None:
-            self.num_requests_running.set(scheduler_stats.num_running_reqs)
-            self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
-            self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
+            engine.metrics["num_requests_running"].set(scheduler_stats.num_running_reqs)
+            engine.metrics["num_requests_waiting"].set(scheduler_stats.num_waiting_reqs)
+            engine.metrics["kv_cache_usage"].set(scheduler_stats.kv_cache_usage)
             if scheduler_stats.token_budget is not None:
-                self.token_budget.set(scheduler_stats.token_budget)
+                engine.metrics["token_budget"].set(scheduler_stats.token_budget)
             if scheduler_stats.predicted_step_ms is not None:
-                self.predicted_step_time.set(scheduler_stats.predicted_step_ms / 1e3)
+                engine.metrics["predicted_step_time"].set(scheduler_stats.predicted_step_ms / 1e3)
             counters = (
                 scheduler_stats.prefix_cache_queries,
                 scheduler_stats.prefix_cache_hits,
                 scheduler_stats.num_preemptions,
             )
             for metric, new, old in zip(
-                (self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions),
+                (engine.metrics["prefix_cache_queries"], engine.metrics["prefix_cache_hits"], engine.metrics["num_preemptions"]),
                 counters,
-                self._last_core_counters,
+                engine.last_core_counters,
             ):
                 if new > old:
                     metric.inc(new - old)
-            self._last_core_counters = counters
+            engine.last_core_counters = counters
             if scheduler_stats.spec_decoding_stats is not None:
-                self._record_spec_decoding(scheduler_stats.spec_decoding_stats)
+                self._record_spec_decoding(engine, scheduler_stats.spec_decoding_stats)
         if iteration_stats.num_scheduled_tokens:
-            self.iteration_tokens.observe(iteration_stats.num_scheduled_tokens)
-        self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
-        self.generation_tokens.inc(iteration_stats.num_generation_tokens)
+            engine.metrics["iteration_tokens"].observe(iteration_stats.num_scheduled_tokens)
+        engine.metrics["prompt_tokens"].inc(iteration_stats.num_prompt_tokens)
+        engine.metrics["generation_tokens"].inc(iteration_stats.num_generation_tokens)
         for ttft in iteration_stats.time_to_first_tokens:
-            self.time_to_first_token.observe(ttft)
+            engine.metrics["time_to_first_token"].observe(ttft)
         for itl in iteration_stats.inter_token_latencies:
-            self.inter_token_latency.observe(itl)
+            engine.metrics["inter_token_latency"].observe(itl)
         for finished in iteration_stats.finished_requests:
-            self.request_success.labels(self.model_name, finished.finish_reason).inc()
-            self.e2e_request_latency.observe(finished.e2e_latency)
+            self.request_success.labels(
+                self.model_name, engine.label, finished.finish_reason
+            ).inc()
+            engine.metrics["e2e_request_latency"].observe(finished.e2e_latency)
             if finished.queue_time is not None:
-                self.request_queue_time.observe(finished.queue_time)
+                engine.metrics["request_queue_time"].observe(finished.queue_time)
 
-    def _record_spec_decoding(self, stats: SpecDecodingStats) -> None:
+    def _record_spec_decoding(self, engine: _EngineMetrics, stats: SpecDecodingStats) -> None:
         counters = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
         metrics = (
-            self.spec_decode_num_drafts,
-            self.spec_decode_num_draft_tokens,
-            self.spec_decode_num_accepted_tokens,
+            engine.metrics["spec_decode_num_drafts"],
+            engine.metrics["spec_decode_num_draft_tokens"],
+            engine.metrics["spec_decode_num_accepted_tokens"],
         )
-        for metric, new, old in zip(metrics, counters, self._last_spec_counters):
+        for metric, new, old in zip(metrics, counters, engine.last_spec_counters):
             if new > old:
                 metric.inc(new - old)
-        self._last_spec_counters = counters
+        engine.last_spec_counters = counters
         per_pos = stats.num_accepted_tokens_per_pos
-        last = self._last_accepted_per_pos + [0] * (len(per_pos) - len(self._last_accepted_per_pos))
+        last = engine.last_accepted_per_pos
+        last = last + [0] * (len(per_pos) - len(last))
         for position, (new, old) in enumerate(zip(per_pos, last)):
-            child = self.spec_decode_num_accepted_tokens_per_pos.labels(self.model_name, str(position))
+            child = self.spec_decode_num_accepted_tokens_per_pos.labels(
+                self.model_name, engine.label, str(position)
+            )
             if new > old:
                 child.inc(new - old)
-        self._last_accepted_per_pos = list(per_pos)
+        engine.last_accepted_per_pos = list(per_pos)
 
     def log(self) -> None:
         """Prometheus is scraped, not logged."""
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineMetrics:
+    """One engine's bound samples (by metric), and its last cumulative counters:
+    the engine core's counters are cumulative, the Prometheus counters take increments."""
+
+    def __init__(self, label: str, children: dict[str, Any]) -> None:
+        self.label = label
+        self.metrics = children
+        self.last_core_counters: tuple[int, ...] = (0, 0, 0)
+        self.last_spec_counters: tuple[int, ...] = (0, 0, 0)
+        self.last_accepted_per_pos: list[int] = []

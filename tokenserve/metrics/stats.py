@@ -34,6 +34,8 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # The data-parallel engine whose message this was (0 with one engine).
+    engine_index: int = 0
 
 
 @dataclass
@@ -62,7 +64,9 @@ class RequestStatsTracker:
     def update(self, message: EngineCoreOutputs, stopped_request_ids: list[str]) -> IterationStats:
         """Fold one engine-core message in; `stopped_request_ids` ended on a stop string."""
         now = time.time()
-        stats = IterationStats(num_scheduled_tokens=message.num_scheduled_tokens)
+        stats = IterationStats(
+            num_scheduled_tokens=message.num_scheduled_tokens, engine_index=message.engine_index
+        )
         for request_id, scheduled_time in message.first_scheduled_times.items():
             if (times := self.requests.get(request_id)) is not None:
                 times.first_scheduled_time = scheduled_time

@@ -339,7 +339,9 @@ async def run_server(
     # Listening from here on: a request that comes while the engine loads waits for it
     # (as vLLM's server binds before its engine is up); /health answers once it is ready.
     listen_socket = uvicorn.Config(None, host=args.host, port=args.port).bind_socket()
-    metrics = PrometheusStatLogger(served_model_names[0])
+    metrics = PrometheusStatLogger(
+        served_model_names[0], num_engines=config.parallel_config.data_parallel_size
+    )
     dashboard = DashboardState()
     observers: list[RequestObserver] = [dashboard]
     if getattr(args, "request_trace", None):

@@ -61,9 +61,12 @@ class OpenAIServing:
         self.max_model_len = engine.config.model_config.max_model_len
         self.chat_template = chat_template
         self.limits = limits or ServingLimits()
-        # Sequences the engine may hold at once: running plus waiting.
+        # Sequences the engine may hold at once: running (on every data-parallel engine)
+        # plus waiting.
         self.capacity = (
-            engine.config.scheduler_config.max_num_seqs + self.limits.max_waiting_requests
+            engine.config.scheduler_config.max_num_seqs
+            * engine.config.parallel_config.data_parallel_size
+            + self.limits.max_waiting_requests
         )
         # The base names and LoRA adapters, when the app has them (serving_models.py).
         self.models: OpenAIServingModels | None = None
