@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenserve.lora.request import LoRARequest
 from tokenserve.messages.engine_core import EngineCoreRequest
@@ -62,6 +62,8 @@ class Request:
     pooling_params: PoolingParams | None = None
     # The adapter it runs with (LoRA): a block-hash extra key, so adapters share no KV.
     lora_request: LoRARequest | None = None
+    # KV connectors (P/D): where its KV comes from, or, once finished, where it went.
+    kv_transfer_params: dict[str, Any] | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -96,6 +98,7 @@ class Request:
             skip_prefix_cache=request.skip_prefix_cache,
             pooling_params=request.pooling_params,
             lora_request=request.lora_request,
+            kv_transfer_params=request.kv_transfer_params,
         )
 
     def to_engine_core_request(self) -> EngineCoreRequest:
@@ -111,6 +114,7 @@ class Request:
             skip_prefix_cache=self.skip_prefix_cache,
             pooling_params=self.pooling_params,
             lora_request=self.lora_request,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
     @property

@@ -38,12 +38,14 @@ from tokenserve.config import (
     SpeculativeConfig,
 )
 from tokenserve.core.kv_cache_manager import KVCacheManager
+from tokenserve.core.kv_connector_hooks import SchedulerConnectorHooks
 from tokenserve.core.kv_lookahead import admission_fits
 from tokenserve.core.lora_admission import admissible_by_adapter
 from tokenserve.core.request import Request, RequestStatus
 from tokenserve.core.request_queue import create_request_queue, order_for_prefill
 from tokenserve.core.step_cost import PrefillBudget, StepCostModel, StepShape, TargetStepBudget
 from tokenserve.core.stop_checks import append_until_stop
+from tokenserve.kv_transfer.base import KVConnectorScheduler
 from tokenserve.messages.engine_core import (
     EngineCoreOutput,
     LogprobsLists,
@@ -100,11 +102,13 @@ class Scheduler:
         step_cost_model: StepCostModel | None = None,
         speculative_config: SpeculativeConfig | None = None,
         lora_config: LoRAConfig | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         """`step_cost_model`: what sizes each step's prefill under `target_step_ms` (the
         engine core records into it); one is made if the config has a target and none is given.
         `speculative_config`: drafts are verified (and counted) only under one.
-        `lora_config`: a step holds at most its `max_loras` adapters (core/lora_admission.py)."""
+        `lora_config`: a step holds at most its `max_loras` adapters (core/lora_admission.py).
+        `kv_connector`: an external KV store or peer (kv_transfer/; core/kv_connector_hooks.py)."""
         if scheduler_config.prefill_order not in PREFILL_ORDERS:
             raise ValueError(
                 f"prefill_order must be 'shortest' or 'arrival', "
@@ -136,6 +140,9 @@ class Scheduler:
         if speculative_config is not None:
             self.num_lookahead_tokens = speculative_config.num_lookahead_tokens
             self.spec_decoding_stats = SpecDecodingStats(speculative_config.num_speculative_tokens)
+        self.kv_connector: SchedulerConnectorHooks | None = None
+        if kv_connector is not None:
+            self.kv_connector = SchedulerConnectorHooks(kv_connector, self.kv_cache_manager)
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -186,6 +193,10 @@ class Scheduler:
         )
         for request in (*plan.scheduled_running, *plan.scheduled_new):
             request.num_computed_tokens += plan.num_scheduled_tokens[request.request_id]
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_metadata(
+                [*plan.scheduled_running, *plan.scheduled_new], plan.num_scheduled_tokens
+            )
         self.finished_req_ids = set()
         self.last_token_budget = prefill_budget.token_budget or self.config.max_num_batched_tokens
         if isinstance(prefill_budget, TargetStepBudget) and not output.is_empty:
@@ -201,6 +212,9 @@ class Scheduler:
         max_tokens, max_model_len); those after a stop are dropped, with their logprobs.
         """
         outputs = []
+        if self.kv_connector is not None:
+            failed = self.kv_connector.take_output(model_runner_output.kv_connector_output)
+            self._recompute_failed_loads(failed)
         for request_id, generated in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids
         ):
@@ -276,6 +290,9 @@ class Scheduler:
             predicted_step_ms=self.last_predicted_step_ms,
             spec_decoding_stats=self.spec_decoding_stats.copy()
             if self.spec_decoding_stats is not None
+            else None,
+            kv_connector_stats=self.kv_connector.connector.stats.copy()
+            if self.kv_connector is not None
             else None,
         )
 
@@ -419,23 +436,34 @@ class Scheduler:
         ):
             return False  # the running requests' growth would run the pool out (kv_lookahead.py)
         hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-        num_new_tokens = request.num_tokens - num_hit_tokens
+        # Tokens a KV connector loads into the blocks after the local hit, before the step.
+        num_external_tokens = 0
+        if self.kv_connector is not None:
+            num_external_tokens = self.kv_connector.num_external_tokens(request, num_hit_tokens)
+        num_computed_tokens = num_hit_tokens + num_external_tokens
+        num_new_tokens = request.num_tokens - num_computed_tokens
         if not self.config.enable_chunked_prefill and num_new_tokens > plan.token_budget:
             return False
         num_new_tokens = min(num_new_tokens, plan.token_budget)
-        num_new_tokens = prefill_budget.grant(num_hit_tokens, num_new_tokens)
+        num_new_tokens = prefill_budget.grant(num_computed_tokens, num_new_tokens)
         if num_new_tokens == 0:
             return False
         new_blocks = self.kv_cache_manager.allocate_slots(
-            request, num_new_tokens, hits, num_hit_tokens, self.num_lookahead_tokens
+            request,
+            num_external_tokens + num_new_tokens,
+            hits,
+            num_hit_tokens,
+            self.num_lookahead_tokens,
         )
         if new_blocks is None:
             return False
         self.waiting.remove(request)
         self.kv_cache_manager.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
-        request.num_computed_tokens = num_hit_tokens
+        if self.kv_connector is not None:
+            self.kv_connector.after_alloc(request, num_hit_tokens, num_external_tokens)
+        request.num_computed_tokens = num_computed_tokens
         if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit_tokens
+            request.num_cached_tokens = num_computed_tokens
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.time()
         request.status = RequestStatus.RUNNING
@@ -477,7 +505,22 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
+    def _recompute_failed_loads(self, request_ids: set[str]) -> None:
+        """A request whose external KV did not load computed on wrong KV this step: its
+        blocks leave the prefix cache and it starts over (its sampled token is dropped)."""
+        assert self.kv_connector is not None
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            self.kv_connector.forget_blocks(request)
+            self.running.remove(request)
+            self._preempt(request)
+            request.num_cached_tokens = -1
+
     def _free_request(self, request: Request) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.finished(request)
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]

@@ -28,6 +28,7 @@ from tokenserve.config import (
     SpeculativeConfig,
 )
 from tokenserve.engine.runner_config import RunnerSettings, configure_runner
+from tokenserve.kv_transfer.config import kv_transfer_config_for
 from tokenserve.model.loader import resolve_model
 from tokenserve.spec_decode.config import create_speculative_config
 
@@ -132,6 +133,10 @@ class EngineArgs:
     # "prompt_lookup_min": .., "prompt_lookup_max": ..} or {"method": "draft_model",
     # "model": path, "num_speculative_tokens": k}, and "disable_by_batch_size" (spec_decode/).
     speculative_config: dict | None = None
+    # A KV connector (vLLM's keys, docs/KV_CONNECTORS.md): {"kv_connector":
+    # "SharedStorageConnector", "kv_role": "kv_both", "kv_connector_extra_config":
+    # {"shared_storage_path": DIR}}; a JSON string or a dict.
+    kv_transfer_config: dict | str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -223,6 +228,7 @@ class EngineArgs:
             kernel_config,
             lora_config=self._lora_config(),
             speculative_config=speculative_config,
+            kv_transfer_config=kv_transfer_config_for(self.kv_transfer_config, model_config, cache_config),
         )
 
     def _lora_config(self) -> LoRAConfig | None:

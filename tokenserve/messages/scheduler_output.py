@@ -7,6 +7,7 @@ travel in full only when it is (re)admitted; afterwards only the diffs do.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenserve.lora.request import LoRARequest
 from tokenserve.pooling_params import PoolingParams
@@ -52,6 +53,8 @@ class SchedulerOutput:
     # Requests the runner should forget: finished, aborted or preempted since the last step.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    # With a KV connector: the step's loads and saves (a kv_transfer KVConnectorMetadata).
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:

@@ -1,0 +1,98 @@
+"""`--kv-transfer-config` (vLLM's keys) → a validated `KVTransferConfig` (ValueError naming
+the key otherwise)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from tokenserve.config import KV_ROLES, CacheConfig, KVTransferConfig, ModelConfig
+
+# Connectors by `kv_connector` name (factory.py, worker_factory.py build them).
+KV_CONNECTORS = ("SharedStorageConnector",)
+KNOWN_KEYS = ("kv_connector", "kv_role", "kv_ip", "kv_port", "kv_connector_extra_config")
+
+
+def parse_kv_transfer_config_json(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--kv-transfer-config must be a JSON object: {error}.") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--kv-transfer-config must be a JSON object, got {text!r}.")  # noqa: TRY004
+    return value
+
+
+def create_kv_transfer_config(
+    values: dict[str, Any] | str | None, layout_key: str
+) -> KVTransferConfig | None:
+    """`layout_key`: what the KV depends on beyond block hashes (engine_args.py makes it)."""
+    if values is None:
+        return None
+    if isinstance(values, str):
+        values = parse_kv_transfer_config_json(values)
+    if not isinstance(values, dict):
+        raise ValueError(f"kv_transfer_config must be a dict, got {type(values).__name__}.")  # noqa: TRY004
+    unknown = sorted(set(values) - set(KNOWN_KEYS))
+    if unknown:
+        raise ValueError(f"kv_transfer_config has unknown keys {unknown}; known: {list(KNOWN_KEYS)}.")
+    name = values.get("kv_connector")
+    if name not in KV_CONNECTORS:
+        raise ValueError(f"kv_connector must be one of {list(KV_CONNECTORS)}, got {name!r}.")
+    role = values.get("kv_role", "kv_both")
+    if role not in KV_ROLES:
+        raise ValueError(f"kv_role must be one of {list(KV_ROLES)}, got {role!r}.")
+    port = values.get("kv_port", 14579)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+        raise ValueError(f"kv_port must be a port number, got {port!r}.")
+    ip = values.get("kv_ip", "127.0.0.1")
+    if not isinstance(ip, str) or not ip:
+        raise ValueError(f"kv_ip must be an address, got {ip!r}.")
+    extra = values.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"kv_connector_extra_config must be an object, got {extra!r}.")  # noqa: TRY004
+    if name == "SharedStorageConnector":
+        _check_shared_storage(extra)
+    return KVTransferConfig(name, role, ip, port, dict(extra), layout_key)
+
+
+def _check_shared_storage(extra: dict[str, Any]) -> None:
+    path = extra.get("shared_storage_path")
+    if not isinstance(path, str) or not path:
+        raise ValueError(
+            "SharedStorageConnector needs kv_connector_extra_config.shared_storage_path "
+            f"(a directory), got {path!r}."
+        )
+    size = extra.get("max_size_gb")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int | float) or size <= 0):
+        raise ValueError(f"max_size_gb must be a positive number of GiB, got {size!r}.")
+
+
+def kv_transfer_config_for(
+    values: dict[str, Any] | str | None, model_config: ModelConfig, cache_config: CacheConfig
+) -> KVTransferConfig | None:
+    """The engine's connector config: `values` checked against the model and the cache.
+    KV from one model, dtype or block shape never reaches another (the layout key)."""
+    if values is None:
+        return None
+    if model_config.runner != "generate" or model_config.is_encoder_only:
+        raise ValueError("kv_transfer_config needs a generate model: pooling keeps no KV to move.")
+    if not cache_config.enable_prefix_caching:
+        raise ValueError(
+            "kv_transfer_config needs prefix caching: blocks are stored and found by block hash."
+        )
+    layout = "|".join(
+        str(part)
+        for part in (
+            model_config.model,
+            model_config.architecture,
+            cache_config.dtype,
+            model_config.num_layers,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            cache_config.block_size,
+            cache_config.prefix_caching_hash_algo,
+        )
+    )
+    return create_kv_transfer_config(values, hashlib.sha256(layout.encode()).hexdigest()[:16])
