@@ -12,6 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenserve.messages.engine_core import SchedulerStats, SpecDecodingStats
+from tokenserve.metrics.kv_connector_metrics import KVConnectorMetrics
 from tokenserve.metrics.stats import IterationStats
 
 PREFIX = "tokenserve:"
@@ -153,6 +154,7 @@ class PrometheusStatLogger:
             ["model_name", "position"],
             registry=self.registry,
         )
+        self.kv_connector = KVConnectorMetrics(counter)
         # The engine core's counters are cumulative; these turn them into increments.
         self._last_core_counters = (0, 0, 0)
         self._last_spec_counters: tuple[int, ...] = (0, 0, 0)
@@ -184,6 +186,8 @@ class PrometheusStatLogger:
             self._last_core_counters = counters
             if scheduler_stats.spec_decoding_stats is not None:
                 self._record_spec_decoding(scheduler_stats.spec_decoding_stats)
+            if scheduler_stats.kv_connector_stats is not None:
+                self.kv_connector.record(scheduler_stats.kv_connector_stats)
         if iteration_stats.num_scheduled_tokens:
             self.iteration_tokens.observe(iteration_stats.num_scheduled_tokens)
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
