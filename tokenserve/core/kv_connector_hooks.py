@@ -33,6 +33,8 @@ class SchedulerConnectorHooks:
         first = num_hit_tokens // block_size
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
         external = block_ids[first : first + num_external_tokens // block_size]
+        self.connector.stats.external_prefix_cache_queries += request.num_tokens
+        self.connector.stats.external_prefix_cache_hits += num_external_tokens
         self.connector.update_state_after_alloc(request, external, num_external_tokens)
 
     def build_metadata(

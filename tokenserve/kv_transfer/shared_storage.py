@@ -71,8 +71,6 @@ class SharedStorageConnectorScheduler(KVConnectorScheduler):
         self, request: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
         pins = self._matched.pop(request.request_id, [])
-        self.stats.external_prefix_cache_queries += request.num_tokens
-        self.stats.external_prefix_cache_hits += num_external_tokens
         if block_ids:
             self._loads[request.request_id] = [
                 (block_id, str(pinned)) for block_id, pinned in zip(block_ids, pins)
