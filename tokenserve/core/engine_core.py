@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 # How long an idle step waits for a compiling grammar before returning to its caller.
 GRAMMAR_WAIT_S = 0.005
+# How long an idle step waits while a KV connector copies blocks (P/D) before polling again.
+KV_TRANSFER_WAIT_S = 0.002
 
 
 class EngineCore:
@@ -102,6 +104,8 @@ class EngineCore:
             self.step_cost_model.record(StepShape.of(scheduler_output), self.clock() - started)
         if scheduler_output.is_empty and self.structured_output_manager.has_compiling_requests:
             self.structured_output_manager.wait_for_grammars(GRAMMAR_WAIT_S)
+        elif scheduler_output.is_empty and self.scheduler.has_pending_kv_transfers:
+            time.sleep(KV_TRANSFER_WAIT_S)  # only a KV copy is under way: do not spin
         return outputs
 
     def _poll_grammars(self) -> list[EngineCoreOutput]:

@@ -24,6 +24,8 @@ class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     # Waiting, and not admitted before its structured-output grammar is compiled.
     WAITING_FOR_GRAMMAR = enum.auto()
+    # Waiting, its blocks allocated, while a KV connector loads its KV asynchronously.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this point is finished.
@@ -62,9 +64,6 @@ class Request:
     pooling_params: PoolingParams | None = None
     # The adapter it runs with (LoRA): a block-hash extra key, so adapters share no KV.
     lora_request: LoRARequest | None = None
-    # KV connectors (P/D): where its KV comes from, or, once finished, where it went.
-    kv_transfer_params: dict[str, Any] | None = None
-
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
@@ -84,6 +83,9 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        # KV connectors (P/D, vLLM's field): where its KV comes from or is to go.
+        extra_args = self.sampling_params.extra_args or {}
+        self.kv_transfer_params: dict[str, Any] | None = extra_args.get("kv_transfer_params")
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:
@@ -98,7 +100,6 @@ class Request:
             skip_prefix_cache=request.skip_prefix_cache,
             pooling_params=request.pooling_params,
             lora_request=request.lora_request,
-            kv_transfer_params=request.kv_transfer_params,
         )
 
     def to_engine_core_request(self) -> EngineCoreRequest:
@@ -114,7 +115,6 @@ class Request:
             skip_prefix_cache=self.skip_prefix_cache,
             pooling_params=self.pooling_params,
             lora_request=self.lora_request,
-            kv_transfer_params=self.kv_transfer_params,
         )
 
     @property

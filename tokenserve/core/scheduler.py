@@ -166,7 +166,12 @@ class Scheduler:
             self._free_request(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        """Also while a KV connector copies blocks: steps report when the copy ends."""
+        return bool(self.running) or len(self.waiting) > 0 or self.has_pending_kv_transfers
+
+    @property
+    def has_pending_kv_transfers(self) -> bool:
+        return self.kv_connector is not None and self.kv_connector.has_pending_transfers
 
     # ---- one step ------------------------------------------------------------------
 
@@ -213,8 +218,11 @@ class Scheduler:
         """
         outputs = []
         if self.kv_connector is not None:
-            failed = self.kv_connector.take_output(model_runner_output.kv_connector_output)
-            self._recompute_failed_loads(failed)
+            failed_running, failed_waiting = self.kv_connector.take_output(
+                model_runner_output.kv_connector_output, self.requests
+            )
+            self._recompute_failed_loads(failed_running)
+            outputs += self._fail_remote_loads(failed_waiting)
         for request_id, generated in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids
         ):
@@ -244,7 +252,7 @@ class Scheduler:
             )
             if request.is_finished:
                 self.running.remove(request)
-                self._free_request(request)
+                outputs[-1].kv_transfer_params = self._free_request(request)
         for request_id, pooled in model_runner_output.pooler_output.items():
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
@@ -371,7 +379,8 @@ class Scheduler:
         room = self.config.max_num_seqs - len(self.running)
         if plan.preempted or room <= 0 or plan.token_budget == 0:
             return []
-        ready = (r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_GRAMMAR)
+        waiting_for = (RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.WAITING_FOR_REMOTE_KVS)
+        ready = (r for r in self.waiting if r.status not in waiting_for)
         if self.lora_config is not None:
             ready = admissible_by_adapter(ready, self.running, self.lora_config.max_loras)
         return list(itertools.islice(ready, room))
@@ -435,12 +444,20 @@ class Scheduler:
             self.config.admission_lookahead_tokens,
         ):
             return False  # the running requests' growth would run the pool out (kv_lookahead.py)
-        hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-        # Tokens a KV connector loads into the blocks after the local hit, before the step.
-        num_external_tokens = 0
-        if self.kv_connector is not None:
-            num_external_tokens = self.kv_connector.num_external_tokens(request, num_hit_tokens)
-        num_computed_tokens = num_hit_tokens + num_external_tokens
+        loaded = self.kv_connector is not None and self.kv_connector.is_loaded(request)
+        if loaded:
+            hits, num_hit_tokens = [], 0  # its blocks hold its remote KV already
+        else:
+            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        # Tokens a KV connector loads into the blocks after the local hit.
+        num_external_tokens, load_async = 0, False
+        if self.kv_connector is not None and not loaded:
+            num_external_tokens, load_async = self.kv_connector.external_tokens(
+                request, num_hit_tokens
+            )
+        if load_async:
+            return self._wait_for_remote_kvs(request, hits, num_hit_tokens, num_external_tokens)
+        num_computed_tokens = request.num_computed_tokens + num_hit_tokens + num_external_tokens
         num_new_tokens = request.num_tokens - num_computed_tokens
         if not self.config.enable_chunked_prefill and num_new_tokens > plan.token_budget:
             return False
@@ -460,7 +477,7 @@ class Scheduler:
         self.waiting.remove(request)
         self.kv_cache_manager.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
         if self.kv_connector is not None:
-            self.kv_connector.after_alloc(request, num_hit_tokens, num_external_tokens)
+            self.kv_connector.admitted(request, num_hit_tokens, num_external_tokens)
         request.num_computed_tokens = num_computed_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_computed_tokens
@@ -505,6 +522,30 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
+    def _wait_for_remote_kvs(
+        self, request: Request, hits: list, num_hit_tokens: int, num_external_tokens: int
+    ) -> bool:
+        """Give a request blocks for the KV a peer sends and let it wait for them
+        (WAITING_FOR_REMOTE_KVS) without holding back the step; admission goes on."""
+        assert self.kv_connector is not None
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_external_tokens, hits, num_hit_tokens, delay_cache_blocks=True
+        )
+        if new_blocks is None:
+            return False
+        self.kv_cache_manager.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
+        self.kv_connector.after_alloc(request, num_hit_tokens, num_external_tokens)
+        self.kv_connector.wait_for_remote_kvs(request, num_hit_tokens + num_external_tokens)
+        return True
+
+    def _fail_remote_loads(self, request_ids: set[str]) -> list[EngineCoreOutput]:
+        """Requests whose KV never arrived end with "abort" (the P/D proxy reports it)."""
+        self.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        return [
+            EngineCoreOutput(request_id, [], finish_reason=RequestStatus.FINISHED_ABORTED.finish_reason)
+            for request_id in request_ids
+        ]
+
     def _recompute_failed_loads(self, request_ids: set[str]) -> None:
         """A request whose external KV did not load computed on wrong KV this step: its
         blocks leave the prefix cache and it starts over (its sampled token is dropped)."""
@@ -518,12 +559,17 @@ class Scheduler:
             self._preempt(request)
             request.num_cached_tokens = -1
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request) -> dict | None:
+        """Release a finished request's blocks (unless a KV connector still copies them);
+        returns the connector's `kv_transfer_params` for its last output."""
+        hold, kv_transfer_params = False, None
         if self.kv_connector is not None:
-            self.kv_connector.finished(request)
-        self.kv_cache_manager.free(request)
+            hold, kv_transfer_params = self.kv_connector.finished(request)
+        if not hold:
+            self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        return kv_transfer_params
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(

@@ -23,9 +23,13 @@ class ConnectorRequest(Protocol):
     """What a connector reads of a request (core's `Request` has it)."""
 
     request_id: str
+    all_token_ids: list[int]
     block_hashes: list[bytes]
+    num_computed_tokens: int
     skip_prefix_cache: bool
     kv_transfer_params: dict[str, Any] | None
+    # A RequestStatus; its `finish_reason` is "abort" for an aborted request.
+    status: Any
 
     @property
     def num_tokens(self) -> int: ...

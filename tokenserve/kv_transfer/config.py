@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import Any
 
 from tokenserve.config import KV_ROLES, CacheConfig, KVTransferConfig, ModelConfig
 
 # Connectors by `kv_connector` name (factory.py, worker_factory.py build them).
-KV_CONNECTORS = ("SharedStorageConnector",)
+KV_CONNECTORS = ("SharedStorageConnector", "P2pConnector")
+# Where P2pConnector peers find their shared secret when the extra config has none.
+SECRET_ENV = "TOKENSERVE_KV_SECRET"
 KNOWN_KEYS = ("kv_connector", "kv_role", "kv_ip", "kv_port", "kv_connector_extra_config")
 
 
@@ -52,9 +55,12 @@ def create_kv_transfer_config(
     extra = values.get("kv_connector_extra_config") or {}
     if not isinstance(extra, dict):
         raise ValueError(f"kv_connector_extra_config must be an object, got {extra!r}.")  # noqa: TRY004
+    extra = dict(extra)
     if name == "SharedStorageConnector":
         _check_shared_storage(extra)
-    return KVTransferConfig(name, role, ip, port, dict(extra), layout_key)
+    else:
+        _check_p2p(extra)
+    return KVTransferConfig(name, role, ip, port, extra, layout_key)
 
 
 def _check_shared_storage(extra: dict[str, Any]) -> None:
@@ -67,6 +73,21 @@ def _check_shared_storage(extra: dict[str, Any]) -> None:
     size = extra.get("max_size_gb")
     if size is not None and (isinstance(size, bool) or not isinstance(size, int | float) or size <= 0):
         raise ValueError(f"max_size_gb must be a positive number of GiB, got {size!r}.")
+
+
+def _check_p2p(extra: dict[str, Any]) -> None:
+    """Peers authenticate every message with a shared secret: one is required."""
+    secret = extra.get("secret") or os.environ.get(SECRET_ENV)
+    if not isinstance(secret, str) or len(secret) < 16:
+        raise ValueError(
+            "P2pConnector needs a shared secret of at least 16 characters: "
+            f"kv_connector_extra_config.secret or ${SECRET_ENV}."
+        )
+    extra["secret"] = secret
+    for key in ("send_timeout_s", "transfer_timeout_s"):
+        value = extra.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+            raise ValueError(f"{key} must be a positive number of seconds, got {value!r}.")
 
 
 def kv_transfer_config_for(

@@ -41,8 +41,6 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     pooling_params: PoolingParams | None = None
     # The adapter the request runs with (LoRA); None: the base model.
     lora_request: LoRARequest | None = None
-    # KV connectors (vLLM's field): where a decode instance finds a prefill's KV (P/D).
-    kv_transfer_params: dict[str, Any] | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):

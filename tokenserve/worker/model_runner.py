@@ -111,6 +111,11 @@ class ModelRunner:
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
 
+    def shutdown(self) -> None:
+        """Stop a KV connector's listeners and transfers."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+
     @torch.inference_mode()
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None

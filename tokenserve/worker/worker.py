@@ -36,3 +36,6 @@ class Worker:
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
     ) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output, grammar_bitmask)
+
+    def shutdown(self) -> None:
+        self.model_runner.shutdown()
