@@ -44,7 +44,8 @@ class SchedulerConnectorHooks:
     def after_alloc(self, request: Request, num_hit_tokens: int, num_external_tokens: int) -> None:
         block_size = self.kv_cache_manager.block_size
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
-        external = block_ids[num_hit_tokens // block_size : cdiv(num_hit_tokens + num_external_tokens, block_size)]
+        first = num_hit_tokens // block_size
+        external = block_ids[first : cdiv(num_hit_tokens + num_external_tokens, block_size)]
         self.connector.stats.external_prefix_cache_queries += request.num_tokens
         self.connector.stats.external_prefix_cache_hits += num_external_tokens
         self.connector.update_state_after_alloc(request, external, num_external_tokens)
@@ -79,7 +80,9 @@ class SchedulerConnectorHooks:
             ]
         )
 
-    def take_output(self, output: KVConnectorOutput | None, requests: dict[str, Request]) -> tuple[set[str], set[str]]:
+    def take_output(
+        self, output: KVConnectorOutput | None, requests: dict[str, Request]
+    ) -> tuple[set[str], set[str]]:
         """Count the workers' copies, release blocks whose copy ended, admit landed loads.
         Returns the running requests whose (synchronous) load failed and the waiting ones
         whose asynchronous load failed."""

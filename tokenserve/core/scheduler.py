@@ -542,8 +542,7 @@ class Scheduler:
         """Requests whose KV never arrived end with "abort" (the P/D proxy reports it)."""
         self.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
         return [
-            EngineCoreOutput(request_id, [], finish_reason=RequestStatus.FINISHED_ABORTED.finish_reason)
-            for request_id in request_ids
+            EngineCoreOutput(request_id, [], finish_reason="abort") for request_id in request_ids
         ]
 
     def _recompute_failed_loads(self, request_ids: set[str]) -> None:

@@ -228,7 +228,9 @@ class EngineArgs:
             kernel_config,
             lora_config=self._lora_config(),
             speculative_config=speculative_config,
-            kv_transfer_config=kv_transfer_config_for(self.kv_transfer_config, model_config, cache_config),
+            kv_transfer_config=kv_transfer_config_for(
+                self.kv_transfer_config, model_config, cache_config
+            ),
         )
 
     def _lora_config(self) -> LoRAConfig | None:

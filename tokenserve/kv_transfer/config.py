@@ -23,7 +23,8 @@ def parse_kv_transfer_config_json(text: str) -> dict[str, Any]:
     except json.JSONDecodeError as error:
         raise ValueError(f"--kv-transfer-config must be a JSON object: {error}.") from None
     if not isinstance(value, dict):
-        raise ValueError(f"--kv-transfer-config must be a JSON object, got {text!r}.")  # noqa: TRY004
+        message = f"--kv-transfer-config must be a JSON object, got {text!r}."
+        raise ValueError(message)  # noqa: TRY004
     return value
 
 
@@ -39,7 +40,9 @@ def create_kv_transfer_config(
         raise ValueError(f"kv_transfer_config must be a dict, got {type(values).__name__}.")  # noqa: TRY004
     unknown = sorted(set(values) - set(KNOWN_KEYS))
     if unknown:
-        raise ValueError(f"kv_transfer_config has unknown keys {unknown}; known: {list(KNOWN_KEYS)}.")
+        raise ValueError(
+            f"kv_transfer_config has unknown keys {unknown}; known: {list(KNOWN_KEYS)}."
+        )
     name = values.get("kv_connector")
     if name not in KV_CONNECTORS:
         raise ValueError(f"kv_connector must be one of {list(KV_CONNECTORS)}, got {name!r}.")
@@ -71,7 +74,7 @@ def _check_shared_storage(extra: dict[str, Any]) -> None:
             f"(a directory), got {path!r}."
         )
     size = extra.get("max_size_gb")
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int | float) or size <= 0):
+    if size is not None and not _positive_number(size):
         raise ValueError(f"max_size_gb must be a positive number of GiB, got {size!r}.")
 
 
@@ -86,7 +89,7 @@ def _check_p2p(extra: dict[str, Any]) -> None:
     extra["secret"] = secret
     for key in ("send_timeout_s", "transfer_timeout_s"):
         value = extra.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+        if value is not None and not _positive_number(value):
             raise ValueError(f"{key} must be a positive number of seconds, got {value!r}.")
 
 
@@ -117,3 +120,7 @@ def kv_transfer_config_for(
         )
     )
     return create_kv_transfer_config(values, hashlib.sha256(layout.encode()).hexdigest()[:16])
+
+
+def _positive_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and value > 0

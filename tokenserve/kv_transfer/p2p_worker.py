@@ -166,7 +166,11 @@ class P2pConnectorWorker(KVConnectorWorker):
             while time.monotonic() < deadline and not self._stop.is_set():
                 nonce = secrets.token_hex(16)
                 body = p2p_wire.encode(
-                    {"request_id": remote.request_id, "block_ids": pull.remote_block_ids, "nonce": nonce}
+                    {
+                        "request_id": remote.request_id,
+                        "block_ids": pull.remote_block_ids,
+                        "nonce": nonce,
+                    }
                 )
                 socket.send_multipart([body, p2p_wire.sign(self.secret, body)])
                 reply = self._receive(socket, deadline)
