@@ -9,6 +9,7 @@ import sys
 from tokenserve.benchmarks.commands import add_bench_parser
 from tokenserve.engine.cli_args import add_engine_arguments, engine_args_from
 from tokenserve.engine.engine_args import parse_memory
+from tokenserve.entrypoints.disagg_proxy import add_proxy_parser
 from tokenserve.entrypoints.llm import LLM
 from tokenserve.sampling_params import SamplingParams
 from tokenserve.simulator.calibrate import CALIBRATION_MODEL_NAME
@@ -168,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(handler=runner)
 
     add_bench_parser(subcommands, LLM)
+    add_proxy_parser(subcommands)
     add_diagnosis_parsers(subcommands, _calibration_app)
     return parser
 
