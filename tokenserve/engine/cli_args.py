@@ -130,6 +130,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                              '\'{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", '
                              '"kv_connector_extra_config": {"shared_storage_path": DIR, '
                              '"max_size_gb": 10}}\'.')
+    parser.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                        help="GiB of host memory for a second pool of KV blocks behind the "
+                             "KV cache: computed blocks are copied there and come back on a "
+                             "prefix-cache miss instead of being recomputed (OffloadingConnector).")
 
 
 def _kv_transfer_config(text: str) -> dict:

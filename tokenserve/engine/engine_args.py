@@ -137,6 +137,9 @@ class EngineArgs:
     # "SharedStorageConnector", "kv_role": "kv_both", "kv_connector_extra_config":
     # {"shared_storage_path": DIR}}; a JSON string or a dict.
     kv_transfer_config: dict | str | None = None
+    # GiB of host memory for a second pool of KV blocks behind the main cache (vLLM's
+    # --kv-offloading-size; the OffloadingConnector); None: off.
+    kv_offloading_size: float | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -229,7 +232,7 @@ class EngineArgs:
             lora_config=self._lora_config(),
             speculative_config=speculative_config,
             kv_transfer_config=kv_transfer_config_for(
-                self.kv_transfer_config, model_config, cache_config
+                self.kv_transfer_config, model_config, cache_config, self.kv_offloading_size
             ),
         )
 

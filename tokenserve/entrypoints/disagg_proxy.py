@@ -56,7 +56,9 @@ class DisaggProxy:
         if "max_completion_tokens" in prefill_body:
             prefill_body["max_completion_tokens"] = 1
         try:
-            prefill = await self.client.post(prefill_url + route, json=prefill_body, headers=headers)
+            prefill = await self.client.post(
+                prefill_url + route, json=prefill_body, headers=headers
+            )
         except httpx.HTTPError as error:
             return _error(502, f"The prefill instance {prefill_url} failed: {error!r}.")
         if prefill.status_code != 200:

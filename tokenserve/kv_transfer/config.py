@@ -11,7 +11,8 @@ from typing import Any
 from tokenserve.config import KV_ROLES, CacheConfig, KVTransferConfig, ModelConfig
 
 # Connectors by `kv_connector` name (factory.py, worker_factory.py build them).
-KV_CONNECTORS = ("SharedStorageConnector", "P2pConnector")
+KV_CONNECTORS = ("SharedStorageConnector", "P2pConnector", "OffloadingConnector")
+GIB = 1 << 30
 # Where P2pConnector peers find their shared secret when the extra config has none.
 SECRET_ENV = "TOKENSERVE_KV_SECRET"
 KNOWN_KEYS = ("kv_connector", "kv_role", "kv_ip", "kv_port", "kv_connector_extra_config")
@@ -61,8 +62,12 @@ def create_kv_transfer_config(
     extra = dict(extra)
     if name == "SharedStorageConnector":
         _check_shared_storage(extra)
-    else:
+    elif name == "P2pConnector":
         _check_p2p(extra)
+    else:
+        size = extra.get("kv_offloading_size")
+        if not _positive_number(size):
+            raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size!r}.")
     return KVTransferConfig(name, role, ip, port, extra, layout_key)
 
 
@@ -94,10 +99,21 @@ def _check_p2p(extra: dict[str, Any]) -> None:
 
 
 def kv_transfer_config_for(
-    values: dict[str, Any] | str | None, model_config: ModelConfig, cache_config: CacheConfig
+    values: dict[str, Any] | str | None,
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    kv_offloading_size: float | None = None,
 ) -> KVTransferConfig | None:
-    """The engine's connector config: `values` checked against the model and the cache.
+    """The engine's connector config: `values` checked against the model and the cache,
+    or the OffloadingConnector `--kv-offloading-size` (GiB) asks for (vLLM's flag).
     KV from one model, dtype or block shape never reaches another (the layout key)."""
+    if kv_offloading_size is not None:
+        if values is not None:
+            raise ValueError(
+                "kv_offloading_size and kv_transfer_config: one KV connector at a time."
+            )
+        values = {"kv_connector": "OffloadingConnector",
+                  "kv_connector_extra_config": {"kv_offloading_size": kv_offloading_size}}
     if values is None:
         return None
     if model_config.runner != "generate" or model_config.is_encoder_only:
@@ -119,7 +135,17 @@ def kv_transfer_config_for(
             cache_config.prefix_caching_hash_algo,
         )
     )
-    return create_kv_transfer_config(values, hashlib.sha256(layout.encode()).hexdigest()[:16])
+    config = create_kv_transfer_config(values, hashlib.sha256(layout.encode()).hexdigest()[:16])
+    if config is not None and config.kv_connector == "OffloadingConnector":
+        block_bytes = model_config.kv_bytes_per_token(cache_config.dtype) * cache_config.block_size
+        num_slots = int(float(config.kv_connector_extra_config["kv_offloading_size"]) * GIB)
+        num_slots //= block_bytes
+        if num_slots < 1:
+            raise ValueError(
+                f"kv_offloading_size holds no block: a block takes {block_bytes} bytes."
+            )
+        config.kv_connector_extra_config["num_slots"] = num_slots
+    return config
 
 
 def _positive_number(value: Any) -> bool:
