@@ -17,7 +17,7 @@ PIDS=()
 serve() {  # port, log, extra flags...
   local port=$1 log=$2; shift 2
   $PY -m tokenserve.entrypoints.cli serve --port "$port" --served-model-name m \
-    --max-model-len 4096 --disable-log-stats "$@" >"$OUT/$log.log" 2>&1 &
+    --max-model-len 4096 --kv-cache-memory 1GiB --disable-log-stats "$@" >"$OUT/$log.log" 2>&1 &
   PIDS+=($!)
   until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do sleep 1; done
 }
@@ -29,13 +29,13 @@ stop_all() {
 trap stop_all EXIT
 
 w3() {  # port, json
-  $PY -m tokenserve.entrypoints.cli bench serve --port "$1" --model m --prompt-format token-ids \
+  $PY -m tokenserve.entrypoints.cli bench serve --base-url "http://127.0.0.1:$1" --model m --prompt-format token-ids \
     --ignore-eos --dataset shared-prefix --prefix-len 1024 --input-len 64 --output-len 32 \
     --num-prompts 64 --request-rate inf --dataset-seed 3 --output-json "$OUT/$2.json" \
     >"$OUT/$2.txt"
 }
 w4() {  # port, json
-  $PY -m tokenserve.entrypoints.cli bench serve --port "$1" --model m --prompt-format token-ids \
+  $PY -m tokenserve.entrypoints.cli bench serve --base-url "http://127.0.0.1:$1" --model m --prompt-format token-ids \
     --ignore-eos --dataset mixed --num-prompts 36 --mixed-long-requests 4 \
     --mixed-long-input-len 2048 --mixed-long-output-len 16 --input-len 64 --output-len 64 \
     --request-rate 4 --seed 0 --dataset-seed 4 --output-json "$OUT/$2.json" >"$OUT/$2.txt"
