@@ -323,6 +323,35 @@ class LoRAConfig:
             )
 
 
+# KV connector roles (vLLM's names): a producer saves or sends KV, a consumer loads or
+# receives it, kv_both does both (kv_transfer/).
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass
+class KVTransferConfig:
+    """A KV connector (`--kv-transfer-config`, vLLM's keys), resolved by
+    kv_transfer/config.py: which connector, its role, where its listener binds, and the
+    connector's own settings (`kv_connector_extra_config`)."""
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    # What the stored KV depends on beyond block hashes (model, layout, dtype): a store
+    # shared by several models keeps each one's blocks apart.
+    kv_layout_key: str = ""
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -333,3 +362,5 @@ class EngineConfig:
     # None: LoRA off (no layer is wrapped; a request with an adapter is refused).
     lora_config: LoRAConfig | None = None
     speculative_config: SpeculativeConfig | None = None
+    # None: no KV connector (only the in-process prefix cache).
+    kv_transfer_config: KVTransferConfig | None = None

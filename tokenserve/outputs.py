@@ -4,6 +4,7 @@ requests PoolingRequestOutput and its embedding / classification / scoring forms
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -67,6 +68,8 @@ class RequestOutput:
     # Prompt tokens served from the prefix cache (for n > 1: the most any sample was served).
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # With a KV connector (P/D, vLLM's field): where a decode instance finds this KV.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass

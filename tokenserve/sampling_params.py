@@ -162,6 +162,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # Arguments for extensions (vLLM's field); "kv_transfer_params" reaches a KV connector.
+    extra_args: dict[str, Any] | None = None
     # Set by the Processor from `bad_words` (each word as one or more token sequences);
     # the engine core only ever reads this one.
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)

@@ -149,6 +149,10 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         return True
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Forget a block's hash (its KV is not what the hash says: a failed external load)."""
+        self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return

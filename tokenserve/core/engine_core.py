@@ -18,6 +18,7 @@ from tokenserve.core.scheduler import Scheduler
 from tokenserve.core.step_cost import StepCostModel, StepShape
 from tokenserve.executor.abstract import Executor
 from tokenserve.executor.backends import get_executor_class
+from tokenserve.kv_transfer.factory import create_scheduler_connector
 from tokenserve.messages.engine_core import EngineCoreOutput, SchedulerStats
 from tokenserve.messages.scheduler_output import SchedulerOutput
 from tokenserve.structured_output.manager import StructuredOutputManager
@@ -26,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 # How long an idle step waits for a compiling grammar before returning to its caller.
 GRAMMAR_WAIT_S = 0.005
+# How long an idle step waits while a KV connector copies blocks (P/D) before polling again.
+KV_TRANSFER_WAIT_S = 0.002
 
 
 class EngineCore:
@@ -49,12 +52,18 @@ class EngineCore:
         if config.scheduler_config.target_step_ms is not None:
             self.step_cost_model = StepCostModel()
         self.clock = time.perf_counter
+        kv_connector = None
+        if config.kv_transfer_config is not None:
+            kv_connector = create_scheduler_connector(
+                config.kv_transfer_config, config.cache_config.block_size
+            )
         self.scheduler = Scheduler(
             config.scheduler_config,
             config.cache_config,
             self.step_cost_model,
             config.speculative_config,
             config.lora_config,
+            kv_connector,
         )
         self.structured_output_manager = StructuredOutputManager(config, load_tokenizer)
         # What the latest step scheduled; the engine-core process reads it for its stats.
@@ -95,6 +104,8 @@ class EngineCore:
             self.step_cost_model.record(StepShape.of(scheduler_output), self.clock() - started)
         if scheduler_output.is_empty and self.structured_output_manager.has_compiling_requests:
             self.structured_output_manager.wait_for_grammars(GRAMMAR_WAIT_S)
+        elif scheduler_output.is_empty and self.scheduler.has_pending_kv_transfers:
+            time.sleep(KV_TRANSFER_WAIT_S)  # only a KV copy is under way: do not spin
         return outputs
 
     def _poll_grammars(self) -> list[EngineCoreOutput]:
@@ -131,3 +142,5 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        if self.scheduler.kv_connector is not None:
+            self.scheduler.kv_connector.connector.shutdown()

@@ -83,12 +83,15 @@ class KVCacheManager:
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_new_computed_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Give the request room for `num_new_tokens` more tokens.
 
         `new_computed_blocks` are prefix-cache hits to take over first (only for a
         request being admitted). `num_lookahead_tokens`: slots past those, for a draft
-        model's own drafts (speculative decoding); never cached. Returns the newly
+        model's own drafts (speculative decoding); never cached. `delay_cache_blocks`: the
+        new blocks' KV arrives later (a KV connector's asynchronous load), so they are
+        cached by `cache_blocks` once it has. Returns the newly
         allocated blocks, or None when the pool cannot supply them; on None nothing has
         changed.
         """
@@ -108,11 +111,16 @@ class KVCacheManager:
         blocks.extend(hits)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         blocks.extend(new_blocks)
-        if self.enable_caching and not request.skip_prefix_cache:
+        if self.enable_caching and not request.skip_prefix_cache and not delay_cache_blocks:
             # Cache blocks as soon as their tokens are known and scheduled: a request
             # later in the same step may already reuse them.
             self._cache_full_blocks(request, min(num_tokens_after, request.num_tokens))
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's full blocks up to `num_computed_tokens` in the prefix cache."""
+        if self.enable_caching and not request.skip_prefix_cache:
+            self._cache_full_blocks(request, min(num_computed_tokens, request.num_tokens))
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (most specific prefix evicted first)."""

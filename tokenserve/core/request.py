@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenserve.lora.request import LoRARequest
 from tokenserve.messages.engine_core import EngineCoreRequest
@@ -25,6 +25,8 @@ class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     # Waiting, and not admitted before its structured-output grammar is compiled.
     WAITING_FOR_GRAMMAR = enum.auto()
+    # Waiting, its blocks allocated, while a KV connector loads its KV asynchronously.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything after this point is finished.
@@ -85,6 +87,9 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        # KV connectors (P/D, vLLM's field): where its KV comes from or is to go.
+        extra_args = self.sampling_params.extra_args or {}
+        self.kv_transfer_params: dict[str, Any] | None = extra_args.get("kv_transfer_params")
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:

@@ -49,12 +49,14 @@ from tokenserve.core.encoder_cache_manager import (
     schedule_encoder_inputs,
 )
 from tokenserve.core.kv_cache_manager import KVCacheManager
+from tokenserve.core.kv_connector_hooks import SchedulerConnectorHooks
 from tokenserve.core.kv_lookahead import admission_fits
 from tokenserve.core.lora_admission import admissible_by_adapter
 from tokenserve.core.request import Request, RequestStatus
 from tokenserve.core.request_queue import create_request_queue, order_for_prefill
 from tokenserve.core.step_cost import PrefillBudget, StepCostModel, StepShape, TargetStepBudget
 from tokenserve.core.stop_checks import append_until_stop
+from tokenserve.kv_transfer.base import KVConnectorScheduler
 from tokenserve.messages.engine_core import (
     EngineCoreOutput,
     LogprobsLists,
@@ -113,11 +115,13 @@ class Scheduler:
         step_cost_model: StepCostModel | None = None,
         speculative_config: SpeculativeConfig | None = None,
         lora_config: LoRAConfig | None = None,
+        kv_connector: KVConnectorScheduler | None = None,
     ) -> None:
         """`step_cost_model`: what sizes each step's prefill under `target_step_ms` (the
         engine core records into it); one is made if the config has a target and none is given.
         `speculative_config`: drafts are verified (and counted) only under one.
-        `lora_config`: a step holds at most its `max_loras` adapters (core/lora_admission.py)."""
+        `lora_config`: a step holds at most its `max_loras` adapters (core/lora_admission.py).
+        `kv_connector`: an external KV store or peer (kv_transfer/; core/kv_connector_hooks.py)."""
         if scheduler_config.prefill_order not in PREFILL_ORDERS:
             raise ValueError(
                 f"prefill_order must be 'shortest' or 'arrival', "
@@ -151,6 +155,9 @@ class Scheduler:
         if speculative_config is not None:
             self.num_lookahead_tokens = speculative_config.num_lookahead_tokens
             self.spec_decoding_stats = SpecDecodingStats(speculative_config.num_speculative_tokens)
+        self.kv_connector: SchedulerConnectorHooks | None = None
+        if kv_connector is not None:
+            self.kv_connector = SchedulerConnectorHooks(kv_connector, self.kv_cache_manager)
 
     # ---- requests in and out -------------------------------------------------------
 
@@ -174,7 +181,12 @@ class Scheduler:
             self._free_request(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        """Also while a KV connector copies blocks: steps report when the copy ends."""
+        return bool(self.running) or len(self.waiting) > 0 or self.has_pending_kv_transfers
+
+    @property
+    def has_pending_kv_transfers(self) -> bool:
+        return self.kv_connector is not None and self.kv_connector.has_pending_transfers
 
     # ---- one step ------------------------------------------------------------------
 
@@ -206,6 +218,10 @@ class Scheduler:
             request.num_computed_tokens += plan.num_scheduled_tokens[request.request_id]
             if request.mm_features:
                 free_computed_encoder_inputs(self.encoder_cache_manager, request)
+        if self.kv_connector is not None:
+            output.kv_connector_metadata = self.kv_connector.build_metadata(
+                [*plan.scheduled_running, *plan.scheduled_new], plan.num_scheduled_tokens
+            )
         self.finished_req_ids = set()
         self.last_token_budget = prefill_budget.token_budget or self.config.max_num_batched_tokens
         if isinstance(prefill_budget, TargetStepBudget) and not output.is_empty:
@@ -221,6 +237,12 @@ class Scheduler:
         max_tokens, max_model_len); those after a stop are dropped, with their logprobs.
         """
         outputs = []
+        if self.kv_connector is not None:
+            failed_running, failed_waiting = self.kv_connector.take_output(
+                model_runner_output.kv_connector_output, self.requests
+            )
+            self._recompute_failed_loads(failed_running)
+            outputs += self._fail_remote_loads(failed_waiting)
         for request_id, generated in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids
         ):
@@ -250,7 +272,7 @@ class Scheduler:
             )
             if request.is_finished:
                 self.running.remove(request)
-                self._free_request(request)
+                outputs[-1].kv_transfer_params = self._free_request(request)
         for request_id, pooled in model_runner_output.pooler_output.items():
             request = self.requests.get(request_id)
             if request is not None and request.status == RequestStatus.RUNNING:
@@ -296,6 +318,9 @@ class Scheduler:
             predicted_step_ms=self.last_predicted_step_ms,
             spec_decoding_stats=self.spec_decoding_stats.copy()
             if self.spec_decoding_stats is not None
+            else None,
+            kv_connector_stats=self.kv_connector.connector.stats.copy()
+            if self.kv_connector is not None
             else None,
         )
 
@@ -374,7 +399,8 @@ class Scheduler:
         room = self.config.max_num_seqs - len(self.running)
         if plan.preempted or room <= 0 or plan.token_budget == 0:
             return []
-        ready = (r for r in self.waiting if r.status != RequestStatus.WAITING_FOR_GRAMMAR)
+        waiting_for = (RequestStatus.WAITING_FOR_GRAMMAR, RequestStatus.WAITING_FOR_REMOTE_KVS)
+        ready = (r for r in self.waiting if r.status not in waiting_for)
         if self.lora_config is not None:
             ready = admissible_by_adapter(ready, self.running, self.lora_config.max_loras)
         return list(itertools.islice(ready, room))
@@ -448,29 +474,49 @@ class Scheduler:
             self.config.admission_lookahead_tokens,
         ):
             return False  # the running requests' growth would run the pool out (kv_lookahead.py)
-        hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-        num_new_tokens = request.num_tokens - num_hit_tokens
+        loaded = self.kv_connector is not None and self.kv_connector.is_loaded(request)
+        if loaded:
+            hits, num_hit_tokens = [], 0  # its blocks hold its remote KV already
+        else:
+            hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+        # Tokens a KV connector loads into the blocks after the local hit.
+        num_external_tokens, load_async = 0, False
+        if self.kv_connector is not None and not loaded:
+            num_external_tokens, load_async = self.kv_connector.external_tokens(
+                request, num_hit_tokens
+            )
+        if load_async:
+            return self._wait_for_remote_kvs(request, hits, num_hit_tokens, num_external_tokens)
+        num_computed_tokens = request.num_computed_tokens + num_hit_tokens + num_external_tokens
+        num_new_tokens = request.num_tokens - num_computed_tokens
         if not self.config.enable_chunked_prefill and num_new_tokens > plan.token_budget:
             return False
         num_new_tokens = min(num_new_tokens, plan.token_budget)
-        num_new_tokens = prefill_budget.grant(num_hit_tokens, num_new_tokens)
+        num_new_tokens = prefill_budget.grant(num_computed_tokens, num_new_tokens)
         encoder_inputs = EncoderInputs()
         if request.mm_features:
             num_new_tokens, encoder_inputs = schedule_encoder_inputs(
-                self.encoder_cache_manager, plan.encoder, request, num_hit_tokens, num_new_tokens
+                self.encoder_cache_manager, plan.encoder, request, num_computed_tokens,
+                num_new_tokens,
             )
         if num_new_tokens == 0:
             return False
         new_blocks = self.kv_cache_manager.allocate_slots(
-            request, num_new_tokens, hits, num_hit_tokens, self.num_lookahead_tokens
+            request,
+            num_external_tokens + num_new_tokens,
+            hits,
+            num_hit_tokens,
+            self.num_lookahead_tokens,
         )
         if new_blocks is None:
             return False
         self.waiting.remove(request)
         self.kv_cache_manager.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
-        request.num_computed_tokens = num_hit_tokens
+        if self.kv_connector is not None:
+            self.kv_connector.admitted(request, num_hit_tokens, num_external_tokens)
+        request.num_computed_tokens = num_computed_tokens
         if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit_tokens
+            request.num_cached_tokens = num_computed_tokens
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.time()
         request.status = RequestStatus.RUNNING
@@ -514,11 +560,54 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
-    def _free_request(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+    def _wait_for_remote_kvs(
+        self, request: Request, hits: list, num_hit_tokens: int, num_external_tokens: int
+    ) -> bool:
+        """Give a request blocks for the KV a peer sends and let it wait for them
+        (WAITING_FOR_REMOTE_KVS) without holding back the step; admission goes on."""
+        assert self.kv_connector is not None
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_external_tokens, hits, num_hit_tokens, delay_cache_blocks=True
+        )
+        if new_blocks is None:
+            return False
+        self.kv_cache_manager.prefix_cache_stats.record(request.num_tokens, num_hit_tokens)
+        self.kv_connector.after_alloc(request, num_hit_tokens, num_external_tokens)
+        self.kv_connector.wait_for_remote_kvs(request, num_hit_tokens + num_external_tokens)
+        return True
+
+    def _fail_remote_loads(self, request_ids: set[str]) -> list[EngineCoreOutput]:
+        """Requests whose KV never arrived end with "abort" (the P/D proxy reports it)."""
+        self.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        return [
+            EngineCoreOutput(request_id, [], finish_reason="abort") for request_id in request_ids
+        ]
+
+    def _recompute_failed_loads(self, request_ids: set[str]) -> None:
+        """A request whose external KV did not load computed on wrong KV this step: its
+        blocks leave the prefix cache and it starts over (its sampled token is dropped)."""
+        assert self.kv_connector is not None
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            self.kv_connector.forget_blocks(request)
+            self.running.remove(request)
+            self._preempt(request)
+            request.num_cached_tokens = -1
+
+    def _free_request(self, request: Request) -> dict | None:
+        """Release a finished request's blocks (unless a KV connector still copies them);
+        returns the connector's `kv_transfer_params` for its last output."""
+        hold, kv_transfer_params = False, None
+        if self.kv_connector is not None:
+            hold, kv_transfer_params = self.kv_connector.finished(request)
+        if not hold:
+            self.kv_cache_manager.free(request)
         self.encoder_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+        return kv_transfer_params
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(

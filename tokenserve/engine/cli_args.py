@@ -10,6 +10,7 @@ import argparse
 
 from tokenserve.config import DISTRIBUTED_EXECUTOR_BACKENDS, PREFILL_ORDERS
 from tokenserve.engine.engine_args import KV_CACHE_DTYPES, EngineArgs
+from tokenserve.kv_transfer.config import parse_kv_transfer_config_json
 from tokenserve.spec_decode.config import parse_speculative_config_json
 
 MODEL_HELP = "Hugging Face model directory or .gguf file (default: SmolLM2-135M-Instruct)."
@@ -148,6 +149,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                              '\'{"method": "draft_model", "model": PATH, '
                              '"num_speculative_tokens": 4}\'; "disable_by_batch_size": N '
                              "speculates only while at most N requests run.")
+    parser.add_argument("--kv-transfer-config", type=_kv_transfer_config, default=None,
+                        help='A KV connector as JSON, vLLM\'s keys (docs/KV_CONNECTORS.md): '
+                             '\'{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", '
+                             '"kv_connector_extra_config": {"shared_storage_path": DIR, '
+                             '"max_size_gb": 10}}\'.')
+    parser.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                        help="GiB of host memory for a second pool of KV blocks behind the "
+                             "KV cache: computed blocks are copied there and come back on a "
+                             "prefix-cache miss instead of being recomputed (OffloadingConnector).")
+
+
+def _kv_transfer_config(text: str) -> dict:
+    try:
+        return parse_kv_transfer_config_json(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _speculative_config(text: str) -> dict:

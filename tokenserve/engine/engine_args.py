@@ -31,6 +31,7 @@ from tokenserve.config import (
 )
 from tokenserve.engine.parallel_checks import check_parallel_model
 from tokenserve.engine.runner_config import RunnerSettings, configure_runner
+from tokenserve.kv_transfer.config import kv_transfer_config_for
 from tokenserve.model.loader import MULTIMODAL_ARCHITECTURES, resolve_model
 from tokenserve.spec_decode.config import create_speculative_config
 
@@ -169,6 +170,13 @@ class EngineArgs:
     # Image encoder output tokens the encoder cache holds (None: max_num_encoder_input_tokens,
     # as vLLM; an image larger than the cache still fits an empty one).
     encoder_cache_size: int | None = None
+    # A KV connector (vLLM's keys, docs/KV_CONNECTORS.md): {"kv_connector":
+    # "SharedStorageConnector", "kv_role": "kv_both", "kv_connector_extra_config":
+    # {"shared_storage_path": DIR}}; a JSON string or a dict.
+    kv_transfer_config: dict | str | None = None
+    # GiB of host memory for a second pool of KV blocks behind the main cache (vLLM's
+    # --kv-offloading-size; the OffloadingConnector); None: off.
+    kv_offloading_size: float | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -269,6 +277,9 @@ class EngineArgs:
             kernel_config,
             lora_config=self._lora_config(),
             speculative_config=speculative_config,
+            kv_transfer_config=kv_transfer_config_for(
+                self.kv_transfer_config, model_config, cache_config, self.kv_offloading_size
+            ),
         )
 
     def _multimodal_config(self, architecture: str) -> MultiModalConfig | None:

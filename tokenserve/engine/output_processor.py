@@ -18,6 +18,7 @@ Usage, the same from LLMEngine and from an async server:
 from __future__ import annotations
 
 import time
+from typing import Any
 from dataclasses import dataclass, field
 
 from tokenserve.engine.detokenizer import IncrementalDetokenizer
@@ -57,6 +58,8 @@ class RequestState:
     cumulative_logprob: float | None = None
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    # With a KV connector, from the finished output: where its KV went (P/D).
+    kv_transfer_params: dict[str, Any] | None = None
     # DELTA: how many tokens (and logprobs) earlier outputs carried; prompt logprobs sent.
     num_sent_tokens: int = 0
     prompt_logprobs_sent: bool = False
@@ -158,6 +161,8 @@ class OutputProcessor:
             state.metrics.last_token_time = now
             state.output_token_ids.extend(output.new_token_ids)
             state.num_cached_tokens = output.num_cached_tokens
+            if output.kv_transfer_params is not None:
+                state.kv_transfer_params = output.kv_transfer_params
             self._add_logprobs(state, output)
 
             finish_reason, stop_reason = output.finish_reason, output.stop_reason
@@ -262,4 +267,5 @@ class OutputProcessor:
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=state.num_cached_tokens,
             metrics=state.metrics,
+            kv_transfer_params=state.kv_transfer_params,
         )

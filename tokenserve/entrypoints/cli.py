@@ -232,9 +232,11 @@ def build_parser(serve_only: bool = False) -> argparse.ArgumentParser:
         sub.set_defaults(handler=runner)
 
     from tokenserve.benchmarks.commands import add_bench_parser
+    from tokenserve.entrypoints.disagg_proxy import add_proxy_parser
     from tokenserve.simulator.commands import add_diagnosis_parsers
 
     add_bench_parser(subcommands, _offline_llm)
+    add_proxy_parser(subcommands)
     add_diagnosis_parsers(subcommands, _calibration_app)
     return parser
 

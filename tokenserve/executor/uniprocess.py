@@ -24,4 +24,6 @@ class UniprocessExecutor(Executor):
         return [run_method(self.driver_worker, method, args, kwargs or {})]
 
     def shutdown(self) -> None:
+        if self.driver_worker is not None:
+            self.driver_worker.shutdown()
         self.driver_worker = None

@@ -78,6 +78,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_prompt_logprobs: LogprobsLists | None = None
     # A pooling request's result (embedding, class probabilities or [score]), when it finishes.
     pooling_output: list[float] | None = None
+    # With a KV connector, on the finished output: what a decode instance needs to load
+    # this request's KV (P/D), vLLM's `kv_transfer_params`.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class SpecDecodingStats(msgspec.Struct, array_like=True):
@@ -135,6 +138,25 @@ class DashboardSnapshot(msgspec.Struct, array_like=True):
     requests: list[RequestSnapshot]
 
 
+class KVConnectorStats(msgspec.Struct, array_like=True):
+    """A KV connector's counters (cumulative): prompt tokens looked up in and found in the
+    external store, and the bytes and seconds the workers loaded and saved."""
+
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    bytes_loaded: int = 0
+    seconds_loaded: float = 0.0
+    bytes_saved: int = 0
+    seconds_saved: float = 0.0
+    # Stored blocks found torn or corrupt (ignored, never served).
+    corrupt_blocks: int = 0
+    # Requests whose KV load failed (recomputed or ended).
+    failed_loads: int = 0
+
+    def copy(self) -> KVConnectorStats:
+        return msgspec.structs.replace(self)
+
+
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """The scheduler's state after a step (or an idle abort): gauges and counters."""
 
@@ -151,6 +173,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     predicted_step_ms: float | None = None
     # Speculative decoding's counters (cumulative); None when it is off.
     spec_decoding_stats: SpecDecodingStats | None = None
+    # The KV connector's counters (cumulative); None without one.
+    kv_connector_stats: KVConnectorStats | None = None
 
 
     # The KV block map and queues, at most every few hundred ms (for /dashboard).

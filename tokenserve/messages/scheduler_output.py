@@ -7,6 +7,7 @@ travel in full only when it is (re)admitted; afterwards only the diffs do.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenserve.lora.request import LoRARequest
 from tokenserve.messages.multimodal import MultiModalFeature
@@ -59,6 +60,8 @@ class SchedulerOutput:
     scheduled_encoder_inputs: dict[str, list[int]] = field(default_factory=dict)
     # Encoder outputs the workers may drop (evicted from the encoder cache), by image hash.
     free_encoder_mm_hashes: list[str] = field(default_factory=list)
+    # With a KV connector: the step's loads and saves (a kv_transfer KVConnectorMetadata).
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenserve.messages.engine_core import SchedulerStats, SpecDecodingStats
+from tokenserve.metrics.kv_connector_metrics import KVConnectorMetrics
 from tokenserve.metrics.stats import IterationStats
 
 PREFIX = "tokenserve:"
@@ -161,6 +162,18 @@ class PrometheusStatLogger:
         for engine in self.engines:
             for reason in FINISH_REASONS:
                 self.request_success.labels(model_name, engine.label, reason)
+        # The KV connector's counters (kv_transfer/), one family each, per engine.
+        kv_families: dict[str, Any] = {}
+
+        def kv_counter(index: int) -> Any:
+            def labelled(name: str, doc: str) -> Any:
+                if name not in kv_families:
+                    kv_families[name] = counter(name, doc)
+                return kv_families[name].labels(model_name, str(index))
+
+            return labelled
+
+        self.kv_connectors = [KVConnectorMetrics(kv_counter(index)) for index in range(num_engines)]
 
     def record(
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats
@@ -189,6 +202,10 @@ class PrometheusStatLogger:
             engine.last_core_counters = counters
             if scheduler_stats.spec_decoding_stats is not None:
                 self._record_spec_decoding(engine, scheduler_stats.spec_decoding_stats)
+            if scheduler_stats.kv_connector_stats is not None:
+                self.kv_connectors[iteration_stats.engine_index].record(
+                    scheduler_stats.kv_connector_stats
+                )
         if iteration_stats.num_scheduled_tokens:
             engine.metrics["iteration_tokens"].observe(iteration_stats.num_scheduled_tokens)
         engine.metrics["prompt_tokens"].inc(iteration_stats.num_prompt_tokens)

@@ -24,6 +24,8 @@ from tokenserve.attention.batch_layout import BatchLayout
 from tokenserve.attention.selector import get_attention_backend
 from tokenserve.config import EngineConfig
 from tokenserve.distributed.parallel_state import ModelParallel
+from tokenserve.kv_transfer.worker_base import KVConnectorWorker
+from tokenserve.kv_transfer.worker_factory import create_worker_connector
 from tokenserve.lora.manager import LoRAModelManager
 from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.messages.scheduler_output import SchedulerOutput
@@ -86,6 +88,10 @@ class ModelRunner:
         self.encoder_runner: EncoderRunner | None = None
         if model_config.multimodal_config is not None:
             self.encoder_runner = EncoderRunner(self.device)
+        # With --kv-transfer-config: loads before each step's forward, saves after it.
+        self.kv_connector: KVConnectorWorker | None = None
+        if config.kv_transfer_config is not None:
+            self.kv_connector = create_worker_connector(config.kv_transfer_config)
 
     def load_model(self) -> None:
         self.model = get_model(
@@ -116,6 +122,13 @@ class ModelRunner:
         )
         if self.proposer is not None:
             self.proposer.initialize_kv_cache()
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches)
+
+    def shutdown(self) -> None:
+        """Stop a KV connector's listeners and transfers."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     @torch.inference_mode()
     def execute_model(
@@ -124,6 +137,20 @@ class ModelRunner:
         """Run one step. `grammar_bitmask` constrains the sampled rows of structured-output
         requests (the engine core's StructuredOutputManager fills it)."""
         self._update_states(scheduler_output)
+        if self.kv_connector is None:
+            return self._execute(scheduler_output, grammar_bitmask)
+        # Per step: the step's external KV is in its blocks before the forward reads it,
+        # and the blocks it completes are saved before anything can reuse them.
+        self.kv_connector.start_load_kv(scheduler_output.kv_connector_metadata)
+        output = self._execute(scheduler_output, grammar_bitmask)
+        self.kv_connector.save_kv(scheduler_output.kv_connector_metadata)
+        self.kv_connector.wait_for_save()
+        output.kv_connector_output = self.kv_connector.get_output(scheduler_output.finished_req_ids)
+        return output
+
+    def _execute(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None
+    ) -> ModelRunnerOutput:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         assert self.model is not None, "load_model() must run before execute_model()"

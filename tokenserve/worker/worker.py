@@ -49,5 +49,7 @@ class Worker:
         return self.model_runner.execute_model(scheduler_output, grammar_bitmask)
 
     def shutdown(self) -> None:
-        """Leave the process group (the executor's workers, at the end)."""
+        """Release what the runner holds (its KV connector), then leave the process group
+        (the executor's workers, at the end)."""
+        self.model_runner.shutdown()
         destroy_model_parallel()

@@ -198,6 +198,9 @@ class SamplingRequest(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # KV connectors (P/D, vLLM's field): {"do_remote_decode": true} asks a prefill instance
+    # to keep the KV for a decode instance; the response's kv_transfer_params say where.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -241,6 +244,9 @@ class SamplingRequest(RequestBody):
             bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=structured_outputs,
+            extra_args=None
+            if self.kv_transfer_params is None
+            else {"kv_transfer_params": self.kv_transfer_params},
             **{name: value for name, value in optional.items() if value is not None},
         )
 
@@ -290,6 +296,8 @@ class CompletionResponse(OpenAIModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # With a KV connector (P/D, vLLM's field): where a decode instance finds the KV.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------
@@ -395,6 +403,8 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    # With a KV connector (P/D, vLLM's field): where a decode instance finds the KV.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaModel(OpenAIModel):

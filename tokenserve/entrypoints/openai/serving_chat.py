@@ -328,6 +328,7 @@ class OpenAIServingChat(OpenAIServing):
             usage=make_usage(
                 len(final.prompt_token_ids), completion_tokens, final.num_cached_tokens
             ),
+            kv_transfer_params=final.kv_transfer_params,
         )
 
     async def _stream(

@@ -118,6 +118,7 @@ class OpenAIServingCompletion(OpenAIServing):
             model=model_name,
             choices=choices,
             usage=make_usage(prompt_tokens, completion_tokens, cached_tokens),
+            kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None,
         )
 
     def _echo(
