@@ -18,8 +18,8 @@ Usage, the same from LLMEngine and from an async server:
 from __future__ import annotations
 
 import time
-from typing import Any
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenserve.engine.detokenizer import IncrementalDetokenizer
 from tokenserve.engine.logprobs import LogprobsDecoder
