@@ -26,6 +26,7 @@ def test_levels_follow_the_flags():
     assert cpu_isa.best_level(AVX2_HOST | {"avx512f"}) == "avx2"
 
 
+@pytest.mark.auto_dtype
 def test_an_avx2_host_gets_avx2_kernels_and_float32(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: AVX2_HOST)
     assert cpu_isa.resolve("auto") == "avx2"
@@ -35,6 +36,7 @@ def test_an_avx2_host_gets_avx2_kernels_and_float32(monkeypatch: pytest.MonkeyPa
         cpu_isa.resolve("avx512_bf16")
 
 
+@pytest.mark.auto_dtype
 @pytest.mark.parametrize(("flags", "dtype"), [(ZEN4_HOST, torch.bfloat16),
                                               (SPR_HOST, torch.bfloat16)])
 def test_auto_dtype_is_bfloat16_where_it_is_native_unless_a_lower_level_is_forced(

@@ -10,7 +10,8 @@ module reads the dense weight too: a tied embedding table).
 With `weight_dtype=torch.bfloat16` (a bfloat16 model on CPU, model/precision.py) the weights
 are kept in bf16 while the activations stay float32: each product rounds its input to bf16,
 multiplies in bf16 with float32 accumulation (oneDNN: AMX tiles or AVX512_BF16 where the CPU
-has them) and hands back float32, the bias added in float32.
+has them), writes the sums in bf16 (oneDNN's output dtype is its input's) and hands them back
+as float32, the bias added in float32.
 """
 
 from __future__ import annotations
