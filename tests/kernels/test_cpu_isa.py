@@ -34,6 +34,9 @@ def test_an_avx2_host_gets_avx2_kernels_and_float32(monkeypatch: pytest.MonkeyPa
     # A level the CPU lacks would fault on its first instruction: refused, naming the flags.
     with pytest.raises(ValueError, match="does not have it.*avx512_bf16"):
         cpu_isa.resolve("avx512_bf16")
+    with pytest.raises(ValueError, match="does not have it"):
+        resolve_dtype("float32", "amx")  # whatever the dtype
+    assert cpu_isa.resolve("native") == "native"
 
 
 @pytest.mark.auto_dtype

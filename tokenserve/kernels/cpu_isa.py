@@ -85,6 +85,8 @@ def resolve(isa: str | None) -> str:
         return best_level()
     if isa not in CPU_ISA_CHOICES:
         raise ValueError(f"cpu_isa must be one of {list(CPU_ISA_CHOICES)}, got {isa!r}.")
+    if isa == NATIVE:
+        return NATIVE  # whatever the compiler finds on this host
     levels = supported_levels()
     if isa not in levels:
         raise ValueError(

@@ -37,7 +37,9 @@ def auto_dtype(isa: str | None = None) -> torch.dtype:
 
 
 def resolve_dtype(dtype: str | torch.dtype, isa: str | None = None) -> torch.dtype:
-    """--dtype ("auto", a name of DTYPES, or a torch dtype) → the model's dtype."""
+    """--dtype ("auto", a name of DTYPES, or a torch dtype) → the model's dtype. `isa` is
+    checked against the CPU whatever the dtype, so that a forced level it lacks fails here."""
+    cpu_isa.resolve(isa)
     if dtype == "auto":
         return auto_dtype(isa)
     if isinstance(dtype, torch.dtype):
