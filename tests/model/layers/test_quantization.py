@@ -145,14 +145,15 @@ def test_gguf_blocks_shard_like_the_dense_weight():
 def test_the_method_follows_the_model_format_and_the_kernel_settings():
     gguf, hf = "gguf", "hf"
     assert isinstance(get_linear_method(gguf, torch.float32, KernelConfig()), GGUFLinearMethod)
-    # bfloat16: bf16 dense weights (float32 activations), the blocks for few rows only.
+    # bfloat16: bf16 dense weights (float32 activations) beside the blocks.
     bf16 = get_linear_method(gguf, torch.bfloat16, KernelConfig())
     assert isinstance(bf16, GGUFLinearMethod) and bf16.weight_dtype == torch.bfloat16
-    assert (bf16.max_rows, bf16.gemm_max_rows) == (KernelConfig().quantized_max_rows, 0)
+    assert (bf16.max_rows, bf16.gemm_max_rows) == (KernelConfig().quantized_max_rows,
+                                                   KernelConfig().quantized_gemm_max_rows)
     for model_format, dtype, config in [
         (hf, torch.float32, KernelConfig()),
         (gguf, torch.float16, KernelConfig()),
-        (gguf, torch.bfloat16, KernelConfig(quantized_max_rows=0)),
+        (gguf, torch.bfloat16, KernelConfig(quantized_max_rows=0, quantized_gemm_max_rows=0)),
         (gguf, torch.float32, KernelConfig(disable_c_kernels=True)),
         (gguf, torch.float32, KernelConfig(quantized_max_rows=0, quantized_gemm_max_rows=0)),
     ]:
