@@ -23,6 +23,10 @@ from torch import nn
 from tokenserve.model.layers.quantization.base import QuantizationMethod
 
 _PACKABLE = (torch.float32, torch.bfloat16)
+# bf16 products pad their rows to a multiple of this: oneDNN builds (JITs) a bf16 primitive
+# per row count, ~3 ms each here, and chunked-prefill steps bring a new count nearly every
+# step; padded, a few dozen counts serve them all (docs/PERFORMANCE_CPU.md).
+BF16_ROW_BUCKET = 32
 
 
 def pack_for_onednn(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor | None:
@@ -82,7 +86,12 @@ class UnquantizedLinearMethod(QuantizationMethod):
         if weight.dtype != x.dtype:
             # bf16 products of float32 activations: round x, accumulate in float32 (oneDNN,
             # MKL), and add the bias in float32 after.
-            out = self._product(layer, x.to(weight.dtype), None).to(x.dtype)
+            rows = x.shape[0]
+            padded = -(-rows // BF16_ROW_BUCKET) * BF16_ROW_BUCKET
+            xb = x.to(weight.dtype)
+            if x.dim() == 2 and padded != rows:
+                xb = torch.cat([xb, xb.new_zeros(padded - rows, xb.shape[1])])
+            out = self._product(layer, xb, None)[:rows].to(x.dtype)
             return out if bias is None else out.add_(bias)
         return self._product(layer, x, bias)
 
