@@ -17,7 +17,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tokenserve.model import loader
+from tokenserve.model import loader, precision
 
 # The LoRA fixtures (peft adapters of the tiny llama), for tests/lora/ and the server tests.
 pytest_plugins = ["tests.lora.peft_adapters"]
@@ -30,6 +30,24 @@ TINY_MODEL_SEEDS = {"llama": 0, "mistral": 1, "qwen2": 2}
 # With std 0.25 weights the median top-1/top-2 logit gap is ~0.45 while eager vs SDPA attention
 # differ by ~1e-5, and outputs stay varied (0.02 makes the tied qwen2 repeat one token).
 TINY_INITIALIZER_RANGE = 0.25
+
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "auto_dtype: dtype='auto' resolves as on this CPU (bfloat16 where native)"
+    )
+
+
+@pytest.fixture(autouse=True)
+def float32_auto_dtype(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dtype='auto' resolves to float32 in tests, as on a CPU without native bf16
+    (model/precision.py): most tests compare with transformers in float32 token for token.
+    The bf16 path's tests ask for dtype='bfloat16', or for this CPU's own 'auto' with the
+    `auto_dtype` marker (tests/model/test_bf16.py)."""
+    if request.node.get_closest_marker("auto_dtype") is None:
+        monkeypatch.setattr(precision, "auto_dtype", lambda isa=None: torch.float32)
+
 
 # build(family, directory, max_shard_size=None) -> directory
 TinyModelBuilder = Callable[..., str]

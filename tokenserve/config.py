@@ -244,6 +244,8 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
 # shapes (benchmarks/quantized_linear.py).
 DEFAULT_QUANTIZED_MAX_ROWS = 10
 DEFAULT_QUANTIZED_GEMM_MAX_ROWS = 192
+# --cpu-isa: the instruction-set levels the C kernels build for (kernels/cpu_isa.py).
+CPU_ISAS = ("auto", "avx2", "avx512", "avx512_bf16", "amx", "native")
 
 
 @dataclass
@@ -264,8 +266,14 @@ class KernelConfig:
     # above both. 0 turns a kernel off, both 0 the GGUF block path.
     quantized_max_rows: int = DEFAULT_QUANTIZED_MAX_ROWS
     quantized_gemm_max_rows: int = DEFAULT_QUANTIZED_GEMM_MAX_ROWS
+    # The instruction set the C kernels are built for (kernels/cpu_isa.py): "auto", the
+    # best the CPU has, or a lower level forced; --dtype auto takes bfloat16 only where the
+    # level computes it natively (avx512_bf16, amx).
+    cpu_isa: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cpu_isa not in CPU_ISAS:
+            raise ValueError(f"cpu_isa must be one of {list(CPU_ISAS)}, got {self.cpu_isa!r}.")
         for name in ("quantized_max_rows", "quantized_gemm_max_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

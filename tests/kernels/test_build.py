@@ -27,14 +27,14 @@ def test_without_a_compiler_the_kernels_are_none(tmp_path, monkeypatch: pytest.M
                                                  caplog: pytest.LogCaptureFixture):
     monkeypatch.setenv("TOKENSERVE_CACHE_DIR", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    build.load.cache_clear()
+    build._load.cache_clear()
     try:
         with pytest.raises(build.KernelBuildError, match="no C compiler"):
             build.build("layer_ops")
         assert build.load("layer_ops") is None
         assert "pure-torch" in caplog.text
     finally:
-        build.load.cache_clear()
+        build._load.cache_clear()
 
 
 def test_module_command_builds_every_kernel():

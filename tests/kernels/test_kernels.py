@@ -1,5 +1,6 @@
 """The C kernels against plain PyTorch: paged decode attention and K/V writes, RMSNorm (with
-the fused residual add), SwiGLU and rotary embeddings."""
+the fused residual add), SwiGLU and rotary embeddings; each built for every instruction set
+the host has (conftest.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from tokenserve.kernels import layer_ops, paged_attention
 
 
 @pytest.fixture(scope="module")
-def ops() -> layer_ops.LayerOps:
+def ops(cpu_isa_level) -> layer_ops.LayerOps:
     # The kernels are the default CPU path: on a machine with a C compiler they must build.
     loaded = layer_ops.load()
     assert loaded is not None, "the C kernels did not build (see the warning in the log)"
@@ -19,7 +20,7 @@ def ops() -> layer_ops.LayerOps:
 
 
 @pytest.fixture(scope="module")
-def paged() -> paged_attention.PagedAttentionOps:
+def paged(cpu_isa_level) -> paged_attention.PagedAttentionOps:
     paged_ops = paged_attention.load()
     assert paged_ops is not None, "the C kernels did not build (see the warning in the log)"
     return paged_ops

@@ -1,5 +1,5 @@
 """Products with GGUF block-quantized weights (kernels/csrc/quant_linear.c, and the weights' block
-form in model/layers/quantization/gguf.py). How the GGUF method routes a layer's products:
+form in model/layers/quantization/gguf.py), for every instruction set the host has. How the GGUF method routes a layer's products:
 tests/model/layers/test_quantization.py."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ KINDS = ("Q4_1", "Q8_0")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def built() -> None:
+def built(cpu_isa_level) -> None:
+    # Once per instruction set (conftest.py); each test's weights bind the selected build.
     # The kernels are the default CPU path: on a machine with a C compiler they must build.
     assert quant_linear.load() is not None, "the C kernels did not build (see the log)"
 

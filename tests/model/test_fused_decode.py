@@ -8,7 +8,8 @@ import torch
 
 from tokenserve import LLM, SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
-from tokenserve.config import KernelConfig
+from tokenserve.config import DEFAULT_QUANTIZED_GEMM_MAX_ROWS, KernelConfig
+from tokenserve.kernels import build
 from tokenserve.model.fused_decode import FusedDecodeLayerStack
 
 
@@ -67,6 +68,27 @@ def test_fused_layers_equal_operators_one_by_one(kv_cache_dtype, fused_calls):
     assert fused_calls == []
     assert _generate(llm, fused=True, num_prompts=5) == expected
     assert fused_calls and set(fused_calls) <= {1, 2, 3, 4, 5}
+
+
+def test_bf16_model_fuses_the_decode_steps_with_the_same_results(fused_calls):
+    # A bfloat16 model keeps the GGUF blocks for the decode steps' products (model/precision.py):
+    # those steps are fused, on the same float32 operators as one by one.
+    llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=False)
+    assert _model(llm).model.layer_stack.max_rows == DEFAULT_QUANTIZED_GEMM_MAX_ROWS
+    expected = _generate(llm, fused=False, num_prompts=5)
+    assert _generate(llm, fused=True, num_prompts=5) == expected
+    assert fused_calls and set(fused_calls) <= {1, 2, 3, 4, 5}
+
+
+def test_avx2_forced_on_a_better_cpu_fuses_with_the_same_results(fused_calls):
+    # The AVX2 build of every kernel (kernels/cpu_isa.py), on a host that may have more.
+    llm = LLM(dtype="float32", cpu_isa="avx2", kv_cache_memory="128MiB",
+              enable_prefix_caching=False)
+    (selected,) = llm.llm_engine.collective_rpc(lambda worker: build.selected_isa())
+    assert selected == "avx2"
+    expected = _generate(llm, fused=False, num_prompts=3)
+    assert _generate(llm, fused=True, num_prompts=3) == expected
+    assert fused_calls
 
 
 def test_fused_layers_add_a_qkv_bias_pick_each_kernel_and_leave_large_steps_alone(fused_calls):

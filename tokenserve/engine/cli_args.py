@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenserve.config import DISTRIBUTED_EXECUTOR_BACKENDS, PREFILL_ORDERS
+from tokenserve.config import CPU_ISAS, DISTRIBUTED_EXECUTOR_BACKENDS, PREFILL_ORDERS
 from tokenserve.engine.engine_args import KV_CACHE_DTYPES, EngineArgs
 from tokenserve.kv_transfer.config import parse_kv_transfer_config_json
 from tokenserve.spec_decode.config import parse_speculative_config_json
@@ -25,7 +25,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
         parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--tokenizer", default=None, help="Tokenizer directory, if not the model's own.")
     parser.add_argument("--dtype", default=defaults.dtype,
-                        help="auto (float32 on CPU), float32, bfloat16 or float16.")
+                        help="auto (bfloat16 on CPUs with AVX512_BF16 or AMX, else float32), "
+                             "float32, bfloat16 or float16.")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="Random seed.")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="Longest prompt + output in tokens (default: the model's own limit).")
@@ -90,6 +91,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                          default=defaults.quantized_gemm_max_rows,
                          help="GGUF models: products of more rows, up to this many, read the "
                               "blocks with the many-row kernel; oneDNN above (0: off).")
+    kernels.add_argument("--cpu-isa", choices=list(CPU_ISAS), default=defaults.cpu_isa,
+                         help="Instruction set the C kernels are built for: auto (the best the "
+                              "CPU has) or a lower level forced (docs/PERFORMANCE_CPU.md).")
     parser.add_argument("--runner", choices=["auto", "generate", "pooling"],
                         default=defaults.runner,
                         help="'generate' samples tokens; 'pooling' serves embeddings, scores and "

@@ -33,6 +33,7 @@ from tokenserve.engine.parallel_checks import check_parallel_model
 from tokenserve.engine.runner_config import RunnerSettings, configure_runner
 from tokenserve.kv_transfer.config import kv_transfer_config_for
 from tokenserve.model.loader import MULTIMODAL_ARCHITECTURES, resolve_model
+from tokenserve.model.precision import resolve_dtype
 from tokenserve.spec_decode.config import create_speculative_config
 
 logger = logging.getLogger(__name__)
@@ -42,16 +43,6 @@ DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 1024**3
 
 # --kv-cache-dtype values (vLLM's names; its fp8 ones are refused on CPU).
 KV_CACHE_DTYPES = ("auto", "bfloat16")
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
 _MEMORY_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
                  "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
@@ -148,6 +139,8 @@ class EngineArgs:
     disable_fused_decode: bool = False
     quantized_max_rows: int = DEFAULT_QUANTIZED_MAX_ROWS
     quantized_gemm_max_rows: int = DEFAULT_QUANTIZED_GEMM_MAX_ROWS
+    # The C kernels' instruction set (kernels/cpu_isa.py): "auto" or a lower level forced.
+    cpu_isa: str = "auto"
     # vLLM's --runner: "generate", "pooling" (embeddings, scores, classes) or "auto" (by
     # the architecture); --pooler-config overrides the pooling ({"pooling_type", "normalize"}).
     runner: str = "auto"
@@ -195,6 +188,7 @@ class EngineArgs:
             disable_fused_decode=self.disable_fused_decode,
             quantized_max_rows=self.quantized_max_rows,
             quantized_gemm_max_rows=self.quantized_gemm_max_rows,
+            cpu_isa=self.cpu_isa,
         )
         files = resolve_model(self.model)
         hf_config = files.hf_config
@@ -203,7 +197,7 @@ class EngineArgs:
             format=files.format,
             architecture=files.architecture,
             hf_config=hf_config,
-            dtype=self._resolve_dtype(),
+            dtype=resolve_dtype(self.dtype, kernel_config.cpu_isa),
             max_model_len=self._resolve_max_model_len(getattr(hf_config, "text_config", None) or hf_config),
             files=files,
             tokenizer=self.tokenizer,
@@ -327,19 +321,6 @@ class EngineArgs:
             raise ValueError(
                 f"prefill_order must be 'shortest' or 'arrival', got {self.prefill_order!r}."
             )
-
-    def _resolve_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            # fp32 on CPU: this hardware has no fast bf16/fp16 matmul.
-            return torch.float32
-        if isinstance(self.dtype, torch.dtype):
-            return self.dtype
-        try:
-            return _DTYPES[self.dtype]
-        except KeyError:
-            raise ValueError(
-                f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}."
-            ) from None
 
     def _resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         if self.kv_cache_dtype == "auto":

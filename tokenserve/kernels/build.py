@@ -1,10 +1,12 @@
-"""The kernels' build cache: compile a C kernel once per machine and load it.
+"""The kernels' build cache: compile a C kernel once per machine and instruction set, and load it.
 
-`build(name)` compiles csrc/<name>.c with the system C compiler (`$CC`, else `cc`) into
-`<cache root>/kernels` (tokenserve/cache_dir.py), keyed by every source in csrc/ (a kernel
-may include the others), the flags, the compiler and the CPU: a changed source, compiler or
-machine gets a fresh build. `load(name)` returns the loaded library, or None where it cannot
-be built (callers then take their pure-torch code). ctypes releases the GIL around each
+`build(name, isa)` compiles csrc/<name>.c with the system C compiler (`$CC`, else `cc`) for
+one instruction-set level of cpu_isa.py (its `-m` flags) into `<cache root>/kernels`
+(tokenserve/cache_dir.py), keyed by every source in csrc/ (a kernel may include the others),
+the flags, the compiler and the CPU: a changed source, compiler or machine gets a fresh
+build. `load(name, isa)` returns the loaded library, or None where it cannot be built
+(callers then take their pure-torch code). The level defaults to the process's selection
+(`select_isa`, from `KernelConfig.cpu_isa`; the best the CPU has unless forced lower). ctypes releases the GIL around each
 call; the kernels use the OpenMP runtime torch has already loaded (libgomp is shared by
 soname), so they run on torch's own threads.
 """
@@ -22,12 +24,34 @@ import subprocess
 import tempfile
 
 from tokenserve.cache_dir import cache_root
+from tokenserve.kernels import cpu_isa
 
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 KERNELS = ("paged_attention", "layer_ops", "quant_linear", "decode_layer")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# The level the kernels of this process are built for (None: the best the CPU has).
+_selected_isa: str | None = None
+
+
+def select_isa(isa: str | None) -> str:
+    """Set the level the kernels load for (KernelConfig.cpu_isa: "auto" or a level, checked
+    against the CPU); returns the resolved level. Call before the first kernel loads."""
+    global _selected_isa
+    _selected_isa = cpu_isa.resolve(isa)
+    return _selected_isa
+
+
+def selected_isa() -> str:
+    """The level kernels load for when none is named."""
+    return _selected_isa if _selected_isa is not None else cpu_isa.resolve(None)
+
+
+def _flags(isa: str) -> list[str]:
+    # -mtune=native: scheduling for this CPU, whatever the instruction set.
+    tune = [] if isa == cpu_isa.NATIVE else ["-mtune=native"]
+    return [*_FLAGS, *cpu_isa.compiler_flags(isa), *tune]
 
 
 class KernelBuildError(RuntimeError):
@@ -49,8 +73,11 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
 
 
-def build(name: str) -> str:
-    """Compile `name`.c into the cache (if not there yet); returns the shared library's path."""
+def build(name: str, isa: str | None = None) -> str:
+    """Compile `name`.c for `isa` (default: the selected level) into the cache (if not
+    there yet); returns the shared library's path."""
+    isa = selected_isa() if isa is None else cpu_isa.resolve(isa)
+    flags = _flags(isa)
     compiler = _compiler()
     if compiler is None:
         raise KernelBuildError(f"no C compiler found (looked for {os.environ.get('CC', 'cc')!r})")
@@ -63,10 +90,10 @@ def build(name: str) -> str:
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
     key = hashlib.sha256(
-        b"\0".join([*sources, " ".join(_FLAGS).encode(), version.encode(), _cpu_identity().encode()])
+        b"\0".join([*sources, " ".join(flags).encode(), version.encode(), _cpu_identity().encode()])
     ).hexdigest()[:16]
     directory = os.path.join(cache_root(), "kernels")
-    library = os.path.join(directory, f"{name}-{key}.so")
+    library = os.path.join(directory, f"{name}-{isa}-{key}.so")
     if os.path.exists(library):
         return library
     os.makedirs(directory, exist_ok=True)
@@ -76,7 +103,7 @@ def build(name: str) -> str:
     os.close(handle)
     try:
         result = subprocess.run(
-            [compiler, *_FLAGS, os.path.join(SOURCE_DIR, f"{name}.c"), "-o", partial, "-lm"],
+            [compiler, *flags, os.path.join(SOURCE_DIR, f"{name}.c"), "-o", partial, "-lm"],
             capture_output=True,
             text=True,
             check=False,
@@ -90,11 +117,17 @@ def build(name: str) -> str:
     return library
 
 
+def load(name: str, isa: str | None = None) -> ctypes.CDLL | None:
+    """The kernel's library for `isa` (default: the selected level), built if need be; None
+    (with a warning) where it cannot be."""
+    return _load(name, selected_isa() if isa is None else cpu_isa.resolve(isa))
+
+
 @functools.cache
-def load(name: str) -> ctypes.CDLL | None:
-    """The kernel's library, built if need be; None (with a warning) where it cannot be."""
+def _load(name: str, isa: str) -> ctypes.CDLL | None:
     try:
-        return ctypes.CDLL(build(name))
+        return ctypes.CDLL(build(name, isa))
     except (OSError, KernelBuildError) as error:
-        logger.warning("C kernel %r unavailable, using the pure-torch path: %s", name, error)
+        logger.warning("C kernel %r (%s) unavailable, using the pure-torch path: %s", name,
+                       isa, error)
         return None

@@ -125,7 +125,12 @@ class DecodeLayerOps:
             raise MemoryError("decode layer could not allocate its scratch buffers.")
 
 
+def load(isa: str | None = None) -> DecodeLayerOps | None:
+    """The operators built for `isa` (default: the selected level, build.select_isa)."""
+    return _load(build.selected_isa() if isa is None else isa)
+
+
 @functools.cache
-def load() -> DecodeLayerOps | None:
-    library = build.load("decode_layer")
+def _load(isa: str) -> DecodeLayerOps | None:
+    library = build.load("decode_layer", isa)
     return None if library is None else DecodeLayerOps(library)

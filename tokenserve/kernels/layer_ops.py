@@ -74,7 +74,12 @@ class LayerOps:
         )
 
 
+def load(isa: str | None = None) -> LayerOps | None:
+    """The operators built for `isa` (default: the selected level, build.select_isa)."""
+    return _load(build.selected_isa() if isa is None else isa)
+
+
 @functools.cache
-def load() -> LayerOps | None:
-    library = build.load("layer_ops")
+def _load(isa: str) -> LayerOps | None:
+    library = build.load("layer_ops", isa)
     return None if library is None else LayerOps(library)

@@ -107,7 +107,12 @@ class PagedAttentionOps:
         )
 
 
+def load(isa: str | None = None) -> PagedAttentionOps | None:
+    """The operators built for `isa` (default: the selected level, build.select_isa)."""
+    return _load(build.selected_isa() if isa is None else isa)
+
+
 @functools.cache
-def load() -> PagedAttentionOps | None:
-    library = build.load("paged_attention")
+def _load(isa: str) -> PagedAttentionOps | None:
+    library = build.load("paged_attention", isa)
     return None if library is None else PagedAttentionOps(library)

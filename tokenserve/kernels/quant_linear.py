@@ -92,7 +92,12 @@ def check_weight(kind: str, qs: torch.Tensor, scales: torch.Tensor) -> int:
     return width
 
 
+def load(isa: str | None = None) -> QuantLinearOps | None:
+    """The operators built for `isa` (default: the selected level, build.select_isa)."""
+    return _load(build.selected_isa() if isa is None else isa)
+
+
 @functools.cache
-def load() -> QuantLinearOps | None:
-    library = build.load("quant_linear")
+def _load(isa: str) -> QuantLinearOps | None:
+    library = build.load("quant_linear", isa)
     return None if library is None else QuantLinearOps(library)

@@ -22,6 +22,7 @@ from tokenserve.model.layers.quantization import get_linear_method
 from tokenserve.model.llama import LlamaForCausalLM
 from tokenserve.model.llava import LlavaForConditionalGeneration
 from tokenserve.model.loader import iterate_quantized_weights, iterate_weights
+from tokenserve.model.precision import activation_dtype
 from tokenserve.model.qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,8 @@ def build_model(
     extra = {"parallel": parallel} if parallel is not None and parallel.world_size > 1 else {}
     return model_class(
         model_config.hf_config,
-        dtype=model_config.dtype,
+        # A bfloat16 model's products are bf16, its activations float32 (model/precision.py).
+        dtype=activation_dtype(model_config.dtype),
         attention=attention,
         max_position=model_config.max_model_len,
         linear_method=get_linear_method(model_config.format, model_config.dtype, kernel_config),

@@ -26,9 +26,11 @@ from tokenserve.config import EngineConfig
 from tokenserve.distributed.parallel_state import ModelParallel
 from tokenserve.kv_transfer.worker_base import KVConnectorWorker
 from tokenserve.kv_transfer.worker_factory import create_worker_connector
+from tokenserve.kernels.build import select_isa
 from tokenserve.lora.manager import LoRAModelManager
 from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.messages.scheduler_output import SchedulerOutput
+from tokenserve.model.precision import activation_dtype
 from tokenserve.model.registry import get_model
 from tokenserve.sample.logits_processors import GrammarMask
 from tokenserve.sample.logprobs import LogprobsLists, LogprobsTensors, compute_logprobs
@@ -62,9 +64,11 @@ class ModelRunner:
         self.parallel = parallel or ModelParallel()
         self.block_size = config.cache_config.block_size
         model_config = config.model_config
+        # The C kernels of this process: the instruction set chosen (or forced) before any loads.
+        select_isa(config.kernel_config.cpu_isa)
         self.attention = get_attention_backend(
             self.device,
-            model_config.dtype,
+            activation_dtype(model_config.dtype),
             cascade=not model_config.disable_cascade_attn,
             use_c_kernels=not config.kernel_config.disable_c_kernels,
         )
@@ -102,7 +106,7 @@ class ModelRunner:
             model_config = self.config.model_config
             self.lora_manager = LoRAModelManager(
                 self.model, self.config.lora_config, model_config.hf_config,
-                model_config.dtype, self.device,
+                activation_dtype(model_config.dtype), self.device,
             )
         if self.proposer is not None:
             self.proposer.load_model()

@@ -43,6 +43,10 @@ class RemoteServer:
         command = [sys.executable, "-m", "tokenserve.entrypoints.cli", "serve"]
         command += [model] if model is not None else []
         command += ["--port", str(self.port), "--disable-log-stats", *args]
+        if "--dtype" not in args:
+            # As in-process tests (tests/conftest.py): float32, the dtype the server tests
+            # compare with transformers in, unless a test asks for another.
+            command += ["--dtype", "float32"]
         if api_key is not None:
             command += ["--api-key", api_key]
         # Kept open for the server's lifetime; closed (and removed) by stop().

@@ -37,6 +37,30 @@ def test_unquantized_method_packs_for_onednn_and_frees_the_dense_weight():
     torch.testing.assert_close(packed(x), dense(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("use_onednn", [True, False])
+def test_bf16_weights_multiply_float32_activations_rounded_to_bf16(use_onednn):
+    # A bfloat16 model (model/precision.py): bf16 weights, float32 in and out, the bias
+    # added in float32 after the product.
+    generator = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(48, 64, generator=generator), torch.randn(9, 64, generator=generator)
+    bias = torch.randn(48, generator=generator)
+    method = UnquantizedLinearMethod(use_onednn=use_onednn, weight_dtype=torch.bfloat16)
+    layer = ReplicatedLinear(64, 48, bias=True, quant_method=method)
+    layer.weight.weight_loader(layer.weight, weight)
+    layer.bias.data.copy_(bias)
+    method.process_weights_after_loading(layer)
+    stored = layer.weight if layer.packed_weight is None else layer.packed_weight
+    assert stored.dtype == torch.bfloat16 and layer.bias.dtype == torch.float32
+    out = layer(x)
+    assert out.dtype == torch.float32
+    # What it computes: bf16-rounded inputs and weights, products summed in float32, the
+    # sum rounded to bf16 once (oneDNN writes its input dtype): within 2^-8 relative.
+    expected = x.bfloat16().double() @ weight.bfloat16().double().T + bias.double()
+    torch.testing.assert_close(out, expected.float(), rtol=1e-2, atol=1e-2)
+    # bf16 rounding did happen (not a float32 product).
+    assert (out - (x @ weight.T + bias)).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("num_rows", [1, 4, 7, 16, 40])
 def test_gguf_method_equals_the_dense_product_on_dequantized_weights(kind, num_rows):
@@ -121,14 +145,21 @@ def test_gguf_blocks_shard_like_the_dense_weight():
 def test_the_method_follows_the_model_format_and_the_kernel_settings():
     gguf, hf = "gguf", "hf"
     assert isinstance(get_linear_method(gguf, torch.float32, KernelConfig()), GGUFLinearMethod)
+    # bfloat16: bf16 dense weights (float32 activations) beside the blocks.
+    bf16 = get_linear_method(gguf, torch.bfloat16, KernelConfig())
+    assert isinstance(bf16, GGUFLinearMethod) and bf16.weight_dtype == torch.bfloat16
+    assert (bf16.max_rows, bf16.gemm_max_rows) == (KernelConfig().quantized_max_rows,
+                                                   KernelConfig().quantized_gemm_max_rows)
     for model_format, dtype, config in [
         (hf, torch.float32, KernelConfig()),
-        (gguf, torch.bfloat16, KernelConfig()),
+        (gguf, torch.float16, KernelConfig()),
+        (gguf, torch.bfloat16, KernelConfig(quantized_max_rows=0, quantized_gemm_max_rows=0)),
         (gguf, torch.float32, KernelConfig(disable_c_kernels=True)),
         (gguf, torch.float32, KernelConfig(quantized_max_rows=0, quantized_gemm_max_rows=0)),
     ]:
         method = get_linear_method(model_format, dtype, config)
         assert type(method) is UnquantizedLinearMethod
+    assert get_linear_method(hf, torch.bfloat16, KernelConfig()).weight_dtype == torch.bfloat16
     assert not get_linear_method(hf, torch.float32, KernelConfig(disable_onednn=True)).use_onednn
     with pytest.raises(ValueError, match="quantized_max_rows must be a non-negative integer"):
         KernelConfig(quantized_max_rows=-1)

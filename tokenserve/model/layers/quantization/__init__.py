@@ -10,6 +10,7 @@ from tokenserve.kernels import quant_linear
 from tokenserve.model.layers.quantization.base import QuantizationMethod
 from tokenserve.model.layers.quantization.gguf import GGUFLinearMethod
 from tokenserve.model.layers.quantization.unquantized import UnquantizedLinearMethod
+from tokenserve.model.precision import activation_dtype
 
 __all__ = ["GGUFLinearMethod", "QuantizationMethod", "UnquantizedLinearMethod", "get_linear_method"]
 
@@ -17,16 +18,22 @@ __all__ = ["GGUFLinearMethod", "QuantizationMethod", "UnquantizedLinearMethod", 
 def get_linear_method(
     model_format: str, dtype: torch.dtype, kernel_config: KernelConfig
 ) -> QuantizationMethod:
-    """GGUF blocks beside the dense weights for a float32 GGUF model whose block kernels
-    are built and wanted; dense weights otherwise."""
+    """GGUF blocks beside the dense weights for a float32 or bfloat16 GGUF model whose block
+    kernels are built and wanted; dense weights otherwise. A bfloat16 model keeps its dense
+    weights in bf16 beside float32 activations (model/precision.py): the products above
+    the block kernels' row limits (prefill) run on oneDNN's bf16 GEMM, the decode steps on
+    the blocks as in float32 (docs/PERFORMANCE_CPU.md)."""
     use_onednn = not kernel_config.disable_onednn
-    row_limits = (kernel_config.quantized_max_rows, kernel_config.quantized_gemm_max_rows)
+    weight_dtype = dtype if activation_dtype(dtype) != dtype else None
+    max_rows, gemm_max_rows = (kernel_config.quantized_max_rows,
+                               kernel_config.quantized_gemm_max_rows)
     if (
         model_format == "gguf"
-        and dtype == torch.float32
+        and activation_dtype(dtype) == torch.float32
         and not kernel_config.disable_c_kernels
-        and max(row_limits) > 0
+        and max(max_rows, gemm_max_rows) > 0
         and quant_linear.load() is not None
     ):
-        return GGUFLinearMethod(*row_limits, use_onednn=use_onednn)
-    return UnquantizedLinearMethod(use_onednn=use_onednn)
+        return GGUFLinearMethod(max_rows, gemm_max_rows, use_onednn=use_onednn,
+                                weight_dtype=weight_dtype)
+    return UnquantizedLinearMethod(use_onednn=use_onednn, weight_dtype=weight_dtype)

@@ -153,8 +153,9 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
     of few rows. A layer whose checkpoint parts are not all in one of those kinds keeps the
     dense weight alone."""
 
-    def __init__(self, max_rows: int, gemm_max_rows: int, use_onednn: bool = True) -> None:
-        super().__init__(use_onednn)
+    def __init__(self, max_rows: int, gemm_max_rows: int, use_onednn: bool = True,
+                 weight_dtype: torch.dtype | None = None) -> None:
+        super().__init__(use_onednn, weight_dtype)
         self.max_rows, self.gemm_max_rows = max_rows, gemm_max_rows
         self.num_block_weights = 0  # how many layers got their blocks, for the log
 

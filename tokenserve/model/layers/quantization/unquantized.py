@@ -6,6 +6,12 @@ shapes of decode (docs/benchmarks/cpu-hot-path.md). oneDNN, which PyTorch also s
 it; packing each weight once into oneDNN's blocked layout saves reordering it on every
 call. The packed copy replaces the dense weight, so memory does not double (unless another
 module reads the dense weight too: a tied embedding table).
+
+With `weight_dtype=torch.bfloat16` (a bfloat16 model on CPU, model/precision.py) the weights
+are kept in bf16 while the activations stay float32: each product rounds its input to bf16,
+multiplies in bf16 with float32 accumulation (oneDNN: AMX tiles or AVX512_BF16 where the CPU
+has them), writes the sums in bf16 (oneDNN's output dtype is its input's) and hands them back
+as float32, the bias added in float32.
 """
 
 from __future__ import annotations
@@ -16,24 +22,35 @@ from torch import nn
 
 from tokenserve.model.layers.quantization.base import QuantizationMethod
 
+_PACKABLE = (torch.float32, torch.bfloat16)
+# bf16 products pad their rows to a multiple of this: oneDNN builds (JITs) a bf16 primitive
+# per row count, ~3 ms each here, and chunked-prefill steps bring a new count nearly every
+# step; padded, a few dozen counts serve them all (docs/PERFORMANCE_CPU.md).
+BF16_ROW_BUCKET = 32
 
-def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's packed form of a [out, in] weight, or None where it does not apply."""
+
+def pack_for_onednn(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """oneDNN's packed form of a [out, in] weight (in `dtype`, default its own), or None
+    where it does not apply."""
+    dtype = dtype or weight.dtype
     if (
         weight.device.type != "cpu"
-        or weight.dtype != torch.float32
+        or dtype not in _PACKABLE
         or not torch.backends.mkldnn.is_available()
     ):
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype), None)
     except (RuntimeError, AttributeError):
         return None
 
 
 class UnquantizedLinearMethod(QuantizationMethod):
-    def __init__(self, use_onednn: bool = True) -> None:
+    def __init__(self, use_onednn: bool = True, weight_dtype: torch.dtype | None = None) -> None:
         self.use_onednn = use_onednn
+        # The weights' dtype where it differs from the activations' (bf16 products); None:
+        # the layer's params_dtype.
+        self.weight_dtype = weight_dtype
 
     def create_weights(
         self,
@@ -43,7 +60,8 @@ class UnquantizedLinearMethod(QuantizationMethod):
         params_dtype: torch.dtype,
     ) -> None:
         layer.weight = nn.Parameter(
-            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            torch.empty(sum(output_partition_sizes), input_size_per_partition,
+                        dtype=self.weight_dtype or params_dtype),
             requires_grad=False,
         )
         layer.packed_weight = None  # oneDNN's form, once processed
@@ -51,7 +69,9 @@ class UnquantizedLinearMethod(QuantizationMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not self.use_onednn or layer.packed_weight is not None:
             return
-        packed = pack_for_onednn(layer.weight)
+        # A tied head's weight is the (activation-dtype) embedding table: packed in the
+        # products' dtype all the same.
+        packed = pack_for_onednn(layer.weight, self.weight_dtype)
         if packed is None:
             return
         layer.packed_weight = packed
@@ -62,9 +82,25 @@ class UnquantizedLinearMethod(QuantizationMethod):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        weight = layer.weight if layer.packed_weight is None else layer.packed_weight
+        if weight.dtype != x.dtype:
+            # bf16 products of float32 activations: round x, accumulate in float32 (oneDNN,
+            # MKL), and add the bias in float32 after.
+            rows = x.shape[0]
+            padded = -(-rows // BF16_ROW_BUCKET) * BF16_ROW_BUCKET
+            xb = x.to(weight.dtype)
+            if x.dim() == 2 and padded != rows:
+                xb = torch.cat([xb, xb.new_zeros(padded - rows, xb.shape[1])])
+            out = self._product(layer, xb, None)[:rows].to(x.dtype)
+            return out if bias is None else out.add_(bias)
+        return self._product(layer, x, bias)
+
+    @staticmethod
+    def _product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.packed_weight is None:
             return F.linear(x, layer.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
 
     def __str__(self) -> str:
-        return "dense weights" + (", oneDNN-prepacked on CPU" if self.use_onednn else "")
+        dtype = "" if self.weight_dtype is None else f" in {str(self.weight_dtype)[6:]}"
+        return f"dense weights{dtype}" + (", oneDNN-prepacked on CPU" if self.use_onednn else "")
