@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 import traceback
+from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -140,6 +141,33 @@ def _environment(**values: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
+class BroadcastExecutor(Executor):
+    """An executor of worker processes (or actors) that each get every call as one pickled
+    payload (`encode_call`); `_call` delivers it to every rank and returns the answers by
+    rank, and the step's output is the output rank's."""
+
+    output_rank: int
+
+    @abstractmethod
+    def _call(self, payload: bytes) -> list[Any]:
+        """Send `payload` to every worker; their results by rank (a failure: RuntimeError)."""
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """`method` must pickle (a method name, or a function defined at module level)."""
+        return self._call(encode_call(method, args, kwargs or {}, output_only=False))
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
+    ) -> ModelRunnerOutput:
+        payload = encode_call("execute_model", (scheduler_output, grammar_bitmask), {}, True)
+        return self._call(payload)[self.output_rank]
+
+
 @dataclass
 class _WorkerProcess:
     rank: int
@@ -147,7 +175,7 @@ class _WorkerProcess:
     conn: Connection
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(BroadcastExecutor):
     def __init__(self, config: EngineConfig) -> None:
         try:
             super().__init__(config)
@@ -175,21 +203,6 @@ class MultiprocExecutor(Executor):
                 child_conn.close()
                 self.workers.append(_WorkerProcess(rank, process, conn))
         self._gather()  # every worker joined the ranks and built its runner
-
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> list[Any]:
-        """`method` must pickle (a method name, or a function defined at module level)."""
-        return self._call(encode_call(method, args, kwargs or {}, output_only=False))
-
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
-    ) -> ModelRunnerOutput:
-        payload = encode_call("execute_model", (scheduler_output, grammar_bitmask), {}, True)
-        return self._call(payload)[self.output_rank]
 
     def _call(self, payload: bytes) -> list[Any]:
         if not self.workers:

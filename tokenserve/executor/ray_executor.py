@@ -10,18 +10,11 @@ the multiprocess executor. An actor that dies is a RuntimeError in the engine co
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokenserve.config import EngineConfig
 from tokenserve.distributed.cpu_binding import bind_to_cpus, cpus_for_ranks
-from tokenserve.executor.abstract import Executor
-from tokenserve.executor.multiproc import answer_call, encode_call, free_port, output_rank
-from tokenserve.messages.model_runner_output import ModelRunnerOutput
-from tokenserve.messages.scheduler_output import SchedulerOutput
-
-if TYPE_CHECKING:
-    from tokenserve.structured_output.manager import GrammarBitmask
+from tokenserve.executor.multiproc import BroadcastExecutor, answer_call, free_port, output_rank
 
 # Seconds to wait for the cluster to grant the placement group.
 _PLACEMENT_TIMEOUT_S = 300
@@ -69,7 +62,7 @@ class RayWorkerWrapper:
             self.worker.shutdown()
 
 
-class RayExecutor(Executor):
+class RayExecutor(BroadcastExecutor):
     def _init_executor(self) -> None:
         ray = import_ray()
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -117,20 +110,6 @@ class RayExecutor(Executor):
             return self._ray.get(refs)
         except self._ray.exceptions.RayError as error:
             raise RuntimeError(f"A Ray worker failed: {error}") from error
-
-    def collective_rpc(
-        self,
-        method: str | Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> list[Any]:
-        return self._call(encode_call(method, args, kwargs or {}, output_only=False))
-
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
-    ) -> ModelRunnerOutput:
-        payload = encode_call("execute_model", (scheduler_output, grammar_bitmask), {}, True)
-        return self._call(payload)[self.output_rank]
 
     def _call(self, payload: bytes) -> list[Any]:
         if not self.actors:

@@ -12,6 +12,7 @@ No tensors here: `core` imports this module and nothing of the worker side.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -49,6 +50,17 @@ class ScheduledRequest:
     # Tokens computed before this step and after it.
     num_computed_before: int
     num_computed_after: int
+
+    def completed_blocks(self, block_size: int) -> Iterator[tuple[int, bytes]]:
+        """(block id, block hash) of each full block this step completes; none for a request
+        kept out of the prefix cache."""
+        request = self.request
+        if request.skip_prefix_cache:
+            return
+        first = self.num_computed_before // block_size
+        last = min(self.num_computed_after, request.num_tokens) // block_size
+        for index in range(first, min(last, len(request.block_hashes))):
+            yield self.block_ids[index], request.block_hashes[index]
 
 
 class KVConnectorScheduler(ABC):

@@ -71,13 +71,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._loads = []
         loading = {slot for slot, _ in metadata.loads}
         for item in scheduled:
-            request = item.request
-            if request.skip_prefix_cache:
-                continue
-            first = item.num_computed_before // self.block_size
-            last = min(item.num_computed_after, request.num_tokens) // self.block_size
-            for index in range(first, min(last, len(request.block_hashes))):
-                block_hash = request.block_hashes[index]
+            for block_id, block_hash in item.completed_blocks(self.block_size):
                 if block_hash in self.index:
                     self.index.move_to_end(block_hash)
                     continue
@@ -86,7 +80,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
                     return metadata  # every slot is being loaded this step
                 self.index[block_hash] = slot
                 self.slot_hashes[slot] = block_hash
-                metadata.saves.append((item.block_ids[index], slot))
+                metadata.saves.append((block_id, slot))
         return metadata
 
     def request_finished(

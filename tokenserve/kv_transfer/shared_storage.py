@@ -85,17 +85,11 @@ class SharedStorageConnectorScheduler(KVConnectorScheduler):
             return metadata
         chosen: set[bytes] = set()
         for item in scheduled:
-            request = item.request
-            if request.skip_prefix_cache:
-                continue
-            first = item.num_computed_before // self.block_size
-            last = min(item.num_computed_after, request.num_tokens) // self.block_size
-            for index in range(first, min(last, len(request.block_hashes))):
-                block_hash = request.block_hashes[index]
+            for block_id, block_hash in item.completed_blocks(self.block_size):
                 if block_hash in chosen or self.store.contains(block_hash):
                     continue
                 chosen.add(block_hash)
-                metadata.saves.append((item.block_ids[index], block_hash))
+                metadata.saves.append((block_id, block_hash))
         return metadata
 
     def request_finished(

@@ -16,10 +16,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tokenserve.attention.backend import AttentionBackend, AttentionMetadata
+from tokenserve.attention.backend import AttentionBackend
 from tokenserve.config import KernelConfig
 from tokenserve.model.layers.quantization import QuantizationMethod
-from tokenserve.model.llava import language_model_class
+from tokenserve.model.llava import VisionLanguageModel, language_model_class
 from tokenserve.model.vision_encoder import VisionTransformer
 from tokenserve.model.vision_weights import load_module_weights, split_vlm_weights
 
@@ -50,7 +50,7 @@ class Idefics3Connector(nn.Module):
         return self.modality_projection.proj(pixel_shuffle(x, self.scale_factor))
 
 
-class Idefics3ForConditionalGeneration(nn.Module):
+class Idefics3ForConditionalGeneration(VisionLanguageModel):
     def __init__(
         self,
         hf_config,
@@ -108,22 +108,6 @@ class Idefics3ForConditionalGeneration(nn.Module):
             ids = (row_buckets[:, None] * side + col_buckets).flatten()
             position_ids[index][mask.flatten()] = ids
         return position_ids
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.model.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, kv_caches, metadata, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:

@@ -45,7 +45,31 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class VisionLanguageModel(nn.Module):
+    """What the vision-language models share: the text side is their language model's (its
+    input embeddings, its forward over the KV cache, its logits); a subclass sets
+    `language_model` and adds its vision tower (`embed_multimodal`)."""
+
+    language_model: nn.Module
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.language_model.model(input_ids, positions, kv_caches, metadata, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden_states)
+
+
+class LlavaForConditionalGeneration(VisionLanguageModel):
     def __init__(
         self,
         hf_config,
@@ -87,22 +111,6 @@ class LlavaForConditionalGeneration(nn.Module):
         if self.config.vision_feature_select_strategy == "default":
             features = features[:, 1:]  # CLIP's class token (transformers drops the first row)
         return self.multi_modal_projector(features).flatten(0, 1)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.model.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        metadata: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.language_model.model(input_ids, positions, kv_caches, metadata, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden_states)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
