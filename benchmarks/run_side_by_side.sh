@@ -389,12 +389,14 @@ if has w1; then
     # (its own filler tokens, not random ones) decoded together for 128 tokens each.
     log "W1 $engine: llama-batched-bench, $N1 x (256 in, 128 out)"
     # shellcheck disable=SC2046  # the KV flags are a word list
-    x timeout "$RUN_TIMEOUT" "$LLAMA_CPP_DIR/bin/llama-batched-bench" -m "$(llama_gguf "$engine")" \
+    if x timeout "$RUN_TIMEOUT" "$LLAMA_CPP_DIR/bin/llama-batched-bench" -m "$(llama_gguf "$engine")" \
         -c $(( N1 * 384 )) -b 2048 -ub 512 -t "$(nproc)" -tb "$(nproc)" $(llama_kv "$engine") \
         -npp 256 -ntg 128 -npl "$N1" --output-format jsonl \
-        > "$OUT/logs/w1_$engine.jsonl" 2> "$OUT/logs/w1_$engine.log" \
-      && { dry || grep '^{' "$OUT/logs/w1_$engine.jsonl" | tail -n 1 > "$OUT/w1_$engine.json"; } \
-      || log "W1 $engine failed, see logs/w1_$engine.log"
+        > "$OUT/logs/w1_$engine.jsonl" 2> "$OUT/logs/w1_$engine.log"; then
+      dry || grep '^{' "$OUT/logs/w1_$engine.jsonl" | tail -n 1 > "$OUT/w1_$engine.json"
+    else
+      log "W1 $engine failed, see logs/w1_$engine.log"
+    fi
     [ -s "$OUT/w1_$engine.json" ] && sed "s/^/    /" "$OUT/w1_$engine.json"
   done
   if runs transformers; then

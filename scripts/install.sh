@@ -18,14 +18,16 @@ $PIP install --no-deps --no-build-isolation -e .
 # Compile the C kernels of the CPU path now rather than at the first start (needs a C
 # compiler; without one tokenserve runs its pure-torch code and says so).
 $PYTHON -m tokenserve.kernels
-# The browser test of /dashboard drives Debian's chromium through its chromedriver.
-if [[ "${1:-}" == "--test" ]] && ! command -v chromedriver >/dev/null; then
+# Debian tools some tests drive: chromium + chromedriver (the browser test of /dashboard)
+# and shellcheck (the side-by-side script's lint).
+if [[ "${1:-}" == "--test" ]] && ! { command -v chromedriver && command -v shellcheck; } >/dev/null; then
     if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
         export DEBIAN_FRONTEND=noninteractive
-        { apt-get install -y -q chromium chromium-driver \
-            || { apt-get update -q && apt-get install -y -q chromium chromium-driver; }; } >/dev/null \
-            || echo "install.sh: chromium could not be installed; the browser test will skip" >&2
+        TOOLS=(chromium chromium-driver shellcheck)
+        { apt-get install -y -q "${TOOLS[@]}" \
+            || { apt-get update -q && apt-get install -y -q "${TOOLS[@]}"; }; } >/dev/null \
+            || echo "install.sh: ${TOOLS[*]} could not be installed; their tests will skip" >&2
     else
-        echo "install.sh: install Debian's chromium and chromium-driver for the browser test" >&2
+        echo "install.sh: install Debian's chromium, chromium-driver and shellcheck for their tests" >&2
     fi
 fi
