@@ -8,7 +8,7 @@ does not flip between two near-tied tokens because of float summation order.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +39,26 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-@pytest.fixture(autouse=True)
-def float32_auto_dtype(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+_NATIVE_AUTO_DTYPE = precision.auto_dtype
+
+
+@pytest.fixture(scope="session", autouse=True)
+def float32_auto_dtype() -> Iterator[None]:
     """dtype='auto' resolves to float32 in tests, as on a CPU without native bf16
     (model/precision.py): most tests compare with transformers in float32 token for token.
+    Session-wide, so that module- and session-scoped fixtures building engines see it too.
     The bf16 path's tests ask for dtype='bfloat16', or for this CPU's own 'auto' with the
     `auto_dtype` marker (tests/model/test_bf16.py)."""
-    if request.node.get_closest_marker("auto_dtype") is None:
-        monkeypatch.setattr(precision, "auto_dtype", lambda isa=None: torch.float32)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(precision, "auto_dtype", lambda isa=None: torch.float32)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def native_auto_dtype(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test marked `auto_dtype` sees what 'auto' resolves to on this CPU."""
+    if request.node.get_closest_marker("auto_dtype") is not None:
+        monkeypatch.setattr(precision, "auto_dtype", _NATIVE_AUTO_DTYPE)
 
 
 # build(family, directory, max_shard_size=None) -> directory
