@@ -93,6 +93,7 @@ def serving_chat(tokenizer, **flags) -> OpenAIServingChat:
     config = SimpleNamespace(
         model_config=SimpleNamespace(max_model_len=1024),
         scheduler_config=SimpleNamespace(max_num_seqs=4),
+        parallel_config=SimpleNamespace(data_parallel_size=1),
     )
     engine = SimpleNamespace(tokenizer=tokenizer, config=config)
     return OpenAIServingChat(engine, ["tiny"], parsing=ChatParsing(**flags))  # type: ignore[arg-type]
