@@ -143,9 +143,8 @@ def test_failed_prefill_is_an_openai_error(deployment):
     assert "prefill instance" in response.json()["error"]["message"]
 
 
-def test_failed_transfer_is_an_error_and_frees_both(deployment, tiny_model_dirs, request):
-    if "default" in request.node.callspec.id:
-        pytest.skip("once, on the tiny model")
+@pytest.mark.parametrize("deployment", ["tiny"], indirect=True)  # once, on the tiny model
+def test_failed_transfer_is_an_error_and_frees_both(deployment, tiny_model_dirs):
     prefill, _, _ = deployment
     stranger = instance(tiny_model_dirs["llama"], "kv_consumer", "a-different-secret-0123")
     proxy = Proxy([prefill.url], [stranger.url])
