@@ -135,7 +135,27 @@ class EngineCoreProcess:
         shutil.rmtree(self._socket_dir, ignore_errors=True)
 
 
-class EngineCoreClient:
+class EngineLiveness:
+    """Whether an engine client's engine core(s) still run: the first reason one died, kept;
+    every call after it fails with EngineDeadError."""
+
+    dead_reason: str | None = None
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead_reason is not None
+
+    def mark_dead(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            logger.error("%s", reason)
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+
+class EngineCoreClient(EngineLiveness):
     def __init__(
         self,
         config: EngineConfig,
@@ -167,10 +187,6 @@ class EngineCoreClient:
             self.shutdown()
             raise
 
-    @property
-    def is_dead(self) -> bool:
-        return self.dead_reason is not None
-
     def watch_process(self, on_death: Callable[[str], None]) -> None:
         """Call `on_death(reason)` on the running event loop as soon as the process ends."""
         loop = asyncio.get_running_loop()
@@ -185,15 +201,6 @@ class EngineCoreClient:
                 on_death(self.dead_reason or "")
 
         loop.add_reader(self.process.sentinel, process_ended)
-
-    def mark_dead(self, reason: str) -> None:
-        if self.dead_reason is None:
-            self.dead_reason = reason
-            logger.error("%s", reason)
-
-    def _check_alive(self) -> None:
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
 
     async def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()

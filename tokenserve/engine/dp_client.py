@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from tokenserve.config import EngineConfig
-from tokenserve.engine.core_client import EngineCoreClient, EngineCoreProcess, EngineDeadError
+from tokenserve.engine.core_client import EngineCoreClient, EngineCoreProcess, EngineLiveness
 from tokenserve.engine.dp_router import DataParallelRouter
 from tokenserve.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
 
@@ -54,7 +54,7 @@ def make_engine_core_client(
     return EngineCoreClient(config, engine_process)
 
 
-class DataParallelCoreClient:
+class DataParallelCoreClient(EngineLiveness):
     def __init__(self, config: EngineConfig) -> None:
         num_engines = config.parallel_config.data_parallel_size
         cpu_sets = split_cpus(num_engines, sorted(os.sched_getaffinity(0)))
@@ -85,10 +85,6 @@ class DataParallelCoreClient:
     def num_engines(self) -> int:
         return len(self.engines)
 
-    @property
-    def is_dead(self) -> bool:
-        return self.dead_reason is not None
-
     def watch_process(self, on_death: Callable[[str], None]) -> None:
         """Call `on_death(reason)` once, as soon as any engine's process ends."""
 
@@ -99,15 +95,6 @@ class DataParallelCoreClient:
 
         for index, engine in enumerate(self.engines):
             engine.watch_process(lambda reason, index=index: engine_ended(index, reason))
-
-    def mark_dead(self, reason: str) -> None:
-        if self.dead_reason is None:
-            self.dead_reason = reason
-            logger.error("%s", reason)
-
-    def _check_alive(self) -> None:
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
 
     async def add_request(self, request: EngineCoreRequest) -> None:
         self._check_alive()

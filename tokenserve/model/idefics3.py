@@ -19,7 +19,7 @@ from torch import nn
 from tokenserve.attention.backend import AttentionBackend
 from tokenserve.config import KernelConfig
 from tokenserve.model.layers.quantization import QuantizationMethod
-from tokenserve.model.llava import VisionLanguageModel, language_model_class
+from tokenserve.model.llava import VisionLanguageModel
 from tokenserve.model.vision_encoder import VisionTransformer
 from tokenserve.model.vision_weights import load_module_weights, split_vlm_weights
 
@@ -60,16 +60,11 @@ class Idefics3ForConditionalGeneration(VisionLanguageModel):
         linear_method: QuantizationMethod,
         kernel_config: KernelConfig,
     ) -> None:
-        super().__init__()
-        self.config = hf_config
-        self.dtype = dtype
-        self.linear_method = linear_method
+        super().__init__(
+            hf_config, dtype, attention, max_position, linear_method, kernel_config
+        )
         self.vision_model = VisionTransformer(hf_config.vision_config, class_token=False)
         self.connector = Idefics3Connector(hf_config)
-        text_config = hf_config.text_config
-        self.language_model = language_model_class(text_config)(
-            text_config, dtype, attention, max_position, linear_method, kernel_config
-        )
         self.vision_model.to(dtype)
         self.connector.to(dtype)
 

@@ -46,11 +46,27 @@ class LlavaMultiModalProjector(nn.Module):
 
 
 class VisionLanguageModel(nn.Module):
-    """What the vision-language models share: the text side is their language model's (its
-    input embeddings, its forward over the KV cache, its logits); a subclass sets
-    `language_model` and adds its vision tower (`embed_multimodal`)."""
+    """What the vision-language models share: the text side is their language model's (built
+    here from `text_config`: its input embeddings, its forward over the KV cache, its
+    logits); a subclass adds its vision tower (`embed_multimodal`)."""
 
-    language_model: nn.Module
+    def __init__(
+        self,
+        hf_config,
+        dtype: torch.dtype,
+        attention: AttentionBackend,
+        max_position: int,
+        linear_method: QuantizationMethod,
+        kernel_config: KernelConfig,
+    ) -> None:
+        super().__init__()
+        self.config = hf_config
+        self.dtype = dtype
+        self.linear_method = linear_method
+        text_config = hf_config.text_config
+        self.language_model = language_model_class(text_config)(
+            text_config, dtype, attention, max_position, linear_method, kernel_config
+        )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.model.embed_tokens(input_ids)
@@ -79,22 +95,17 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         linear_method: QuantizationMethod,
         kernel_config: KernelConfig,
     ) -> None:
-        super().__init__()
-        self.config = hf_config
-        self.dtype = dtype
-        self.linear_method = linear_method
         vision_config = hf_config.vision_config
         if vision_config.model_type not in ("clip_vision_model", "siglip_vision_model"):
             raise ValueError(
                 f"LLaVA's vision tower must be CLIP or SigLIP, got {vision_config.model_type!r}."
             )
+        super().__init__(
+            hf_config, dtype, attention, max_position, linear_method, kernel_config
+        )
         self.has_class_token = vision_config.model_type == "clip_vision_model"
         self.vision_tower = VisionTransformer(vision_config, class_token=self.has_class_token)
         self.multi_modal_projector = LlavaMultiModalProjector(hf_config)
-        text_config = hf_config.text_config
-        self.language_model = language_model_class(text_config)(
-            text_config, dtype, attention, max_position, linear_method, kernel_config
-        )
         self.vision_tower.to(dtype)
         self.multi_modal_projector.to(dtype)
         layers = hf_config.vision_feature_layer

@@ -98,6 +98,14 @@ class RemoteServer:
         return self._engine_core_pid
 
     def _find_engine_core_pid(self) -> int:
+        pids = self.engine_core_pids()
+        if not pids:
+            raise RuntimeError("The engine core process was not found.")
+        return pids[0]
+
+    def engine_core_pids(self) -> list[int]:
+        """The server's engine-core processes (its multiprocessing children), by PID."""
+        pids = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
@@ -109,8 +117,8 @@ class RemoteServer:
             except (OSError, ValueError, IndexError):
                 continue
             if parent == self.process.pid and b"spawn_main" in cmdline:
-                return int(entry)
-        raise RuntimeError("The engine core process was not found.")
+                pids.append(int(entry))
+        return sorted(pids)
 
     @contextlib.contextmanager
     def engine_paused(self) -> Iterator[None]:

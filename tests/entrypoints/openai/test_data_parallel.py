@@ -27,24 +27,6 @@ SERVER_ARGS = ("--block-size", str(BLOCK_SIZE), "--kv-cache-memory", "64MiB",
                "--served-model-name", MODEL_NAME)
 
 
-def engine_core_pids(server: RemoteServer) -> list[int]:
-    """The server's engine-core processes (its multiprocessing children), by PID."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as file:
-                parent = int(file.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as file:
-                cmdline = file.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == server.process.pid and b"spawn_main" in cmdline:
-            pids.append(int(entry))
-    return sorted(pids)
-
-
 def wait_for(condition, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -106,7 +88,7 @@ def test_requests_sharing_a_prefix_meet_on_one_engine(dp_server):
 
 
 def test_each_engine_runs_on_its_own_cores(dp_server):
-    pids = engine_core_pids(dp_server)
+    pids = dp_server.engine_core_pids()
     assert len(pids) == 2
     cores = [os.sched_getaffinity(pid) for pid in pids]
     assert all(cores) and not cores[0] & cores[1]
@@ -147,7 +129,7 @@ def test_one_engine_dying_fails_requests_and_health(tiny_model_dirs):
                 )
 
             assert wait_for(running_on_both, 30)
-            os.kill(engine_core_pids(server)[0], signal.SIGKILL)
+            os.kill(server.engine_core_pids()[0], signal.SIGKILL)
             for poster in posters:
                 poster.join(timeout=60)
             # Both requests fail, the one on the surviving engine too: the server goes down.
