@@ -39,7 +39,12 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs(tiny_model_dirs, reference
     try:
         executor = llm.llm_engine.engine_core.executor
         assert type(executor).__name__ == "MultiprocExecutor"  # the default for two ranks
-        assert_same_as(run_workload(llm, vocab_size), reference)
+        pipeline = "pipeline_parallel_size" in layout
+        steps_under_way = record_steps_under_way(llm)
+        result = run_workload(llm, vocab_size)
+        assert_same_as(result, reference, same_schedule=not pipeline)
+        # Two stages take two steps at once: a step is sent before the one before it is back.
+        assert max(steps_under_way) == (2 if pipeline else 1)
         # Each rank's cache holds its own KV heads (tp) or its own layers (pp).
         shapes = llm.llm_engine.collective_rpc(kv_cache_shapes)
         assert len(shapes) == 2 and shapes[0] == shapes[1]
@@ -49,6 +54,31 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs(tiny_model_dirs, reference
             assert len(shapes[0]) == 1 and shapes[0][0][2] == 2  # 1 of 2 layers, 2 KV heads
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+def record_steps_under_way(llm) -> list[int]:
+    """After each step sent to the executor, how many were sent and not yet collected."""
+    executor = llm.llm_engine.engine_core.executor
+    execute, counts, under_way = executor.execute_model, [], [0]
+
+    def collect(result):
+        def wrapped():
+            under_way[0] -= 1
+            return result()
+        return wrapped
+
+    def recording(*args, non_block=False, **kwargs):
+        output = execute(*args, non_block=non_block, **kwargs)
+        under_way[0] += 1
+        counts.append(under_way[0])
+        if not non_block:
+            under_way[0] -= 1
+            return output
+        output.result = collect(output.result)
+        return output
+
+    executor.execute_model = recording
+    return counts
 
 
 def test_the_default_gguf_model_in_two_pipeline_stages(default_model_path):
