@@ -69,6 +69,31 @@ def assert_same_as(
         assert result.num_preemptions > 0 and result.prefix_cache_hits >= SHARED_PREFIX
 
 
+def record_steps_under_way(llm) -> list[int]:
+    """After each step sent to the executor, how many were sent and not yet collected."""
+    executor = llm.llm_engine.engine_core.executor
+    execute, counts, under_way = executor.execute_model, [], [0]
+
+    def collect(result):
+        def wrapped():
+            under_way[0] -= 1
+            return result()
+        return wrapped
+
+    def recording(*args, non_block=False, **kwargs):
+        output = execute(*args, non_block=non_block, **kwargs)
+        under_way[0] += 1
+        counts.append(under_way[0])
+        if not non_block:
+            under_way[0] -= 1
+            return output
+        output.result = collect(output.result)
+        return output
+
+    executor.execute_model = recording
+    return counts
+
+
 def kv_cache_shapes(worker) -> list[tuple[int, ...]]:
     """A worker's KV cache, one shape per layer it holds (collective_rpc pickles this
     function by name to the worker processes)."""

@@ -14,6 +14,7 @@ from tests.distributed.parallel_workload import (
     assert_same_as,
     gguf_block_layers,
     kv_cache_shapes,
+    record_steps_under_way,
     run_workload,
 )
 from tokenserve import LLM, SamplingParams
@@ -54,31 +55,6 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs(tiny_model_dirs, reference
             assert len(shapes[0]) == 1 and shapes[0][0][2] == 2  # 1 of 2 layers, 2 KV heads
     finally:
         llm.llm_engine.engine_core.shutdown()
-
-
-def record_steps_under_way(llm) -> list[int]:
-    """After each step sent to the executor, how many were sent and not yet collected."""
-    executor = llm.llm_engine.engine_core.executor
-    execute, counts, under_way = executor.execute_model, [], [0]
-
-    def collect(result):
-        def wrapped():
-            under_way[0] -= 1
-            return result()
-        return wrapped
-
-    def recording(*args, non_block=False, **kwargs):
-        output = execute(*args, non_block=non_block, **kwargs)
-        under_way[0] += 1
-        counts.append(under_way[0])
-        if not non_block:
-            under_way[0] -= 1
-            return output
-        output.result = collect(output.result)
-        return output
-
-    executor.execute_model = recording
-    return counts
 
 
 def test_the_default_gguf_model_in_two_pipeline_stages(default_model_path):
