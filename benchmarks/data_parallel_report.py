@@ -1,6 +1,9 @@
-"""The table of benchmarks/data_parallel.sh: DP=1 and DP=2 side by side per figure and repeat.
+"""The table of benchmarks/data_parallel.sh: the layouts side by side per figure and repeat,
+each also as a ratio to the first layout.
 
-    python benchmarks/data_parallel_report.py OUT [REPEATS]     # Markdown on stdout
+    python benchmarks/data_parallel_report.py OUT [REPEATS [LAYOUT ...]]   # Markdown on stdout
+
+LAYOUTS default to dp1 dp2 (DP=1, 2 threads; DP=2, 1 thread each).
 """
 
 from __future__ import annotations
@@ -47,23 +50,39 @@ def _ratio(one: float | list[float], two: float | list[float]) -> str:
     return " / ".join(f"{b / a:.2f}" if a else "-" for a, b in zip(_as_list(one), _as_list(two)))
 
 
-def report(out: str, repeats: int) -> str:
+_LABELS = {"dp1": "DP=1 (2 threads)", "tp1": "TP=1 (2 threads)", "pp1": "PP=1 (2 threads)"}
+
+
+def _label(layout: str) -> str:
+    kind, size = layout[:2].upper(), layout[2:]
+    return _LABELS.get(layout, f"{kind}={size} (1 thread per {'engine' if kind == 'DP' else 'rank'})")
+
+
+def report(out: str, repeats: int, layouts: list[str]) -> str:
+    base, others = layouts[0], layouts[1:]
     lines = [
-        "| figure | repeat | DP=1 (2 threads) | DP=2 (1 thread each) | DP=2 / DP=1 |",
-        "|---|---|---|---|---|",
+        "| figure | repeat | " + " | ".join(_label(layout) for layout in layouts) + " | "
+        + " | ".join(f"{layout} / {base}" for layout in others) + " |",
+        "|---|---|" + "---|" * (len(layouts) + len(others)),
     ]
     for label, workload, pick in ROWS:
         for rep in range(1, repeats + 1):
-            try:
-                with open(f"{out}/dp1_{rep}_{workload}.json") as file:
-                    one = pick(json.load(file)["summary"])
-                with open(f"{out}/dp2_{rep}_{workload}.json") as file:
-                    two = pick(json.load(file)["summary"])
-            except (OSError, KeyError, TypeError):
+            values = []
+            for layout in layouts:
+                try:
+                    with open(f"{out}/{layout}_{rep}_{workload}.json") as file:
+                        values.append(pick(json.load(file)["summary"]))
+                except (OSError, KeyError, TypeError):
+                    values.append(None)
+            if values[0] is None:
                 continue
-            lines.append(f"| {label} | {rep} | {_format(one)} | {_format(two)} | {_ratio(one, two)} |")
+            cells = [_format(v) if v is not None else "-" for v in values]
+            ratios = [_ratio(values[0], v) if v is not None else "-" for v in values[1:]]
+            lines.append(f"| {label} | {rep} | " + " | ".join(cells + ratios) + " |")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    print(report(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1))
+    print(report(
+        sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1, sys.argv[3:] or ["dp1", "dp2"]
+    ))

@@ -3,12 +3,19 @@
 It sees token ids only (never text, never HTTP). The offline LLMEngine drives it in
 process; a server drives the same class in its own process. It never holds the model:
 an executor (executor/abstract.py) runs it on its workers.
+
+Under pipeline parallelism the executor takes up to one step per stage at once
+(`max_concurrent_batches`): a step is then scheduled and sent while the steps before it are
+still on their way through the stages, and a step call collects the oldest step's output
+only once that many are under way or nothing more can be scheduled (a batch queue, as in
+vLLM V1's engine core). Outputs are taken in the order the steps were scheduled.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -16,10 +23,11 @@ from tokenserve.config import EngineConfig
 from tokenserve.core.request import Request, RequestStatus
 from tokenserve.core.scheduler import Scheduler
 from tokenserve.core.step_cost import StepCostModel, StepShape
-from tokenserve.executor.abstract import Executor
+from tokenserve.executor.abstract import Executor, PendingOutput
 from tokenserve.executor.backends import get_executor_class
 from tokenserve.kv_transfer.factory import create_scheduler_connector
 from tokenserve.messages.engine_core import EngineCoreOutput, SchedulerStats
+from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.messages.scheduler_output import SchedulerOutput
 from tokenserve.structured_output.manager import StructuredOutputManager
 
@@ -64,10 +72,19 @@ class EngineCore:
             config.speculative_config,
             config.lora_config,
             kv_connector,
+            pipeline_parallel=config.parallel_config.pipeline_parallel_size > 1,
         )
         self.structured_output_manager = StructuredOutputManager(config, load_tokenizer)
         # What the latest step scheduled; the engine-core process reads it for its stats.
         self.last_scheduler_output: SchedulerOutput | None = None
+        # Steps sent and not yet collected, oldest first, when pipeline stages overlap them
+        # (one at a time with a KV connector, whose loads and saves assume it).
+        self.max_concurrent_batches = self.executor.max_concurrent_batches
+        if config.kv_transfer_config is not None:
+            self.max_concurrent_batches = 1
+        self.batch_queue: deque[tuple[PendingOutput, SchedulerOutput]] = deque()
+        # Outputs of steps collected outside a step call (before a collective call).
+        self.collected_outputs: list[EngineCoreOutput] = []
         logger.info(
             "Engine core ready in %.1f s: %s, %d KV blocks of %d tokens, max_model_len %d.",
             time.perf_counter() - started,
@@ -86,9 +103,15 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return (
+            self.scheduler.has_unfinished_requests()
+            or bool(self.batch_queue)
+            or bool(self.collected_outputs)
+        )
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.max_concurrent_batches > 1:
+            return self._step_with_batch_queue()
         if not self.scheduler.has_unfinished_requests():
             return []
         outputs = self._poll_grammars()
@@ -97,16 +120,64 @@ class EngineCore:
         self.last_scheduler_output = scheduler_output
         grammar_bitmask = self.structured_output_manager.grammar_bitmask(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output, grammar_bitmask)
-        outputs += self.scheduler.update_from_output(scheduler_output, runner_output)
-        if runner_output.draft_token_ids:
-            self.scheduler.update_draft_token_ids(runner_output.draft_token_ids)
+        outputs += self._update_from_output(scheduler_output, runner_output)
         if self.step_cost_model is not None and not scheduler_output.is_empty:
             self.step_cost_model.record(StepShape.of(scheduler_output), self.clock() - started)
-        if scheduler_output.is_empty and self.structured_output_manager.has_compiling_requests:
-            self.structured_output_manager.wait_for_grammars(GRAMMAR_WAIT_S)
-        elif scheduler_output.is_empty and self.scheduler.has_pending_kv_transfers:
-            time.sleep(KV_TRANSFER_WAIT_S)  # only a KV copy is under way: do not spin
+        self._wait_if_idle(scheduler_output)
         return outputs
+
+    def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Schedule and send a step while fewer than `max_concurrent_batches` are under way;
+        collect the oldest one when the queue is full or this step scheduled nothing.
+        (The step-cost model is not taught here: a step's wall time overlaps others'.)"""
+        outputs, self.collected_outputs = self.collected_outputs, []
+        self.last_scheduler_output = None
+        scheduled = None
+        room = len(self.batch_queue) < self.max_concurrent_batches
+        if room and self.scheduler.has_unfinished_requests():
+            outputs += self._poll_grammars()
+            scheduled = self.scheduler.schedule()
+            self.last_scheduler_output = scheduled
+            if not scheduled.is_empty or _tells_workers_something(scheduled):
+                self._send(scheduled)
+            if not scheduled.is_empty and len(self.batch_queue) < self.max_concurrent_batches:
+                return outputs
+        if self.batch_queue:
+            pending, scheduler_output = self.batch_queue.popleft()
+            outputs += self._update_from_output(scheduler_output, pending.result())
+        elif scheduled is not None:
+            self._wait_if_idle(scheduled)
+        return outputs
+
+    def _send(self, scheduler_output: SchedulerOutput) -> None:
+        grammar_bitmask = self.structured_output_manager.grammar_bitmask(scheduler_output)
+        pending = self.executor.execute_model(scheduler_output, grammar_bitmask, non_block=True)
+        assert isinstance(pending, PendingOutput)
+        self.batch_queue.append((pending, scheduler_output))
+
+    def _collect_all(self) -> None:
+        """Collect every step under way (before a call that needs the workers idle); their
+        outputs go out with the next step call."""
+        while self.batch_queue:
+            pending, scheduler_output = self.batch_queue.popleft()
+            self.collected_outputs += self._update_from_output(scheduler_output, pending.result())
+
+    def _update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if runner_output.draft_token_ids:
+            self.scheduler.update_draft_token_ids(runner_output.draft_token_ids)
+        return outputs
+
+    def _wait_if_idle(self, scheduler_output: SchedulerOutput) -> None:
+        """A step that scheduled nothing waits a moment for what it waits on, not to spin."""
+        if not scheduler_output.is_empty:
+            return
+        if self.structured_output_manager.has_compiling_requests:
+            self.structured_output_manager.wait_for_grammars(GRAMMAR_WAIT_S)
+        elif self.scheduler.has_pending_kv_transfers:
+            time.sleep(KV_TRANSFER_WAIT_S)  # only a KV copy is under way: do not spin
 
     def _poll_grammars(self) -> list[EngineCoreOutput]:
         """Admit requests whose grammar compiled; end those whose grammar failed ("abort")."""
@@ -138,9 +209,22 @@ class EngineCore:
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
         """Run a worker method (or `method(worker, ...)`) on every worker: one result each."""
+        self._collect_all()
         return self.executor.collective_rpc(method, args, kwargs)
 
     def shutdown(self) -> None:
+        self.batch_queue.clear()
         self.executor.shutdown()
         if self.scheduler.kv_connector is not None:
             self.scheduler.kv_connector.connector.shutdown()
+
+
+def _tells_workers_something(scheduler_output: SchedulerOutput) -> bool:
+    """Whether a step that computes nothing still carries news for the workers: requests to
+    forget, encoder outputs to drop, a KV connector's loads or saves."""
+    return bool(
+        scheduler_output.finished_req_ids
+        or scheduler_output.preempted_req_ids
+        or scheduler_output.free_encoder_mm_hashes
+        or scheduler_output.kv_connector_metadata is not None
+    )

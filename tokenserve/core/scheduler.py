@@ -17,6 +17,10 @@ A waiting request is admitted only if the blocks the running requests and it are
 to hold over their next `admission_lookahead_tokens` tokens fit the pool (kv_lookahead.py).
 When a running request needs a block and none is free, the newest (or lowest-priority)
 running request is preempted: it gives back its blocks and waits to be recomputed.
+Under pipeline parallelism several steps are under way at once: a request whose tokens are
+all under way has none to compute and waits for its step to come back, and a request in a
+step under way is preempted only once that step is back (the request that needs its blocks
+waits until then).
 Admission and preemption never share a step. With a target step time (`target_step_ms`),
 a `TargetStepBudget` caps the prompt tokens of each step on top of its decodes
 (core/step_cost.py).
@@ -116,12 +120,15 @@ class Scheduler:
         speculative_config: SpeculativeConfig | None = None,
         lora_config: LoRAConfig | None = None,
         kv_connector: KVConnectorScheduler | None = None,
+        pipeline_parallel: bool = False,
     ) -> None:
         """`step_cost_model`: what sizes each step's prefill under `target_step_ms` (the
         engine core records into it); one is made if the config has a target and none is given.
         `speculative_config`: drafts are verified (and counted) only under one.
         `lora_config`: a step holds at most its `max_loras` adapters (core/lora_admission.py).
-        `kv_connector`: an external KV store or peer (kv_transfer/; core/kv_connector_hooks.py)."""
+        `kv_connector`: an external KV store or peer (kv_transfer/; core/kv_connector_hooks.py).
+        `pipeline_parallel`: the runner's stages before the last learn the sampled tokens from
+        the steps that compute them (`CachedRequestData.new_token_ids`)."""
         if scheduler_config.prefill_order not in PREFILL_ORDERS:
             raise ValueError(
                 f"prefill_order must be 'shortest' or 'arrival', "
@@ -142,6 +149,9 @@ class Scheduler:
         self.running: list[Request] = []
         # Requests finished since the last schedule(), for the runner to forget.
         self.finished_req_ids: set[str] = set()
+        # Steps scheduled and not yet answered, per request (pipeline stages overlap steps).
+        self.num_steps_under_way: dict[str, int] = {}
+        self.pipeline_parallel = pipeline_parallel
         self.num_preemptions = 0
         self.step_cost_model = step_cost_model
         if scheduler_config.target_step_ms is not None and step_cost_model is None:
@@ -202,7 +212,10 @@ class Scheduler:
             scheduled_new_reqs=[self._new_request_data(r) for r in plan.scheduled_new],
             scheduled_cached_reqs=[
                 CachedRequestData(
-                    r.request_id, plan.new_block_ids[r.request_id], r.num_computed_tokens
+                    r.request_id,
+                    plan.new_block_ids[r.request_id],
+                    r.num_computed_tokens,
+                    self._sampled_tokens_of_step(r, plan.num_scheduled_tokens[r.request_id]),
                 )
                 for r in plan.scheduled_running
             ],
@@ -216,6 +229,8 @@ class Scheduler:
         )
         for request in (*plan.scheduled_running, *plan.scheduled_new):
             request.num_computed_tokens += plan.num_scheduled_tokens[request.request_id]
+            under_way = self.num_steps_under_way
+            under_way[request.request_id] = under_way.get(request.request_id, 0) + 1
             if request.mm_features:
                 free_computed_encoder_inputs(self.encoder_cache_manager, request)
         if self.kv_connector is not None:
@@ -237,6 +252,11 @@ class Scheduler:
         max_tokens, max_model_len); those after a stop are dropped, with their logprobs.
         """
         outputs = []
+        for request_id in scheduler_output.num_scheduled_tokens:
+            if self.num_steps_under_way.get(request_id, 0) <= 1:
+                self.num_steps_under_way.pop(request_id, None)
+            else:
+                self.num_steps_under_way[request_id] -= 1
         if self.kv_connector is not None:
             failed_running, failed_waiting = self.kv_connector.take_output(
                 model_runner_output.kv_connector_output, self.requests
@@ -446,9 +466,9 @@ class Scheduler:
                 request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens
             )
         ) is None:
-            if not may_preempt:
+            victim = self._choose_victim() if may_preempt else None
+            if victim is None:
                 return False
-            victim = self._choose_victim()
             self.running.remove(victim)
             self._preempt(victim)
             plan.add_preempted(victim)
@@ -546,10 +566,23 @@ class Scheduler:
             chunked=self.config.enable_chunked_prefill,
         )
 
-    def _choose_victim(self) -> Request:
+    def _choose_victim(self) -> Request | None:
+        """The request to preempt: the lowest-priority (or newest) running request; None
+        while it is in a step under way (its output is still to come): the request that
+        needs the blocks waits for that step instead."""
         if self.config.policy == "priority":
-            return max(self.running, key=Request.sort_key)
-        return self.running[-1]
+            victim = max(self.running, key=Request.sort_key)
+        else:
+            victim = self.running[-1]
+        return None if victim.request_id in self.num_steps_under_way else victim
+
+    def _sampled_tokens_of_step(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Under pipeline parallelism, the sampled tokens among the positions a running
+        request computes this step (a decode row: its last token)."""
+        if not self.pipeline_parallel:
+            return []
+        end = request.num_computed_tokens + num_new_tokens
+        return request.all_token_ids[max(request.num_computed_tokens, request.num_prompt_tokens) : end]
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

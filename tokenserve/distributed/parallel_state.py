@@ -80,15 +80,6 @@ class PipelineStage:
             dist.recv(tensor, src=self.prev_rank)
         return tensors
 
-    def share_from_output_rank(self, value: Any) -> Any:
-        """`value` of the output rank, on every rank (the sampled tokens, for the stages
-        before the last, which did not sample them)."""
-        if self.size == 1:
-            return value
-        holder = [value if dist.get_rank() == self.output_rank else None]
-        dist.broadcast_object_list(holder, src=self.output_rank)
-        return holder[0]
-
 
 @dataclass
 class ModelParallel:

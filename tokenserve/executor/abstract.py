@@ -2,7 +2,9 @@
 
 An executor owns the workers (one per device rank) and broadcasts calls to them:
 `collective_rpc` runs a worker method on every worker and returns one result each;
-`execute_model` is the step's call. The engine core imports this interface; the concrete
+`execute_model` is the step's call. An executor whose workers form several pipeline stages
+runs up to `max_concurrent_batches` steps at once: `execute_model(..., non_block=True)`
+returns a `PendingOutput` at once, answered in the order the steps were sent. The engine core imports this interface; the concrete
 class is chosen by `EngineConfig.parallel_config.distributed_executor_backend`
 (backends.py) and imported only then, so nothing of the worker or the model is loaded
 through the core.
@@ -32,6 +34,22 @@ def run_method(
     return method(worker, *args, **kwargs)
 
 
+class PendingOutput(ABC):
+    """A step sent to the workers and not yet answered (`execute_model(non_block=True)`)."""
+
+    @abstractmethod
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the step's output (a failed worker: RuntimeError)."""
+
+
+class _Answered(PendingOutput):
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self.output = output
+
+    def result(self) -> ModelRunnerOutput:
+        return self.output
+
+
 class Executor(ABC):
     """Builds the workers and loads the model on construction; then `initialize_kv_cache`,
     one `execute_model` per step, `shutdown` at the end."""
@@ -58,11 +76,21 @@ class Executor(ABC):
         """Allocate every worker's KV cache (`cache_config.num_blocks` blocks)."""
         self.collective_rpc("initialize_kv_cache")
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many steps may be under way at once: one, unless pipeline stages overlap."""
+        return 1
+
     def execute_model(
-        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
-    ) -> ModelRunnerOutput:
-        """Run one step on every worker; the first rank's output is the step's."""
-        return self.collective_rpc("execute_model", args=(scheduler_output, grammar_bitmask))[0]
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_bitmask: GrammarBitmask | None = None,
+        non_block: bool = False,
+    ) -> ModelRunnerOutput | PendingOutput:
+        """Run one step on every worker; the first rank's output is the step's. With
+        `non_block`, a `PendingOutput` (here already answered: one worker runs one step)."""
+        output = self.collective_rpc("execute_model", args=(scheduler_output, grammar_bitmask))[0]
+        return _Answered(output) if non_block else output
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -7,6 +7,11 @@ a step's answer is the output rank's (the last pipeline stage's first tensor-par
 the others answer None). While it waits the executor also watches every worker's process
 sentinel: a worker that dies, or a call that raises in one, is a RuntimeError in the engine
 core (which then exits, as for any engine error), never a hang.
+
+With several pipeline stages up to that many steps are under way at once (`execute_model(...,
+non_block=True)`): each worker answers its calls in the order they came down its pipe, so the
+answers are read back oldest step first, and a plain call first reads every step's answer
+that is still on its way.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import threading
 import time
 import traceback
 from abc import abstractmethod
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -28,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenserve.config import EngineConfig
 from tokenserve.distributed.cpu_binding import bind_to_cpus, cpus_for_ranks
-from tokenserve.executor.abstract import Executor, run_method
+from tokenserve.executor.abstract import Executor, PendingOutput, run_method
 from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.messages.scheduler_output import SchedulerOutput
 
@@ -152,6 +158,17 @@ class BroadcastExecutor(Executor):
     def _call(self, payload: bytes) -> list[Any]:
         """Send `payload` to every worker; their results by rank (a failure: RuntimeError)."""
 
+    @abstractmethod
+    def _submit(self, payload: bytes) -> PendingOutput:
+        """Send `payload` to every worker without waiting; the output rank's result comes
+        from the returned `PendingOutput`."""
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """One step per pipeline stage: while the last stage computes a step, the earlier
+        ones compute the steps after it."""
+        return self.config.parallel_config.pipeline_parallel_size
+
     def collective_rpc(
         self,
         method: str | Callable[..., Any],
@@ -162,10 +179,33 @@ class BroadcastExecutor(Executor):
         return self._call(encode_call(method, args, kwargs or {}, output_only=False))
 
     def execute_model(
-        self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
-    ) -> ModelRunnerOutput:
+        self,
+        scheduler_output: SchedulerOutput,
+        grammar_bitmask: GrammarBitmask | None = None,
+        non_block: bool = False,
+    ) -> ModelRunnerOutput | PendingOutput:
         payload = encode_call("execute_model", (scheduler_output, grammar_bitmask), {}, True)
+        if non_block:
+            return self._submit(payload)
         return self._call(payload)[self.output_rank]
+
+
+class _PipeAnswer(PendingOutput):
+    """A step on its way through the worker pipes: answered when every older one is."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        self.executor = executor
+        self.answered = False
+        self.output: ModelRunnerOutput | None = None
+        self.error: RuntimeError | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        while not self.answered:
+            self.executor._read_oldest_answer()
+        if self.error is not None:
+            raise self.error
+        assert self.output is not None
+        return self.output
 
 
 @dataclass
@@ -190,6 +230,8 @@ class MultiprocExecutor(BroadcastExecutor):
         context = multiprocessing.get_context("spawn")
         self.output_rank = output_rank(self.config)
         self.workers: list[_WorkerProcess] = []
+        # Steps sent and not yet answered, oldest first (their answers come in this order).
+        self.unanswered: deque[_PipeAnswer] = deque()
         with _children_allowed(), _environment(OMP_NUM_THREADS=str(len(cpus[0]))):
             for rank in range(world_size):
                 conn, child_conn = context.Pipe()
@@ -205,6 +247,18 @@ class MultiprocExecutor(BroadcastExecutor):
         self._gather()  # every worker joined the ranks and built its runner
 
     def _call(self, payload: bytes) -> list[Any]:
+        while self.unanswered:  # the steps' answers come first down the pipes
+            self._read_oldest_answer()
+        self._send(payload)
+        return self._gather()
+
+    def _submit(self, payload: bytes) -> PendingOutput:
+        self._send(payload)
+        pending = _PipeAnswer(self)
+        self.unanswered.append(pending)
+        return pending
+
+    def _send(self, payload: bytes) -> None:
         if not self.workers:
             raise RuntimeError("The executor is shut down.")
         for worker in self.workers:
@@ -212,7 +266,18 @@ class MultiprocExecutor(BroadcastExecutor):
                 worker.conn.send_bytes(payload)
             except (BrokenPipeError, OSError):
                 pass  # a dead worker: _gather names it
-        return self._gather()
+
+    def _read_oldest_answer(self) -> None:
+        pending = self.unanswered.popleft()
+        try:
+            pending.output = self._gather()[self.output_rank]
+        except RuntimeError as error:
+            pending.error = error
+            # The workers are broken: the younger steps get the same error.
+            for younger in self.unanswered:
+                younger.error, younger.answered = error, True
+            self.unanswered.clear()
+        pending.answered = True
 
     def _gather(self) -> list[Any]:
         """Every worker's answer, by rank; RuntimeError for a worker that failed or died."""
@@ -250,6 +315,9 @@ class MultiprocExecutor(BroadcastExecutor):
 
     def shutdown(self) -> None:
         workers, self.workers = getattr(self, "workers", []), []
+        for pending in getattr(self, "unanswered", ()):
+            pending.error, pending.answered = RuntimeError("The executor is shut down."), True
+        self.unanswered = deque()
         for worker in workers:
             with contextlib.suppress(OSError):
                 worker.conn.send_bytes(encode_call(SHUTDOWN, (), {}, False))

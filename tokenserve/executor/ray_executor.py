@@ -5,7 +5,8 @@ Ray is imported only when this executor starts (`pip install tokenserve[ray]`); 
 already running (`ray start`, or `ray.init` in this process) is joined, else Ray starts a
 local one. Rank 0's machine hosts torch.distributed's rendezvous. A call is put in Ray's
 object store once and every actor reads it; the step's answer is the output rank's, as in
-the multiprocess executor. An actor that dies is a RuntimeError in the engine core.
+the multiprocess executor; steps under way at once (pipeline stages) are Ray object
+references, each read when its step is collected. An actor that dies is a RuntimeError in the engine core.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any
 
 from tokenserve.config import EngineConfig
 from tokenserve.distributed.cpu_binding import bind_to_cpus, cpus_for_ranks
+from tokenserve.executor.abstract import PendingOutput
 from tokenserve.executor.multiproc import BroadcastExecutor, answer_call, free_port, output_rank
+from tokenserve.messages.model_runner_output import ModelRunnerOutput
 
 # Seconds to wait for the cluster to grant the placement group.
 _PLACEMENT_TIMEOUT_S = 300
@@ -112,10 +115,20 @@ class RayExecutor(BroadcastExecutor):
             raise RuntimeError(f"A Ray worker failed: {error}") from error
 
     def _call(self, payload: bytes) -> list[Any]:
+        return self._answers(self._send(payload))
+
+    def _submit(self, payload: bytes) -> PendingOutput:
+        return _RayAnswer(self, self._send(payload))
+
+    def _send(self, payload: bytes) -> list[Any]:
+        """Every actor's call of `payload` (an actor runs its calls in the order sent)."""
         if not self.actors:
             raise RuntimeError("The executor is shut down.")
         shared = self._ray.put(payload)  # once, read by every actor
-        answers = self._get([actor.execute.remote(shared) for actor in self.actors])
+        return [actor.execute.remote(shared) for actor in self.actors]
+
+    def _answers(self, refs: list[Any]) -> list[Any]:
+        answers = self._get(refs)
         errors = [f"worker rank {rank} failed:\n{value}"
                   for rank, (status, value) in enumerate(answers) if status != "ok"]
         if errors:
@@ -132,3 +145,14 @@ class RayExecutor(BroadcastExecutor):
         if self.placement_group is not None:
             self._remove_placement_group(self.placement_group)
             self.placement_group = None
+
+
+class _RayAnswer(PendingOutput):
+    """A step sent to the actors: its output rank's result once every actor answered."""
+
+    def __init__(self, executor: RayExecutor, refs: list[Any]) -> None:
+        self.executor = executor
+        self.refs = refs
+
+    def result(self) -> ModelRunnerOutput:
+        return self.executor._answers(self.refs)[self.executor.output_rank]

@@ -40,6 +40,9 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Under pipeline parallelism, the sampled tokens among this step's positions (they end
+    # at its last one): the stages before the last never sampled them. Empty otherwise.
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -24,9 +24,9 @@ from tokenserve.attention.batch_layout import BatchLayout
 from tokenserve.attention.selector import get_attention_backend
 from tokenserve.config import EngineConfig
 from tokenserve.distributed.parallel_state import ModelParallel
+from tokenserve.kernels.build import select_isa
 from tokenserve.kv_transfer.worker_base import KVConnectorWorker
 from tokenserve.kv_transfer.worker_factory import create_worker_connector
-from tokenserve.kernels.build import select_isa
 from tokenserve.lora.manager import LoRAModelManager
 from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.messages.scheduler_output import SchedulerOutput
@@ -225,8 +225,9 @@ class ModelRunner:
             hidden_states = self.model(*model_inputs)
         else:
             hidden_states = self.model(*model_inputs, inputs_embeds=inputs_embeds)
-        if hidden_states is None:  # a pipeline stage before the last: that one samples
-            self._append_sampled_elsewhere(sampled_ids)
+        if hidden_states is None:
+            # A pipeline stage before the last: that one samples, and the scheduler sends the
+            # tokens on with the steps that compute them (CachedRequestData.new_token_ids).
             return ModelRunnerOutput()
         for request_id, rows in prompt_rows.items():
             self._gather_prompt_logprobs(self.requests[request_id], hidden_states, *rows)
@@ -235,8 +236,6 @@ class ModelRunner:
             output = self._sample(
                 sampled_ids, hidden_states[logits_indices], grammar_bitmask, all_drafts
             )
-        # The earlier pipeline stages append these tokens too (no-op with one stage).
-        self.parallel.pp.share_from_output_rank(output.sampled_token_ids)
         if self.proposer is not None:
             output.draft_token_ids = self.proposer.propose(
                 scheduler_output, self.requests, sampled_ids
@@ -325,13 +324,6 @@ class ModelRunner:
                 position += count
         return output
 
-    def _append_sampled_elsewhere(self, sampled_ids: list[str]) -> None:
-        """The tokens the last pipeline stage sampled for `sampled_ids`, into their states."""
-        sampled = self.parallel.pp.share_from_output_rank(None)
-        for request_id, new_tokens in zip(sampled_ids, sampled, strict=True):
-            for token in new_tokens:
-                self.requests[request_id].append_token(token)
-
     def _prompt_logprob_positions(
         self, state: CachedRequestState, start: int, end: int
     ) -> tuple[int, int]:
@@ -403,6 +395,15 @@ class ModelRunner:
             state = self.requests[cached.request_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            if cached.new_token_ids:
+                # A stage that did not sample them: the tokens end at the step's last position.
+                end = cached.num_computed_tokens + scheduler_output.num_scheduled_tokens[
+                    cached.request_id
+                ]
+                first = end - len(cached.new_token_ids)
+                for position, token in enumerate(cached.new_token_ids, first):
+                    if position == state.num_tokens:
+                        state.append_token(token)
 
 
 def _with_drafts(state: CachedRequestState, drafts: list[int]) -> CachedRequestState:
