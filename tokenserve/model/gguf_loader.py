@@ -127,6 +127,20 @@ def iterate_gguf_weights(
         yield hf_name, permute(dequantize_tensor(tensor, path))
 
 
+def iterate_cached_gguf_weights(
+    path: str, config: transformers.PretrainedConfig
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """`iterate_gguf_weights`, then `iterate_gguf_quantized_weights`, through the weight cache
+    (model/weight_cache.py): expanded once, memory-mapped at every later load."""
+    from tokenserve.model.weight_cache import cached_gguf_weights
+
+    def expand() -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        yield from iterate_gguf_weights(path, config)
+        yield from iterate_gguf_quantized_weights(path, config)
+
+    return cached_gguf_weights(path, _open_reader(path).header_size, expand)
+
+
 def iterate_gguf_quantized_weights(
     path: str, config: transformers.PretrainedConfig
 ) -> Iterator[tuple[str, QuantizedWeight]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 
 import torch
@@ -21,7 +20,7 @@ from tokenserve.model.idefics3 import Idefics3ForConditionalGeneration
 from tokenserve.model.layers.quantization import get_linear_method
 from tokenserve.model.llama import LlamaForCausalLM
 from tokenserve.model.llava import LlavaForConditionalGeneration
-from tokenserve.model.loader import iterate_quantized_weights, iterate_weights
+from tokenserve.model.loader import iterate_model_weights
 from tokenserve.model.precision import activation_dtype
 from tokenserve.model.qwen3 import Qwen3ForCausalLM
 
@@ -128,8 +127,7 @@ def get_model(
     moved to `device` and processed: ready to run."""
     torch.manual_seed(model_config.seed)
     model = build_model(model_config, attention, kernel_config, parallel)
-    files = model_config.files
-    model.load_weights(itertools.chain(iterate_weights(files), iterate_quantized_weights(files)))
+    model.load_weights(iterate_model_weights(model_config.files))
     model = model.to(device).eval()
     process_weights_after_loading(model)
     logger.info("Linear layers: %s.", model.linear_method)
