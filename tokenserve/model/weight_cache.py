@@ -43,6 +43,8 @@ STORED_DTYPE = "float32"
 _DTYPES = {"float32": torch.float32, "uint8": torch.uint8, "int8": torch.int8}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _DENSE = "dense"
+# The sources (in this package) whose code decides the expanded tensors.
+_EXPANSION_SOURCES = ("gguf_loader.py", "gguf_file.py", os.path.join("layers", "quantization", "gguf.py"))
 
 Weight = tuple[str, "torch.Tensor | QuantizedWeight"]
 
@@ -88,12 +90,9 @@ def code_version() -> str:
     versions of gguf and numpy, which dequantize."""
     from importlib.metadata import version
 
-    from tokenserve.model import gguf_loader
-    from tokenserve.model.layers.quantization import gguf as gguf_method
-
     digest = hashlib.sha256(f"{MAGIC!r}|{version('gguf')}|{np.__version__}".encode())
-    for module in (gguf_loader, gguf_method):
-        with open(module.__file__, "rb") as file:
+    for source in _EXPANSION_SOURCES:
+        with open(os.path.join(os.path.dirname(__file__), source), "rb") as file:
             digest.update(file.read())
     return digest.hexdigest()[:16]
 
