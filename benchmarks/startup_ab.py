@@ -7,9 +7,12 @@ its whole KV cache at start needs it). Bytecode is written (PYTHONDONTWRITEBYTEC
 as an installed package has it. The figures of docs/STARTUP.md came from:
 
     git archive b7bd1b2 tokenserve | tar -x -C /tmp/base      # the code before the change
-    python benchmarks/startup_ab.py /tmp/base . --pairs 3 --output ab.json [-- serve args]
+    python benchmarks/startup_ab.py --pairs 3 --output ab.json /tmp/base . [-- serve args]
 
-usage: python benchmarks/startup_ab.py TREE_A TREE_B [--pairs N] [--output F] [-- serve args]
+usage: python benchmarks/startup_ab.py [--pairs N] [--output F] TREE_A TREE_B [-- serve args]
+(the options first: whatever follows the trees goes to `tokenserve serve`). The servers run
+from an empty directory: `python -m` puts the working directory first on sys.path, so a run
+started in a source tree would import that tree whatever PYTHONPATH says.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
 
 from tokenserve.benchmarks.startup import measure_start
@@ -43,17 +47,20 @@ def main() -> None:
     args = parser.parse_args()
     serve_args = [arg for arg in args.serve_args if arg != "--"]
     base_env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    trees = (("a", os.path.abspath(args.tree_a)), ("b", os.path.abspath(args.tree_b)))
+    output = os.path.abspath(args.output)
+    os.chdir(tempfile.mkdtemp(prefix="startup-ab-"))  # neither tree on sys.path by accident
     rows = []
     for pair in range(args.pairs):
-        for name, tree in (("a", args.tree_a), ("b", args.tree_b)):
+        for name, tree in trees:
             while available_gib() < MIN_AVAILABLE_GIB:
                 time.sleep(5)
-            env = {**base_env, "PYTHONPATH": os.path.abspath(tree)}
+            env = {**base_env, "PYTHONPATH": tree}
             load = os.getloadavg()[0]
             run = measure_start(serve_args, env, args.timeout)
             rows.append({"tree": name, "path": tree, "pair": pair, "load1": load, **vars(run)})
             print(json.dumps(rows[-1]), flush=True)
-            with open(args.output, "w") as file:
+            with open(output, "w") as file:
                 json.dump(rows, file, indent=1)
 
 

@@ -1,5 +1,5 @@
 """Where tokenserve keeps files it derives once and reuses: converted tokenizers, compiled
-kernels. `$TOKENSERVE_CACHE_DIR`, or ~/.cache/tokenserve."""
+kernels, expanded GGUF weights. `$TOKENSERVE_CACHE_DIR`, or ~/.cache/tokenserve."""
 
 from __future__ import annotations
 

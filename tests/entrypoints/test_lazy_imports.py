@@ -31,6 +31,14 @@ MODEL_SIDE = ["tokenserve.worker", "tokenserve.executor", "tokenserve.core.engin
 OTHER_COMMANDS = ["tokenserve.simulator", "tokenserve.benchmarks"]
 # The engine-core process serves no HTTP.
 HTTP_SIDE = ["fastapi", "uvicorn", "starlette", "tokenserve.entrypoints.openai"]
+# Model classes: imported when a model is built, the one it needs only (model/registry.py).
+MODEL_CODE = [
+    "tokenserve.model.llama", "tokenserve.model.qwen3", "tokenserve.model.llava",
+    "tokenserve.model.idefics3", "tokenserve.model.bert", "tokenserve.model.decoder_pooling",
+]
+# What transformers' LlamaConfig (its type validators) and activations import: most of a
+# second of a start, for nothing a llama GGUF model uses.
+DISTRIBUTED_TENSOR = ["torch.distributed.tensor", "sympy", "transformers.activations"]
 
 
 def imported_after(code: str, timeout: float = 600) -> set[str]:
@@ -79,7 +87,22 @@ def test_engine_core_process_imports_no_http_and_no_features():
         "import_executor_class('uni')\n"
     )
     assert "tokenserve.worker.model_runner" in modules  # the preload does preload
-    assert found(modules, HTTP_SIDE + FEATURES) == []
+    assert found(modules, HTTP_SIDE + FEATURES + MODEL_CODE) == []
+
+
+def test_the_default_models_configuration_and_code_skip_torch_distributed_tensor():
+    # The engine-core process's path on the default model (the API process's is a part).
+    modules = imported_after(
+        "from tokenserve.executor.backends import import_executor_class\n"
+        "import_executor_class('uni')\n"
+        "from tokenserve.engine.engine_args import EngineArgs\n"
+        "from tokenserve.model.registry import model_class_for\n"
+        "model_config = EngineArgs().create_engine_config().model_config\n"
+        "model_class_for(model_config.architecture, model_config.runner)\n"
+    )
+    assert "tokenserve.model.llama" in modules
+    other_models = [name for name in MODEL_CODE if name != "tokenserve.model.llama"]
+    assert found(modules, DISTRIBUTED_TENSOR + other_models) == []
 
 
 def test_api_process_of_a_running_server(tiny_model_dirs: dict[str, str]):
@@ -117,4 +140,4 @@ def test_api_process_of_a_running_server(tiny_model_dirs: dict[str, str]):
     assert result.returncode == 0 and lines, result.stdout[-2000:] + result.stderr[-4000:]
     modules = set(json.loads(lines[0][len("MODULES "):]))
     assert "fastapi" in modules  # it did serve
-    assert found(modules, FEATURES + MODEL_SIDE + OTHER_COMMANDS) == []
+    assert found(modules, FEATURES + MODEL_SIDE + OTHER_COMMANDS + MODEL_CODE) == []

@@ -45,8 +45,9 @@ def transformers_gguf_checkpoint(default_files: LoadedModelFiles) -> dict:
     only supplies the HF parameter names; transformers un-permutes q/k with the head counts it
     reads from the file itself.
     """
+    config = transformers.LlamaConfig.from_dict(default_files.hf_config.to_dict())
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(default_files.hf_config)
+        model = transformers.AutoModelForCausalLM.from_config(config)
     # transformers rebuilds gguf's name table once per submodule (~10 s here); the top-level
     # pass already maps every llama parameter, so present the model without children.
     names_only = SimpleNamespace(
@@ -90,6 +91,20 @@ def test_gguf_config_matches_transformers(
         "pad_token_id",
     ):
         assert getattr(ours, key) == getattr(expected, key), key
+
+
+def assert_reads_as_a_llama_config(ours: transformers.PretrainedConfig) -> None:
+    # GGUFLlamaConfig spares the start LlamaConfig's imports; it must read as one.
+    expected = transformers.LlamaConfig.from_dict(ours.to_dict())
+    assert ours.to_dict() == expected.to_dict()
+    assert ours.model_type == "llama"
+
+
+def test_gguf_config_is_a_llama_config_attribute_for_attribute(default_files: LoadedModelFiles):
+    assert_reads_as_a_llama_config(default_files.hf_config)
+    defaults = transformers.LlamaConfig()
+    for key, value in gguf_loader.LLAMA_CONFIG_DEFAULTS.items():
+        assert getattr(defaults, key) == value, key
 
 
 def test_gguf_weights_match_transformers(
@@ -205,6 +220,7 @@ def test_gguf_round_trip_undoes_permutation_with_gqa(
     assert files.hf_config.num_key_value_heads == 2
     assert files.hf_config.tie_word_embeddings is False
     assert files.hf_config.rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
+    assert_reads_as_a_llama_config(files.hf_config)
     ours = dict(iterate_weights(files))
     assert sorted(ours) == sorted(state_dict)
     for name, tensor in ours.items():
@@ -229,6 +245,7 @@ def test_gguf_llama3_rope_freqs_become_rope_parameters(
     )
     files = resolve_model(path)
     assert files.hf_config.rope_parameters == {"rope_type": "llama3", **llama3}
+    assert_reads_as_a_llama_config(files.hf_config)
     assert "rope_freqs.weight" not in dict(iterate_weights(files))
 
     bad_path = _write_gguf(

@@ -3,14 +3,15 @@
 Each run starts `tokenserve serve [serve args]` as a subprocess on a free port of
 127.0.0.1, waits for /health to answer 200, then streams one chat request (temperature 0,
 max_tokens 8). Every time is in seconds from the moment the process was started:
-`import` (the engine-core process has imported its modules), `configured` (the API process
-has handed it its configuration) and `load` (the engine core is ready: model loaded, KV
-cache allocated) come from the server's log; `ready` (/health 200),
-`first_token` (the first streamed content) and `first_answer` (the whole answer) are seen
-by the client. After the answer, the resident memory of the API process and the engine-core
-process (psutil). `--cold` empties tokenserve's cache directory before each run and builds
-the kernels again as `scripts/install.sh` does (timed apart): the "right after a fresh
-install" figure. How the figures read: docs/STARTUP.md.
+`import` (the engine-core process has imported its modules), `configured` (it has built
+its configuration from the engine arguments the API process handed it) and `load` (the
+engine core is ready: model loaded, KV cache allocated) come from the server's log;
+`ready` (/health 200), `first_token` (the first streamed content) and `first_answer` (the
+whole answer) are seen by the client. After the answer, the resident memory of the API
+process and the engine-core process (psutil). `--cold` empties tokenserve's cache
+directory (converted tokenizers, built kernels, expanded weights) before each run and
+builds the kernels again as `scripts/install.sh` does (timed apart): the "right after a
+fresh install" figure. How the figures read: docs/STARTUP.md.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the caches unless --cold).")
     parser.add_argument("--cold", action="store_true",
                         help="Before each run, empty tokenserve's cache directory (converted "
-                             "tokenizers, built kernels) and build the kernels as the install "
-                             "does: the start right after a fresh install.")
+                             "tokenizers, built kernels, expanded weights) and build the "
+                             "kernels as the install does: the start right after a fresh "
+                             "install.")
     parser.add_argument("--cache-dir", default=None,
                         help=f"The server's ${CACHE_DIR_ENV} (default: this environment's, "
                              f"{cache_root()}).")
@@ -71,7 +73,7 @@ class StartupRun:
     """One start, in seconds from the process start (None where the log lacks the mark)."""
 
     import_s: float | None
-    configured_s: float | None  # the API process handed the engine process its configuration
+    configured_s: float | None  # the engine process has its configuration
     load_s: float | None
     ready_s: float
     first_token_s: float
@@ -123,7 +125,7 @@ def summarize(runs: list[StartupRun]) -> dict[str, Any]:
 def format_report(summary: dict[str, Any], cold: bool) -> str:
     labels = {
         "import": "engine modules imported",
-        "configured": "engine configured by the API process",
+        "configured": "engine configuration built",
         "load": "engine core ready (model loaded)",
         "ready": "/health 200",
         "first_token": "first token of the chat answer",

@@ -83,7 +83,8 @@ def run_engine_core(
         ready_pipe.close()
         raise
     proc = EngineCoreProc(engine_core, input_address, output_address, parent_pid)
-    ready_pipe.send({"status": "ready", "pid": os.getpid()})
+    # The configuration it runs, for the API process to check against its own.
+    ready_pipe.send({"status": "ready", "pid": os.getpid(), "config": config})
     ready_pipe.close()
     exit_code = 0
     try:
@@ -106,23 +107,32 @@ def run_engine_core(
 
 
 def run_engine_core_when_configured(
-    start_pipe: Connection, ready_pipe: Connection, parent_pid: int
+    start_pipe: Connection,
+    ready_pipe: Connection,
+    parent_pid: int,
+    configure: Callable[[Any], tuple[EngineConfig, Callable[[], Any] | None]],
 ) -> None:
     """The entry point of a process started before its configuration existed
-    (engine/core_client.py): the default executor's modules, the model code among them, are
-    imported while the API process builds the configuration; then `run_engine_core`."""
+    (engine/core_client.py): the default executor's modules are imported while the API
+    process parses the flags; then `configure` turns what the API process sends (the engine
+    arguments, or a configuration) into the configuration and the tokenizer's loader, and
+    `run_engine_core` runs."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=ENGINE_CORE_LOG_FORMAT)
     import_executor_class("uni")
     logger.info("Engine core process: modules imported.")  # bench startup's "import" mark
     try:
-        config, input_address, output_address, load_tokenizer, engine_index, cpu_ids = (
-            start_pipe.recv()
-        )
+        settings, input_address, output_address, engine_index, cpu_ids = start_pipe.recv()
     except EOFError:  # the API process stopped before configuring us (bad flags, Ctrl-C)
         os._exit(0)
     finally:
         start_pipe.close()
+    try:
+        config, load_tokenizer = configure(settings)
+    except (ValueError, OSError, RuntimeError) as error:  # bad flags: the API process says so
+        ready_pipe.send({"status": "failed", "error": f"{type(error).__name__}: {error}"})
+        ready_pipe.close()
+        os._exit(1)
     logger.info("Engine core process: configured.")  # bench startup's "configured" mark
     run_engine_core(
         config, input_address, output_address, ready_pipe, parent_pid, load_tokenizer,

@@ -1,10 +1,11 @@
 """The API process's side of the engine core: start it, talk to it, notice when it dies.
 
 `EngineCoreProcess` starts the engine-core process with multiprocessing's 'spawn' before
-its configuration exists: the child imports the engine (torch, the model code) while this
-process parses flags, builds the configuration and imports the HTTP stack, then loads the
-model as soon as `configure` hands it the configuration (`tokenserve serve` starts it
-first thing, docs/STARTUP.md). The client binds two ipc:// sockets in the process's private
+its configuration exists: the child imports the engine (torch, the executor) while this
+process parses flags. `configure_from_args` then hands it the engine arguments (plain
+data), from which it builds its configuration and loads the model while this process
+builds the same configuration and imports the HTTP stack; the ready handshake checks that
+the two agree (`tokenserve serve` starts it first thing, docs/STARTUP.md). The client binds two ipc:// sockets in the process's private
 temporary directory (PUSH for requests, PULL for outputs) and waits for the ready
 handshake over a pipe. Sends and receives are asyncio (zmq.asyncio). The process's
 sentinel is watched on the event loop, so a dead engine is known at once. This module
@@ -38,6 +39,7 @@ from tokenserve.messages.engine_core import (
 
 if TYPE_CHECKING:
     from tokenserve.config import EngineConfig
+    from tokenserve.engine.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +55,20 @@ def _engine_core_main(start_pipe: Connection, ready_pipe: Connection, parent_pid
     """The child's entry point; the engine's modules are imported here, in the child only."""
     from tokenserve.core.engine_core_proc import run_engine_core_when_configured
 
-    run_engine_core_when_configured(start_pipe, ready_pipe, parent_pid)
+    run_engine_core_when_configured(start_pipe, ready_pipe, parent_pid, _configuration)
+
+
+def _configuration(
+    settings: EngineConfig | EngineArgs,
+) -> tuple[EngineConfig, Callable[[], object]]:
+    """In the child: its configuration (built from the engine arguments, or as sent) and the
+    loader of the tokenizer, for structured outputs (the engine core imports no model code)."""
+    from tokenserve.config import EngineConfig
+    from tokenserve.model.loader import load_tokenizer
+
+    config = settings if isinstance(settings, EngineConfig) else settings.create_engine_config()
+    model_config = config.model_config
+    return config, functools.partial(load_tokenizer, model_config.files, model_config.tokenizer)
 
 
 class EngineCoreProcess:
@@ -80,22 +95,28 @@ class EngineCoreProcess:
         start_reader.close()
         ready_writer.close()
 
-    def configure(self, config: EngineConfig, cpu_ids: list[int] | None = None) -> None:
-        """Hand the process its configuration: it loads the model from here on, pinned to
-        `cpu_ids` when given (data parallelism), else on all of the process's cores."""
-        from tokenserve.model.loader import load_tokenizer
+    def configure_from_args(self, engine_args: EngineArgs) -> None:
+        """Hand the process the engine arguments: it builds its configuration from them and
+        loads the model while this process builds its own, which `configure` then records
+        and the ready handshake checks against the process's."""
+        self._send(engine_args, None)
 
+    def configure(self, config: EngineConfig, cpu_ids: list[int] | None = None) -> None:
+        """Record the configuration; unless `configure_from_args` was called, hand it to the
+        process, which loads the model from here on, pinned to `cpu_ids` when given (data
+        parallelism), else on all of the process's cores."""
         if self.config is not None:
             raise RuntimeError("The engine core process is configured already.")
         self.config = config
-        # The tokenizer, for structured outputs: the engine core does not import model code.
-        tokenizer = functools.partial(
-            load_tokenizer, config.model_config.files, config.model_config.tokenizer
-        )
+        if not self._start_writer.closed:
+            self._send(config, cpu_ids)
+
+    def _send(self, settings: EngineConfig | EngineArgs, cpu_ids: list[int] | None) -> None:
+        if self._start_writer.closed:
+            raise RuntimeError("The engine core process is configured already.")
         try:
             self._start_writer.send(
-                (config, self.input_address, self.output_address, tokenizer, self.engine_index,
-                 cpu_ids)
+                (settings, self.input_address, self.output_address, self.engine_index, cpu_ids)
             )
         except (BrokenPipeError, ConnectionResetError):
             pass  # it died while importing: the ready handshake reports that
@@ -113,6 +134,13 @@ class EngineCoreProcess:
             self.ready_reader.close()
         if message.get("status") != "ready":
             raise RuntimeError(f"The engine core failed to start: {message.get('error')}")
+        if message.get("config") != self.config:
+            # Both were built by the same code from the same arguments and files: a file
+            # replaced in between, or an environment that differs, would show here.
+            raise RuntimeError(
+                "The engine core process built another configuration than the API process "
+                "(was the model replaced while the server started?)."
+            )
         logger.info(
             "Engine core process %d ready %.1f s after it started.",
             self.process.pid,

@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenserve.config import RUNNERS, ModelConfig, PoolerConfig
 from tokenserve.model.pooler import check_pooling_type, read_pooler_config
-from tokenserve.model.registry import model_class_for, resolve_runner
+from tokenserve.model.registry import check_architecture, model_class_for, resolve_runner
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +33,12 @@ def configure_runner(
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {list(RUNNERS)}, got {runner!r}.")
     model_config.runner = resolve_runner(model_config.architecture, runner)
-    model_class = model_class_for(model_config.architecture, model_config.runner)
+    check_architecture(model_config.architecture, model_config.runner)
     if model_config.runner != "pooling":
         if pooler_config is not None:
             raise ValueError("pooler_config applies only to runner='pooling'.")
         return settings
+    model_class = model_class_for(model_config.architecture, model_config.runner)
     if model_config.format != "hf":
         raise ValueError("The pooling runner loads Hugging Face directories only, not GGUF files.")
     config = read_pooler_config(model_config.model, model_class.default_pooling_type)

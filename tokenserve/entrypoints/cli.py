@@ -48,15 +48,16 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     engine_args = engine_args_from(args)
     engine_process: EngineCoreProcess | None = getattr(args, "engine_process", None)
+    if engine_process is not None and engine_args.data_parallel_size > 1:
+        # Several engines, each started pinned to its own cores (engine/dp_client.py).
+        engine_process.shutdown()
+        engine_process = None
     if engine_process is not None:
-        config = engine_args.create_engine_config()
-        if config.parallel_config.data_parallel_size > 1:
-            # Several engines, each started pinned to its own cores (engine/dp_client.py).
-            engine_process.shutdown()
-            engine_process = None
-        else:
-            # The engine process loads the model while this one imports the HTTP stack below.
-            engine_process.configure(config)
+        # It builds its configuration and loads the model while this process builds the
+        # same configuration (flags checked here: a ValueError is exit code 2) and imports
+        # the HTTP stack below; the ready handshake checks that the two agree.
+        engine_process.configure_from_args(engine_args)
+        engine_process.configure(engine_args.create_engine_config())
     from tokenserve.entrypoints.openai.api_server import run_server
 
     return asyncio.run(run_server(args, engine_args, engine_process))

@@ -135,6 +135,7 @@ class GGUFFile:
             infos.append((name, shape, tensor_type, self._unpack("<Q")))
         alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
         data_start = -(-self._offset // alignment) * alignment
+        self.header_size = data_start  # metadata and tensor table: the file's identity
         tensors = []
         for name, shape, tensor_type, offset in infos:
             block_size, type_size = GGML_QUANT_SIZES[tensor_type]

@@ -62,9 +62,24 @@ _BLOCK_NAMES = {
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
+# What LlamaConfig sets that a GGUF file does not say: its defaults (tests/model/
+# test_loader.py checks GGUFLlamaConfig against LlamaConfig attribute by attribute).
+LLAMA_CONFIG_DEFAULTS: dict[str, Any] = {
+    "hidden_act": "silu", "initializer_range": 0.02, "use_cache": True, "pretraining_tp": 1,
+    "attention_dropout": 0.0, "mlp_bias": False,
+}
 
-def load_gguf_config(path: str) -> transformers.LlamaConfig:
-    """A LlamaConfig equivalent to the one transformers derives from the GGUF metadata."""
+
+class GGUFLlamaConfig(transformers.PretrainedConfig):
+    """A GGUF file's LlamaConfig, attribute for attribute, without importing LlamaConfig:
+    transformers' configuration_llama imports its type validators, which import
+    torch.distributed.tensor and sympy, most of a second of every start (docs/STARTUP.md)."""
+
+    model_type = "llama"
+
+
+def load_gguf_config(path: str) -> GGUFLlamaConfig:
+    """The config transformers derives from the GGUF metadata (a LlamaConfig's attributes)."""
     reader = _open_reader(path)
     architecture = _metadata(reader, "general.architecture")
     if architecture != "llama":
@@ -83,11 +98,16 @@ def load_gguf_config(path: str) -> transformers.LlamaConfig:
             f"GGUF file {path} applies RoPE to {rotary_dim} of {head_dim} head dimensions; "
             "partial rotary embeddings are not supported."
         )
+    if hidden_size % num_heads:
+        raise ValueError(
+            f"GGUF file {path}: the hidden size ({hidden_size}) is not a multiple of the "
+            f"number of attention heads ({num_heads})."
+        )
     vocab_size = _metadata(reader, "llama.vocab_size")
     if vocab_size is None:
         vocab_size = len(_required(reader, path, "tokenizer.ggml.tokens"))
 
-    config = transformers.LlamaConfig(
+    config = GGUFLlamaConfig(
         architectures=[GGUF_ARCHITECTURE],
         vocab_size=int(vocab_size),
         hidden_size=hidden_size,
@@ -105,6 +125,8 @@ def load_gguf_config(path: str) -> transformers.LlamaConfig:
         eos_token_id=_optional_int(_metadata(reader, "tokenizer.ggml.eos_token_id")),
         pad_token_id=_optional_int(_metadata(reader, "tokenizer.ggml.padding_token_id")),
     )
+    for key, value in LLAMA_CONFIG_DEFAULTS.items():
+        setattr(config, key, value)  # after: the constructor drops generation keys (use_cache)
     config.name_or_path = path
     return config
 
@@ -125,6 +147,20 @@ def iterate_gguf_weights(
             )
         permute = _row_order(hf_name, config)
         yield hf_name, permute(dequantize_tensor(tensor, path))
+
+
+def iterate_cached_gguf_weights(
+    path: str, config: transformers.PretrainedConfig
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """`iterate_gguf_weights`, then `iterate_gguf_quantized_weights`, through the weight cache
+    (model/weight_cache.py): expanded once, memory-mapped at every later load."""
+    from tokenserve.model.weight_cache import cached_gguf_weights
+
+    def expand() -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        yield from iterate_gguf_weights(path, config)
+        yield from iterate_gguf_quantized_weights(path, config)
+
+    return cached_gguf_weights(path, _open_reader(path).header_size, expand)
 
 
 def iterate_gguf_quantized_weights(

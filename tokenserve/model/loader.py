@@ -125,6 +125,16 @@ def iterate_quantized_weights(files: LoadedModelFiles) -> Iterator[tuple[str, Qu
     return iter(())
 
 
+def iterate_model_weights(
+    files: LoadedModelFiles,
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """`iterate_weights` then `iterate_quantized_weights`: everything a model loads; a GGUF
+    file's expansion comes from the weight cache after the first load."""
+    if files.format == "gguf":
+        return gguf_loader.iterate_cached_gguf_weights(files.path, files.hf_config)
+    return iterate_weights(files)
+
+
 def _check_supported(architecture: str, path: str) -> None:
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(

@@ -1,8 +1,12 @@
-"""Which model class serves which architecture, and a model built, loaded and made ready."""
+"""Which model class serves which architecture, and a model built, loaded and made ready.
+
+The tables name the classes ("module:Class"); a class is imported when a model is built (as
+vLLM's registry does), so resolving a configuration imports no model code.
+"""
 
 from __future__ import annotations
 
-import itertools
+import importlib
 import logging
 
 import torch
@@ -10,69 +14,68 @@ import torch
 from tokenserve.attention.backend import AttentionBackend
 from tokenserve.config import KernelConfig, ModelConfig
 from tokenserve.distributed.parallel_state import ModelParallel
-from tokenserve.model.bert import BertForSequenceClassification, BertModel
-from tokenserve.model.decoder_pooling import (
-    LlamaForEmbedding,
-    LlamaForSequenceClassification,
-    Qwen3ForEmbedding,
-    Qwen3ForSequenceClassification,
-)
-from tokenserve.model.idefics3 import Idefics3ForConditionalGeneration
 from tokenserve.model.layers.quantization import get_linear_method
-from tokenserve.model.llama import LlamaForCausalLM
-from tokenserve.model.llava import LlavaForConditionalGeneration
-from tokenserve.model.loader import iterate_quantized_weights, iterate_weights
+from tokenserve.model.loader import iterate_model_weights
 from tokenserve.model.precision import activation_dtype
-from tokenserve.model.qwen3 import Qwen3ForCausalLM
 
 logger = logging.getLogger(__name__)
 
-MODEL_CLASSES = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+_MODELS = "tokenserve.model."
+MODEL_CLASSES: dict[str, str] = {
+    "LlamaForCausalLM": _MODELS + "llama:LlamaForCausalLM",
+    "MistralForCausalLM": _MODELS + "llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": _MODELS + "llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": _MODELS + "qwen3:Qwen3ForCausalLM",
     # vision-language models: `embed_multimodal` runs an image's encoder (docs/MULTIMODAL.md)
-    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
-    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
+    "LlavaForConditionalGeneration": _MODELS + "llava:LlavaForConditionalGeneration",
+    "Idefics3ForConditionalGeneration": _MODELS + "idefics3:Idefics3ForConditionalGeneration",
 }
 
 # The pooling runner's classes (vLLM's `--runner pooling`): a causal LM is pooled without its
 # LM head; base models and classifiers are pooling models only.
-POOLING_MODEL_CLASSES: dict[str, type[torch.nn.Module]] = {
-    "LlamaForCausalLM": LlamaForEmbedding,
-    "MistralForCausalLM": LlamaForEmbedding,
-    "Qwen2ForCausalLM": LlamaForEmbedding,
-    "Qwen3ForCausalLM": Qwen3ForEmbedding,
-    "LlamaModel": LlamaForEmbedding,
-    "MistralModel": LlamaForEmbedding,
-    "Qwen2Model": LlamaForEmbedding,
-    "Qwen3Model": Qwen3ForEmbedding,
-    "LlamaForSequenceClassification": LlamaForSequenceClassification,
-    "MistralForSequenceClassification": LlamaForSequenceClassification,
-    "Qwen2ForSequenceClassification": LlamaForSequenceClassification,
-    "Qwen3ForSequenceClassification": Qwen3ForSequenceClassification,
-    "BertModel": BertModel,
-    "BertForSequenceClassification": BertForSequenceClassification,
+_POOLING = _MODELS + "decoder_pooling:"
+POOLING_MODEL_CLASSES: dict[str, str] = {
+    "LlamaForCausalLM": _POOLING + "LlamaForEmbedding",
+    "MistralForCausalLM": _POOLING + "LlamaForEmbedding",
+    "Qwen2ForCausalLM": _POOLING + "LlamaForEmbedding",
+    "Qwen3ForCausalLM": _POOLING + "Qwen3ForEmbedding",
+    "LlamaModel": _POOLING + "LlamaForEmbedding",
+    "MistralModel": _POOLING + "LlamaForEmbedding",
+    "Qwen2Model": _POOLING + "LlamaForEmbedding",
+    "Qwen3Model": _POOLING + "Qwen3ForEmbedding",
+    "LlamaForSequenceClassification": _POOLING + "LlamaForSequenceClassification",
+    "MistralForSequenceClassification": _POOLING + "LlamaForSequenceClassification",
+    "Qwen2ForSequenceClassification": _POOLING + "LlamaForSequenceClassification",
+    "Qwen3ForSequenceClassification": _POOLING + "Qwen3ForSequenceClassification",
+    "BertModel": _MODELS + "bert:BertModel",
+    "BertForSequenceClassification": _MODELS + "bert:BertForSequenceClassification",
 }
 
 
-def model_class_for(architecture: str, runner: str) -> type[torch.nn.Module]:
-    """The class serving `architecture` under `runner` ("generate" or "pooling")."""
+def check_architecture(architecture: str, runner: str) -> None:
+    """ValueError unless a class serves `architecture` under `runner` ("generate" or
+    "pooling"); imports nothing."""
     classes = POOLING_MODEL_CLASSES if runner == "pooling" else MODEL_CLASSES
-    model_class = classes.get(architecture)
-    if model_class is None:
-        other = MODEL_CLASSES if runner == "pooling" else POOLING_MODEL_CLASSES
-        hint = ""
-        if architecture in other:
-            hint = " (it runs with runner='generate')" if runner == "pooling" else (
-                " (it is a pooling model: run it with runner='pooling')"
-            )
-        raise ValueError(
-            f"Architecture {architecture!r} is not supported by the {runner!r} runner{hint}; "
-            f"supported: {', '.join(classes)}."
+    if architecture in classes:
+        return
+    other = MODEL_CLASSES if runner == "pooling" else POOLING_MODEL_CLASSES
+    hint = ""
+    if architecture in other:
+        hint = " (it runs with runner='generate')" if runner == "pooling" else (
+            " (it is a pooling model: run it with runner='pooling')"
         )
-    return model_class
+    raise ValueError(
+        f"Architecture {architecture!r} is not supported by the {runner!r} runner{hint}; "
+        f"supported: {', '.join(classes)}."
+    )
+
+
+def model_class_for(architecture: str, runner: str) -> type[torch.nn.Module]:
+    """The class serving `architecture` under `runner` ("generate" or "pooling"), imported."""
+    check_architecture(architecture, runner)
+    classes = POOLING_MODEL_CLASSES if runner == "pooling" else MODEL_CLASSES
+    module, name = classes[architecture].split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def resolve_runner(architecture: str, runner: str) -> str:
@@ -128,8 +131,7 @@ def get_model(
     moved to `device` and processed: ready to run."""
     torch.manual_seed(model_config.seed)
     model = build_model(model_config, attention, kernel_config, parallel)
-    files = model_config.files
-    model.load_weights(itertools.chain(iterate_weights(files), iterate_quantized_weights(files)))
+    model.load_weights(iterate_model_weights(model_config.files))
     model = model.to(device).eval()
     process_weights_after_loading(model)
     logger.info("Linear layers: %s.", model.linear_method)

@@ -1,0 +1,242 @@
+"""A GGUF model's expanded weights, kept on disk and memory-mapped at the next start.
+
+Expanding a GGUF file (gguf's numpy dequantization, the q/k row order undone, the Q4_1 /
+Q8_0 blocks repacked) takes most of a model load on CPU, and gives the same tensors every
+time. The first load writes what it yields into one file under
+`$TOKENSERVE_CACHE_DIR/weights`; later loads map that file (private, copy-on-write) and
+yield views of it. An entry is keyed by the GGUF file's identity (size, mtime, SHA-256 of
+its header), the stored dtype and the code that expands it (this package's expansion
+sources, gguf's and numpy's versions), so a changed file or expansion gets a new entry.
+It is written under a temporary name and renamed into place, so a reader never sees a
+partial entry; every array carries a checksum that is verified before any tensor of the
+entry is yielded, so a damaged entry is removed and rebuilt, never served.
+
+File layout: the arrays (each 64-byte aligned), then a JSON index, then the index's length
+(u64, little-endian) and the magic number.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import struct
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+from tokenserve.cache_dir import cache_root
+from tokenserve.model.layers.quantization.gguf import QuantizedWeight
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"TSWCACH1"
+_TRAILER = struct.Struct("<Q8s")  # index length, magic
+_ALIGNMENT = 64
+# What the entries hold: the expansion's float32 tensors and the blocks' uint8 / int8 ones.
+STORED_DTYPE = "float32"
+_DTYPES = {"float32": torch.float32, "uint8": torch.uint8, "int8": torch.int8}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_DENSE = "dense"
+# The sources (in this package) whose code decides the expanded tensors.
+_EXPANSION_SOURCES = ("gguf_loader.py", "gguf_file.py", os.path.join("layers", "quantization", "gguf.py"))
+
+Weight = tuple[str, "torch.Tensor | QuantizedWeight"]
+
+
+class CorruptCacheEntry(ValueError):
+    """A cache entry that is not what its writer wrote: truncated, damaged or foreign."""
+
+
+def cached_gguf_weights(
+    path: str, header_size: int, expand: Callable[[], Iterable[Weight]]
+) -> Iterator[Weight]:
+    """The weights `expand()` yields for the GGUF file at `path` (whose header is its first
+    `header_size` bytes), from the cache when it holds them, else expanded and cached."""
+    entry = entry_path(path, header_size)
+    if os.path.exists(entry):
+        try:
+            weights = read_entry(entry)
+        except (CorruptCacheEntry, OSError) as error:
+            logger.warning("Rebuilding the weight cache entry %s: %s", entry, error)
+            _remove(entry)
+        else:
+            logger.info("Weights from the cache: %s.", entry)
+            yield from weights
+            return
+    yield from _expand_and_write(expand(), entry)
+
+
+def entry_path(path: str, header_size: int) -> str:
+    """Where the cached weights of the GGUF file at `path` live."""
+    stat = os.stat(path)
+    with open(path, "rb") as file:
+        header_digest = hashlib.sha256(file.read(header_size)).hexdigest()
+    key = "|".join(
+        (str(stat.st_size), str(stat.st_mtime_ns), header_digest, STORED_DTYPE, code_version())
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return os.path.join(cache_root(), "weights", f"{stem}-{digest}.bin")
+
+
+def code_version() -> str:
+    """A digest of what decides the expanded tensors: the sources that expand them and the
+    versions of gguf and numpy, which dequantize."""
+    from importlib.metadata import version
+
+    digest = hashlib.sha256(f"{MAGIC!r}|{version('gguf')}|{np.__version__}".encode())
+    for source in _EXPANSION_SOURCES:
+        with open(os.path.join(os.path.dirname(__file__), source), "rb") as file:
+            digest.update(file.read())
+    return digest.hexdigest()[:16]
+
+
+def read_entry(entry: str) -> list[Weight]:
+    """Every weight of a cache entry, as views of its private mapping; CorruptCacheEntry if
+    any array does not match its checksum or the layout does not hold together."""
+    with open(entry, "rb") as file:
+        try:
+            buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+        except ValueError:
+            raise CorruptCacheEntry("empty file") from None
+    size = len(buffer)
+    if size < _TRAILER.size:
+        raise CorruptCacheEntry("shorter than its trailer")
+    index_size, magic = _TRAILER.unpack_from(buffer, size - _TRAILER.size)
+    index_start = size - _TRAILER.size - index_size
+    if magic != MAGIC or index_start < 0:
+        raise CorruptCacheEntry("no trailer (an older format, or truncated)")
+    try:
+        index = json.loads(bytes(buffer[index_start : size - _TRAILER.size]))
+        weights = [_weight(item, buffer, index_start) for item in index["weights"]]
+    except (KeyError, TypeError, ValueError) as error:
+        raise CorruptCacheEntry(f"unreadable index or data: {error}") from error
+    return weights
+
+
+def _weight(item: dict[str, Any], buffer: mmap.mmap, data_end: int) -> Weight:
+    arrays = [_array(spec, buffer, data_end) for spec in item["arrays"]]
+    if item["form"] == _DENSE:
+        [tensor] = arrays
+        return item["name"], tensor
+    qs, scales = arrays
+    return item["name"], QuantizedWeight(item["form"], qs, scales)
+
+
+def _array(spec: dict[str, Any], buffer: mmap.mmap, data_end: int) -> torch.Tensor:
+    offset, nbytes = int(spec["offset"]), int(spec["nbytes"])
+    if offset < 0 or offset % _ALIGNMENT or offset + nbytes > data_end:
+        raise CorruptCacheEntry(f"an array at {offset} (+{nbytes}) outside the data")
+    data = np.frombuffer(buffer, np.uint8, nbytes, offset)
+    if checksum(data) != spec["checksum"]:
+        raise CorruptCacheEntry(f"the array at {offset} does not match its checksum")
+    dtype = _DTYPES[spec["dtype"]]
+    shape = [int(dim) for dim in spec["shape"]]
+    count = nbytes // dtype.itemsize
+    if count != int(np.prod(shape, dtype=np.int64)):
+        raise CorruptCacheEntry(f"the array at {offset} does not fill its shape {shape}")
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)
+
+
+def checksum(data: np.ndarray) -> int:
+    """The sum of the bytes read as little-endian u64 words (the tail zero-padded), modulo
+    2**64: one fast pass that catches truncation, zeroed pages and overwritten data."""
+    whole = len(data) // 8 * 8
+    total = int(data[:whole].view("<u8").sum(dtype=np.uint64)) if whole else 0
+    tail = data[whole:].tobytes()
+    if tail:
+        total += int.from_bytes(tail.ljust(8, b"\0"), "little")
+    return total % 2**64
+
+
+def _expand_and_write(weights: Iterable[Weight], entry: str) -> Iterator[Weight]:
+    """Yield `weights`, writing each into a temporary file renamed to `entry` at the end."""
+    writer = _EntryWriter.open(entry)
+    if writer is None:
+        yield from weights
+        return
+    try:
+        for name, weight in weights:
+            writer.add(name, weight)
+            yield name, weight
+        writer.commit()
+    finally:
+        writer.discard()  # a no-op once committed
+
+
+class _EntryWriter:
+    def __init__(self, entry: str, file: BinaryIO, temporary: str) -> None:
+        self.entry, self.file, self.temporary = entry, file, temporary
+        self.index: list[dict[str, Any]] = []
+        self.failed = False
+        self.committed = False
+
+    @classmethod
+    def open(cls, entry: str) -> _EntryWriter | None:
+        try:
+            os.makedirs(os.path.dirname(entry), exist_ok=True)
+            descriptor, temporary = tempfile.mkstemp(prefix=".partial-", dir=os.path.dirname(entry))
+        except OSError as error:
+            logger.warning("Not caching the expanded weights in %s: %s", entry, error)
+            return None
+        return cls(entry, os.fdopen(descriptor, "wb"), temporary)
+
+    def add(self, name: str, weight: torch.Tensor | QuantizedWeight) -> None:
+        if self.failed:
+            return
+        if isinstance(weight, QuantizedWeight):
+            form, tensors = weight.kind, [weight.qs, weight.scales]
+        else:
+            form, tensors = _DENSE, [weight]
+        try:
+            arrays = [self._write(tensor) for tensor in tensors]
+        except (OSError, KeyError) as error:  # a full disk, or a dtype the format lacks
+            logger.warning("Not caching the expanded weights in %s: %s", self.entry, error)
+            self.failed = True
+            return
+        self.index.append({"name": name, "form": form, "arrays": arrays})
+
+    def _write(self, tensor: torch.Tensor) -> dict[str, Any]:
+        dtype = _DTYPE_NAMES[tensor.dtype]
+        offset = self.file.tell()
+        data = tensor.detach().contiguous().numpy().reshape(-1).view(np.uint8)
+        self.file.write(data.data)
+        self.file.write(b"\0" * (-self.file.tell() % _ALIGNMENT))
+        return {"dtype": dtype, "shape": list(tensor.shape), "offset": offset,
+                "nbytes": data.nbytes, "checksum": checksum(data)}
+
+    def commit(self) -> None:
+        if self.failed:
+            return
+        try:
+            index = json.dumps({"weights": self.index}).encode()
+            self.file.write(index)
+            self.file.write(_TRAILER.pack(len(index), MAGIC))
+            self.file.close()
+            os.replace(self.temporary, self.entry)  # readers see the whole entry or none
+        except OSError as error:
+            logger.warning("Not caching the expanded weights in %s: %s", self.entry, error)
+            return
+        self.committed = True
+        logger.info("Expanded weights cached in %s.", self.entry)
+
+    def discard(self) -> None:
+        if self.committed:
+            return
+        self.file.close()
+        _remove(self.temporary)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
