@@ -1,15 +1,17 @@
 """Every projection of a model plus its logits matrix, at a few row counts, on three paths:
 GGUF's blocks through kernels/csrc/quant_linear.c's few-row and many-row (panel) kernels,
-and oneDNN's prepacked float32 GEMM.
+and oneDNN's prepacked GEMM: float32, or with `--dtype bfloat16` the bf16 model's own bf16
+products (rows padded as the layers pad them; AMX where the CPU has it).
 
 This is how the GGUF method's row limits (model/layers/quantization/gguf.py) were chosen: the weights stream from memory,
 as in a decode step (one pass over all layers reads the whole model), so the figures are
 per pass over the model, in wall-clock ms: the fastest of `--repeats` passes, the paths
 taking turns, so that load from other processes on the machine skews them alike and least.
 The few-row kernel is timed up to `--few-rows-up-to` rows only (it is slow beyond).
+With `--dtype bfloat16` this is how `--bf16-quantized-max-rows` was chosen.
 
 usage: python benchmarks/quantized_linear.py [--model GGUF] [--rows 1 8 16 64 ...]
-       [--few-rows-up-to 64] [--repeats 7]
+       [--few-rows-up-to 64] [--repeats 7] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ def main() -> None:
     )
     parser.add_argument("--few-rows-up-to", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="The model's dtype: the oneDNN column's products (bf16 or float32).")
     args = parser.parse_args()
 
-    llm = LLM(args.model, kv_cache_memory="64MiB")
+    llm = LLM(args.model, kv_cache_memory="64MiB", dtype=args.dtype)
     (model,) = llm.llm_engine.collective_rpc(lambda worker: worker.model_runner.model)
     # Every linear layer (the projections, then the LM head) with both forms of its weight.
     weights = [
@@ -46,7 +50,7 @@ def main() -> None:
     if not weights:
         raise SystemExit("This model has no weights in a quantized block form (is it a GGUF?).")
     print(
-        f"{len(weights)} weights; ms per pass over all of them (wall clock), "
+        f"{len(weights)} weights, {args.dtype}; ms per pass over all of them (wall clock), "
         f"{torch.get_num_threads()} threads"
     )
     print(
@@ -77,7 +81,8 @@ def _pass(weights: list, inputs: dict[int, torch.Tensor], path: str) -> None:
             quantized.matmul(x, panels=path == "many-row")
 
 
-_ONEDNN = UnquantizedLinearMethod(use_onednn=True)  # a layer's packed weight alone
+# A layer's packed weight alone (a bf16 one rounds x and pads its rows, as the model does).
+_ONEDNN = UnquantizedLinearMethod(use_onednn=True)
 
 
 def _best_ms(functions: list[Callable[[], None]], repeats: int) -> list[float]:

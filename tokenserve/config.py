@@ -244,6 +244,9 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
 # shapes (benchmarks/quantized_linear.py).
 DEFAULT_QUANTIZED_MAX_ROWS = 10
 DEFAULT_QUANTIZED_GEMM_MAX_ROWS = 192
+# bfloat16 models: the most rows of a product that still reads the GGUF blocks; oneDNN's bf16
+# GEMM (AMX, AVX512_BF16) takes more rows faster (docs/PERFORMANCE_CPU.md).
+DEFAULT_BF16_QUANTIZED_MAX_ROWS = 16
 # --cpu-isa: the instruction-set levels the C kernels build for (kernels/cpu_isa.py).
 CPU_ISAS = ("auto", "avx2", "avx512", "avx512_bf16", "amx", "native")
 
@@ -266,6 +269,9 @@ class KernelConfig:
     # above both. 0 turns a kernel off, both 0 the GGUF block path.
     quantized_max_rows: int = DEFAULT_QUANTIZED_MAX_ROWS
     quantized_gemm_max_rows: int = DEFAULT_QUANTIZED_GEMM_MAX_ROWS
+    # A bfloat16 model's products of more rows than this go to oneDNN's bf16 GEMM whatever
+    # the two limits above say (block_row_limits).
+    bf16_quantized_max_rows: int = DEFAULT_BF16_QUANTIZED_MAX_ROWS
     # The instruction set the C kernels are built for (kernels/cpu_isa.py): "auto", the
     # best the CPU has, or a lower level forced; --dtype auto takes bfloat16 only where the
     # level computes it natively (avx512_bf16, amx).
@@ -274,10 +280,19 @@ class KernelConfig:
     def __post_init__(self) -> None:
         if self.cpu_isa not in CPU_ISAS:
             raise ValueError(f"cpu_isa must be one of {list(CPU_ISAS)}, got {self.cpu_isa!r}.")
-        for name in ("quantized_max_rows", "quantized_gemm_max_rows"):
+        for name in ("quantized_max_rows", "quantized_gemm_max_rows",
+                     "bf16_quantized_max_rows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
+
+    def block_row_limits(self, bf16_products: bool) -> tuple[int, int]:
+        """The most rows of a product on the GGUF few-row and many-row kernels, for a model
+        whose dense products are float32 or (bf16_products) bfloat16."""
+        if not bf16_products:
+            return self.quantized_max_rows, self.quantized_gemm_max_rows
+        cap = self.bf16_quantized_max_rows
+        return min(self.quantized_max_rows, cap), min(self.quantized_gemm_max_rows, cap)
 
 
 # Speculative decoding's proposers (spec_decode/), by vLLM's `method` names.

@@ -8,7 +8,7 @@ import torch
 
 from tokenserve import LLM, SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
-from tokenserve.config import DEFAULT_QUANTIZED_GEMM_MAX_ROWS, KernelConfig
+from tokenserve.config import DEFAULT_BF16_QUANTIZED_MAX_ROWS, KernelConfig
 from tokenserve.kernels import build
 from tokenserve.model.fused_decode import FusedDecodeLayerStack
 
@@ -71,10 +71,11 @@ def test_fused_layers_equal_operators_one_by_one(kv_cache_dtype, fused_calls):
 
 
 def test_bf16_model_fuses_the_decode_steps_with_the_same_results(fused_calls):
-    # A bfloat16 model keeps the GGUF blocks for the decode steps' products (model/precision.py):
-    # those steps are fused, on the same float32 operators as one by one.
+    # A bfloat16 model keeps the GGUF blocks for the products of decode steps of few rows
+    # (bf16_quantized_max_rows): those steps are fused, on the same float32 operators as one
+    # by one.
     llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=False)
-    assert _model(llm).model.layer_stack.max_rows == DEFAULT_QUANTIZED_GEMM_MAX_ROWS
+    assert _model(llm).model.layer_stack.max_rows == DEFAULT_BF16_QUANTIZED_MAX_ROWS
     expected = _generate(llm, fused=False, num_prompts=5)
     assert _generate(llm, fused=True, num_prompts=5) == expected
     assert fused_calls and set(fused_calls) <= {1, 2, 3, 4, 5}

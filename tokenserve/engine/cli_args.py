@@ -91,6 +91,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                          default=defaults.quantized_gemm_max_rows,
                          help="GGUF models: products of more rows, up to this many, read the "
                               "blocks with the many-row kernel; oneDNN above (0: off).")
+    kernels.add_argument("--bf16-quantized-max-rows", type=int,
+                         default=defaults.bf16_quantized_max_rows,
+                         help="GGUF models in bfloat16: products of more rows go to oneDNN's "
+                              "bf16 GEMM (AMX) instead of the blocks, whatever the two limits "
+                              "above say.")
     kernels.add_argument("--cpu-isa", choices=list(CPU_ISAS), default=defaults.cpu_isa,
                          help="Instruction set the C kernels are built for: auto (the best the "
                               "CPU has) or a lower level forced (docs/PERFORMANCE_CPU.md).")

@@ -10,8 +10,9 @@ weights are bfloat16 (GGUF blocks expanded to bf16), their products run in bf16 
 float32 accumulation (oneDNN, AMX tiles where present), and the KV cache holds bfloat16;
 the residual stream, norms, rotary, softmax and the logits stay float32 (`activation_dtype`),
 so the C kernels of those operators serve it unchanged and only the products round their
-inputs to bf16. A GGUF model's decode steps still read its blocks in float32
-(model/layers/quantization/__init__.py), so there bf16 speeds up the prefill. float16 stays float16 throughout (the pure-torch path).
+inputs to bf16. A GGUF model's decode steps of at most `bf16_quantized_max_rows` rows
+still read its blocks in float32 (model/layers/quantization/__init__.py); larger steps and
+prefill take the bf16 products. float16 stays float16 throughout (the pure-torch path).
 """
 
 from __future__ import annotations

@@ -186,9 +186,9 @@ async def _calibrate(
     if len(samples) < 2 * NUM_REGIME_FEATURES:
         raise ValueError("Calibration recorded too few steps to fit the step-cost model.")
     # Per kernel regime (core/step_cost.py): the row limits the model's products run under.
-    kernels = config.kernel_config
-    model = KernelRegimeCostModel.fit(samples, few_rows=kernels.quantized_max_rows,
-                                      panel_rows=kernels.quantized_gemm_max_rows)
+    bf16 = str(config.model_config.dtype) == "torch.bfloat16"  # no torch import here
+    few_rows, panel_rows = config.kernel_config.block_row_limits(bf16)
+    model = KernelRegimeCostModel.fit(samples, few_rows=few_rows, panel_rows=panel_rows)
     if delays:
         # Medians over the lone requests; never negative (clocks of two processes).
         model.arrival_delay_ms = max(float(np.median([d[0] for d in delays])) * 1e3, 0.0)

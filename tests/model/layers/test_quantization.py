@@ -148,12 +148,20 @@ def test_the_method_follows_the_model_format_and_the_kernel_settings():
     # bfloat16: bf16 dense weights (float32 activations) beside the blocks.
     bf16 = get_linear_method(gguf, torch.bfloat16, KernelConfig())
     assert isinstance(bf16, GGUFLinearMethod) and bf16.weight_dtype == torch.bfloat16
-    assert (bf16.max_rows, bf16.gemm_max_rows) == (KernelConfig().quantized_max_rows,
-                                                   KernelConfig().quantized_gemm_max_rows)
+    # ... whose rows stop at bf16_quantized_max_rows: oneDNN's bf16 GEMM above.
+    assert (bf16.max_rows, bf16.gemm_max_rows) == (
+        KernelConfig().quantized_max_rows, KernelConfig().bf16_quantized_max_rows)
+    assert KernelConfig().block_row_limits(False) == (
+        KernelConfig().quantized_max_rows, KernelConfig().quantized_gemm_max_rows)
+    capped = get_linear_method(gguf, torch.bfloat16, KernelConfig(bf16_quantized_max_rows=4))
+    assert (capped.max_rows, capped.gemm_max_rows) == (4, 4)
+    assert get_linear_method(gguf, torch.float32, KernelConfig(bf16_quantized_max_rows=0)).\
+        gemm_max_rows == KernelConfig().quantized_gemm_max_rows
     for model_format, dtype, config in [
         (hf, torch.float32, KernelConfig()),
         (gguf, torch.float16, KernelConfig()),
         (gguf, torch.bfloat16, KernelConfig(quantized_max_rows=0, quantized_gemm_max_rows=0)),
+        (gguf, torch.bfloat16, KernelConfig(bf16_quantized_max_rows=0)),
         (gguf, torch.float32, KernelConfig(disable_c_kernels=True)),
         (gguf, torch.float32, KernelConfig(quantized_max_rows=0, quantized_gemm_max_rows=0)),
     ]:
@@ -163,3 +171,5 @@ def test_the_method_follows_the_model_format_and_the_kernel_settings():
     assert not get_linear_method(hf, torch.float32, KernelConfig(disable_onednn=True)).use_onednn
     with pytest.raises(ValueError, match="quantized_max_rows must be a non-negative integer"):
         KernelConfig(quantized_max_rows=-1)
+    with pytest.raises(ValueError, match="bf16_quantized_max_rows must be a non-negative"):
+        KernelConfig(bf16_quantized_max_rows=-1)

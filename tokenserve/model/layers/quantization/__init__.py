@@ -21,12 +21,11 @@ def get_linear_method(
     """GGUF blocks beside the dense weights for a float32 or bfloat16 GGUF model whose block
     kernels are built and wanted; dense weights otherwise. A bfloat16 model keeps its dense
     weights in bf16 beside float32 activations (model/precision.py): the products above
-    the block kernels' row limits (prefill) run on oneDNN's bf16 GEMM, the decode steps on
-    the blocks as in float32 (docs/PERFORMANCE_CPU.md)."""
+    the blocks' row limits (for bf16 the lower `bf16_quantized_max_rows`: prefill and all
+    but the smallest decode steps) run on oneDNN's bf16 GEMM (docs/PERFORMANCE_CPU.md)."""
     use_onednn = not kernel_config.disable_onednn
     weight_dtype = dtype if activation_dtype(dtype) != dtype else None
-    max_rows, gemm_max_rows = (kernel_config.quantized_max_rows,
-                               kernel_config.quantized_gemm_max_rows)
+    max_rows, gemm_max_rows = kernel_config.block_row_limits(weight_dtype is not None)
     if (
         model_format == "gguf"
         and activation_dtype(dtype) == torch.float32
