@@ -80,3 +80,36 @@ def test_vllm_bfloat16_runs_only_on_a_cpu_with_native_bf16(tmp_path: Path):
     native = bool(flags & {"avx512_bf16", "amx_bf16"})
     assert any("--dtype bfloat16" in c for c in commands(printed, "bench throughput")) == native
     assert ("vLLM bfloat16 not run" in printed) == (not native)
+
+
+def test_engines_run_in_the_order_given_and_tokenserve_fp32_is_float32(tmp_path: Path):
+    printed, _ = dry_run(
+        tmp_path, ENGINES="llamacpp_f16,tokenserve_fp32,vllm,tokenserve", PHASES="w1,w2"
+    )
+    w1 = [c for c in printed.splitlines()
+          if c.startswith("+ ") and ("bench throughput" in c or "llama-batched-bench" in c)]
+    assert len(w1) == 4
+    assert "m0-f16.gguf" in w1[0]
+    assert "w1_tokenserve_fp32.json" in w1[1] and "--dtype float32" in w1[1]
+    assert "w1_vllm.json" in w1[2]
+    assert "w1_tokenserve.json" in w1[3] and "--dtype" not in w1[3]
+    # The server sessions follow the same order; tokenserve_fp32's server is tokenserve's in
+    # float32, and its clients' results are named apart.
+    servers = [c for c in printed.splitlines() if c.startswith("+ ") and (
+        (" serve " in c and "bench serve" not in c) or "llama-server" in c)]
+    assert len(servers) == 4
+    assert "llama-server" in servers[0] and "m0-f16.gguf" in servers[0]
+    assert "tokenserve.entrypoints.cli serve" in servers[1] and "--dtype float32" in servers[1]
+    assert "vllm-cpu-cli serve" in servers[2]
+    assert "tokenserve.entrypoints.cli serve" in servers[3] and "--dtype" not in servers[3]
+    assert any("w2_rate_2_tokenserve_fp32.json" in c for c in commands(printed, "bench serve"))
+
+
+def test_an_unknown_engine_is_refused(tmp_path: Path):
+    result = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out")],
+        env={**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "ENGINES": "tokenserve,vlm",
+             "PHASES": "w1", "MODEL_DIR": str(tmp_path / "m0")},
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert result.returncode == 2 and "unknown engine 'vlm'" in result.stderr
