@@ -113,3 +113,12 @@ def test_an_unknown_engine_is_refused(tmp_path: Path):
         capture_output=True, text=True, timeout=600, check=False,
     )
     assert result.returncode == 2 and "unknown engine 'vlm'" in result.stderr
+
+
+def test_a_python_without_tokenserve_is_named(tmp_path: Path):
+    result = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out")],
+        env={**os.environ, "DRY_RUN": "1", "PYTHON": "false", "PHASES": "w1"},
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert result.returncode == 2 and "PYTHON=false cannot import tokenserve" in result.stderr
