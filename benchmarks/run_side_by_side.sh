@@ -246,26 +246,29 @@ start_server() {  # $1 engine, $2 session name, rest: engine flags
   if ! dry && ! wait_port_free; then
     log "port $PORT is still taken after 120 s: another server is running there"; return 1
   fi
-  local started; started=$(date +%s.%N)
+  local started cmd; started=$(date +%s.%N)
   if [[ $engine == tokenserve* ]]; then
-    x setsid timeout "$SERVER_LIFETIME" "${TOKENSERVE[@]}" serve "$TS_MODEL" --host 127.0.0.1 \
-        --port "$PORT" --served-model-name M0 --max-model-len "$MAX_MODEL_LEN" \
-        --disable-log-stats --uvicorn-log-level warning "$@" > "$logf" 2>&1 9>&- &
+    cmd=("${TOKENSERVE[@]}" serve "$TS_MODEL" --host 127.0.0.1 --port "$PORT"
+         --served-model-name M0 --max-model-len "$MAX_MODEL_LEN" --disable-log-stats
+         --uvicorn-log-level warning "$@")
   elif [[ $engine == llamacpp* ]]; then
     # Its defaults otherwise (flash attention off: -fa was slower here; docs/BENCHMARKS.md).
-    # shellcheck disable=SC2046  # the KV flags are a word list
-    x setsid timeout "$SERVER_LIFETIME" "$LLAMA_CPP_DIR/bin/llama-server" -m "$(llama_gguf "$engine")" \
-        --host 127.0.0.1 --port "$PORT" -a M0 --metrics -np "$LLAMA_SLOTS" \
-        -c $(( LLAMA_SLOTS * LLAMA_SLOT_CTX )) -t "$(nproc)" -tb "$(nproc)" $(llama_kv "$engine") "$@" \
-        > "$logf" 2>&1 9>&- &
+    # shellcheck disable=SC2207  # the KV flags are a word list
+    cmd=("$LLAMA_CPP_DIR/bin/llama-server" -m "$(llama_gguf "$engine")" --host 127.0.0.1
+         --port "$PORT" -a M0 --metrics -np "$LLAMA_SLOTS" -c $(( LLAMA_SLOTS * LLAMA_SLOT_CTX ))
+         -t "$(nproc)" -tb "$(nproc)" $(llama_kv "$engine") "$@")
   else
-    x setsid timeout "$SERVER_LIFETIME" "${VLLM_ENV[@]}" "${VLLM[@]}" serve "$MODEL_DIR" \
-        --host 127.0.0.1 --port "$PORT" --served-model-name M0 --dtype "$(vllm_dtype "$engine")" \
-        --max-model-len "$MAX_MODEL_LEN" --enable-prompt-tokens-details \
-        --disable-uvicorn-access-log "$@" > "$logf" 2>&1 9>&- &
+    cmd=("${VLLM_ENV[@]}" "${VLLM[@]}" serve "$MODEL_DIR" --host 127.0.0.1 --port "$PORT"
+         --served-model-name M0 --dtype "$(vllm_dtype "$engine")"
+         --max-model-len "$MAX_MODEL_LEN" --enable-prompt-tokens-details
+         --disable-uvicorn-access-log "$@")
   fi
+  cmd=(setsid timeout "$SERVER_LIFETIME" "${cmd[@]}")
+  if dry; then x "${cmd[@]}"; return 0; fi
+  # Started as a plain command, not through x: a function in the background runs in a
+  # subshell, whose PID ($!) is then neither setsid's session nor the server's group.
+  "${cmd[@]}" > "$logf" 2>&1 9>&- &
   SERVER_PID=$!
-  if dry; then wait "$SERVER_PID"; SERVER_PID=""; return 0; fi
   local t0=$SECONDS
   until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do
     if ! kill -0 "$SERVER_PID" 2>/dev/null; then
