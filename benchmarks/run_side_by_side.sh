@@ -232,12 +232,18 @@ EOF
 
 # -------------------------------------------------------------------- servers
 SERVER_PID=""
-port_taken() { (exec 3<> "/dev/tcp/127.0.0.1/$PORT") 2> /dev/null; }
-# A server that has stopped answering may still hold its socket for a while as it exits (after
-# llama-server sessions with a large KV cache, the next two servers could not bind).
+# Free means a server can bind it as servers do (SO_REUSEADDR), not merely that nothing answers
+# there: after a llama-server session the port refused binds for ~40 s with nothing listening,
+# and the next server (tokenserve, vLLM) died of "Address already in use".
+port_free() {
+  "$PYTHON" -c 'import socket, sys
+sock = socket.socket()
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+sock.bind(("127.0.0.1", int(sys.argv[1])))' "$PORT" 2> /dev/null
+}
 wait_port_free() {
   local _
-  for _ in $(seq 120); do port_taken || return 0; sleep 1; done
+  for _ in $(seq 120); do port_free && return 0; sleep 1; done
   return 1
 }
 start_server() {  # $1 engine, $2 session name, rest: engine flags
