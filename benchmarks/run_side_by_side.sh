@@ -10,7 +10,12 @@
 #        DRY_RUN=1 benchmarks/run_side_by_side.sh OUT_DIR   prints every command, runs none
 #
 # env knobs:
-#   ENGINES=tokenserve,vllm,vllm_bf16,llamacpp,llamacpp_f16,transformers   engines to run
+#   ENGINES=tokenserve,vllm,vllm_bf16,llamacpp,llamacpp_f16,transformers   engines to run,
+#                                   in this order (W1 and every server session follow it:
+#                                   reverse it in every other sitting so that no engine
+#                                   always gets the same slot); also tokenserve_fp32
+#                                   (tokenserve with --dtype float32; `tokenserve` is its
+#                                   --dtype auto, bfloat16 on an avx512_bf16 / amx CPU)
 #                                   (transformers: W1 only). vllm: --dtype float32;
 #                                   vllm_bf16: --dtype bfloat16, run only on a CPU with
 #                                   native bf16 (avx512_bf16 or amx_bf16; VLLM_BF16=1 forces
@@ -77,6 +82,8 @@ MODEL_DIR=${MODEL_DIR:-$OUT/m0_hf}
 PYTHON=${PYTHON:-python3}
 TS_FLAGS=${TS_FLAGS:-}
 DEFAULT_GGUF=$("$PYTHON" -c "from tokenserve.model.loader import default_model_path; print(default_model_path())")
+[ -n "$DEFAULT_GGUF" ] || { echo "PYTHON=$PYTHON cannot import tokenserve: set PYTHON to the" \
+    "interpreter of its venv (e.g. PYTHON=/work/tvenv/bin/python)" >&2; exit 2; }
 TS_MODEL=${TS_MODEL:-$DEFAULT_GGUF}
 PEERS=${PEERS:-$REPO/../shared/peers/vllm_cpu.sh}
 export VENV=${VENV:-/tmp/peers/vllm}
@@ -104,6 +111,12 @@ cd "$REPO" || exit 1
 
 has() { [[ ",$PHASES," == *",$1,"* ]]; }
 runs() { [[ ",$ENGINES," == *",$1,"* ]]; }
+KNOWN_ENGINES=" tokenserve tokenserve_fp32 vllm vllm_bf16 llamacpp llamacpp_f16 transformers "
+IFS=, read -ra ENGINE_LIST <<< "$ENGINES"
+for engine in "${ENGINE_LIST[@]}"; do
+  [[ -z $engine || $KNOWN_ENGINES == *" $engine "* ]] && continue
+  echo "unknown engine '$engine' in ENGINES (known:$KNOWN_ENGINES)" >&2; exit 2
+done
 runs_vllm() { runs vllm || runs vllm_bf16; }
 runs_llamacpp() { runs llamacpp || runs llamacpp_f16; }
 log() { echo "[side_by_side $(date +%H:%M:%S)] $*" | tee -a "$OUT/logs/run.log"; }
@@ -123,7 +136,10 @@ prompts() { if [ "$QUICK" = 1 ]; then echo $(( $1 / 8 > 2 ? $1 / 8 : 2 )); else 
 if runs vllm_bf16 && [ "${VLLM_BF16:-0}" != 1 ] && ! grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then
   log "no avx512_bf16 / amx_bf16 on this CPU: vLLM bfloat16 not run (VLLM_BF16=1 runs it)"
   ENGINES=${ENGINES//vllm_bf16/}
+  IFS=, read -ra ENGINE_LIST <<< "$ENGINES"
 fi
+# tokenserve_fp32: tokenserve in float32, whatever this CPU's --dtype auto takes.
+ts_flags() { echo "$TS_FLAGS"; if [ "$1" = tokenserve_fp32 ]; then echo --dtype float32; fi; }
 vllm_dtype() { if [ "$1" = vllm_bf16 ]; then echo bfloat16; else echo float32; fi; }
 llama_gguf() { if [ "$1" = llamacpp_f16 ]; then echo "$LLAMA_GGUF_F16"; else echo "$LLAMA_GGUF"; fi; }
 llama_kv() { if [ "$1" = llamacpp_f16 ]; then echo "$LLAMA_F16_KV_FLAGS"; else echo "$LLAMA_KV_FLAGS"; fi; }
@@ -216,12 +232,18 @@ EOF
 
 # -------------------------------------------------------------------- servers
 SERVER_PID=""
-port_taken() { (exec 3<> "/dev/tcp/127.0.0.1/$PORT") 2> /dev/null; }
-# A server that has stopped answering may still hold its socket for a while as it exits (after
-# llama-server sessions with a large KV cache, the next two servers could not bind).
+# Free means a server can bind it as servers do (SO_REUSEADDR), not merely that nothing answers
+# there: after a llama-server session the port refused binds for ~40 s with nothing listening,
+# and the next server (tokenserve, vLLM) died of "Address already in use".
+port_free() {
+  "$PYTHON" -c 'import socket, sys
+sock = socket.socket()
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+sock.bind(("127.0.0.1", int(sys.argv[1])))' "$PORT" 2> /dev/null
+}
 wait_port_free() {
   local _
-  for _ in $(seq 120); do port_taken || return 0; sleep 1; done
+  for _ in $(seq 120); do port_free && return 0; sleep 1; done
   return 1
 }
 start_server() {  # $1 engine, $2 session name, rest: engine flags
@@ -230,26 +252,29 @@ start_server() {  # $1 engine, $2 session name, rest: engine flags
   if ! dry && ! wait_port_free; then
     log "port $PORT is still taken after 120 s: another server is running there"; return 1
   fi
-  local started; started=$(date +%s.%N)
-  if [ "$engine" = tokenserve ]; then
-    x setsid timeout "$SERVER_LIFETIME" "${TOKENSERVE[@]}" serve "$TS_MODEL" --host 127.0.0.1 \
-        --port "$PORT" --served-model-name M0 --max-model-len "$MAX_MODEL_LEN" \
-        --disable-log-stats --uvicorn-log-level warning "$@" > "$logf" 2>&1 9>&- &
+  local started cmd; started=$(date +%s.%N)
+  if [[ $engine == tokenserve* ]]; then
+    cmd=("${TOKENSERVE[@]}" serve "$TS_MODEL" --host 127.0.0.1 --port "$PORT"
+         --served-model-name M0 --max-model-len "$MAX_MODEL_LEN" --disable-log-stats
+         --uvicorn-log-level warning "$@")
   elif [[ $engine == llamacpp* ]]; then
     # Its defaults otherwise (flash attention off: -fa was slower here; docs/BENCHMARKS.md).
-    # shellcheck disable=SC2046  # the KV flags are a word list
-    x setsid timeout "$SERVER_LIFETIME" "$LLAMA_CPP_DIR/bin/llama-server" -m "$(llama_gguf "$engine")" \
-        --host 127.0.0.1 --port "$PORT" -a M0 --metrics -np "$LLAMA_SLOTS" \
-        -c $(( LLAMA_SLOTS * LLAMA_SLOT_CTX )) -t "$(nproc)" -tb "$(nproc)" $(llama_kv "$engine") "$@" \
-        > "$logf" 2>&1 9>&- &
+    # shellcheck disable=SC2207  # the KV flags are a word list
+    cmd=("$LLAMA_CPP_DIR/bin/llama-server" -m "$(llama_gguf "$engine")" --host 127.0.0.1
+         --port "$PORT" -a M0 --metrics -np "$LLAMA_SLOTS" -c $(( LLAMA_SLOTS * LLAMA_SLOT_CTX ))
+         -t "$(nproc)" -tb "$(nproc)" $(llama_kv "$engine") "$@")
   else
-    x setsid timeout "$SERVER_LIFETIME" "${VLLM_ENV[@]}" "${VLLM[@]}" serve "$MODEL_DIR" \
-        --host 127.0.0.1 --port "$PORT" --served-model-name M0 --dtype "$(vllm_dtype "$engine")" \
-        --max-model-len "$MAX_MODEL_LEN" --enable-prompt-tokens-details \
-        --disable-uvicorn-access-log "$@" > "$logf" 2>&1 9>&- &
+    cmd=("${VLLM_ENV[@]}" "${VLLM[@]}" serve "$MODEL_DIR" --host 127.0.0.1 --port "$PORT"
+         --served-model-name M0 --dtype "$(vllm_dtype "$engine")"
+         --max-model-len "$MAX_MODEL_LEN" --enable-prompt-tokens-details
+         --disable-uvicorn-access-log "$@")
   fi
+  cmd=(setsid timeout "$SERVER_LIFETIME" "${cmd[@]}")
+  if dry; then x "${cmd[@]}"; return 0; fi
+  # Started as a plain command, not through x: a function in the background runs in a
+  # subshell, whose PID ($!) is then neither setsid's session nor the server's group.
+  "${cmd[@]}" > "$logf" 2>&1 9>&- &
   SERVER_PID=$!
-  if dry; then wait "$SERVER_PID"; SERVER_PID=""; return 0; fi
   local t0=$SECONDS
   until curl -sf "http://127.0.0.1:$PORT/health" > /dev/null; do
     if ! kill -0 "$SERVER_PID" 2>/dev/null; then
@@ -310,9 +335,9 @@ session() {  # $1 name, $2 tokenserve flags, $3 vLLM flags, $4 llama.cpp flags (
   local name=$1 ts_flags=$2 vllm_flags=$3 llama_flags=$4 body=$5 engine flags
   shift 5
   [ -z "$SESSIONS" ] || [[ ",$SESSIONS," == *",$name,"* ]] || return 0
-  for engine in tokenserve vllm vllm_bf16 llamacpp llamacpp_f16; do
-    runs "$engine" || continue
-    flags="$ts_flags $TS_FLAGS"
+  for engine in "${ENGINE_LIST[@]}"; do
+    [[ -z $engine || $engine == transformers ]] && continue
+    flags="$ts_flags $(ts_flags "$engine")"
     [[ $engine == vllm* ]] && flags=$vllm_flags
     if [[ $engine == llamacpp* ]]; then
       [ "$llama_flags" = skip ] && continue
@@ -362,51 +387,58 @@ if has startup && runs tokenserve; then
 fi
 
 # ------------------------------------------------------------------------ W1
+w1() {  # $1 engine
+  local engine=$1
+  case $engine in
+    tokenserve*)
+      log "W1 $engine: bench throughput, $N1 x (256 in, 128 out)"
+      # shellcheck disable=SC2046  # its flags are a word list
+      x timeout "$RUN_TIMEOUT" "${TOKENSERVE[@]}" bench throughput --model "$TS_MODEL" \
+          --max-model-len "$MAX_MODEL_LEN" --num-prompts "$N1" --input-len 256 --output-len 128 \
+          --output-json "$OUT/w1_$engine.json" $(ts_flags "$engine") \
+          > "$OUT/logs/w1_$engine.log" 2>&1 \
+        || log "W1 $engine failed, see logs/w1_$engine.log"
+      dry || grep -E "^Throughput" "$OUT/logs/w1_$engine.log" | sed "s/^/    /"
+      ;;
+    vllm*)
+      log "W1 $engine: vllm bench throughput --dtype $(vllm_dtype "$engine"), $N1 x (256 in, 128 out)"
+      x timeout "$RUN_TIMEOUT" "${VLLM_ENV[@]}" "${VLLM[@]}" bench throughput --model "$MODEL_DIR" \
+          --dtype "$(vllm_dtype "$engine")" --max-model-len "$MAX_MODEL_LEN" --dataset-name random \
+          --random-input-len 256 --random-output-len 128 --num-prompts "$N1" \
+          --output-json "$OUT/w1_$engine.json" > "$OUT/logs/w1_$engine.log" 2>&1 \
+        || log "W1 $engine failed, see logs/w1_$engine.log"
+      dry || grep -E "^Throughput" "$OUT/logs/w1_$engine.log" | sed "s/^/    /"
+      ;;
+    llamacpp*)
+      # llama.cpp's offline batch benchmark on W1's shape: 64 sequences of 256 prompt tokens
+      # (its own filler tokens, not random ones) decoded together for 128 tokens each.
+      log "W1 $engine: llama-batched-bench, $N1 x (256 in, 128 out)"
+      # shellcheck disable=SC2046  # the KV flags are a word list
+      if x timeout "$RUN_TIMEOUT" "$LLAMA_CPP_DIR/bin/llama-batched-bench" -m "$(llama_gguf "$engine")" \
+          -c $(( N1 * 384 )) -b 2048 -ub 512 -t "$(nproc)" -tb "$(nproc)" $(llama_kv "$engine") \
+          -npp 256 -ntg 128 -npl "$N1" --output-format jsonl \
+          > "$OUT/logs/w1_$engine.jsonl" 2> "$OUT/logs/w1_$engine.log"; then
+        dry || grep '^{' "$OUT/logs/w1_$engine.jsonl" | tail -n 1 > "$OUT/w1_$engine.json"
+      else
+        log "W1 $engine failed, see logs/w1_$engine.log"
+      fi
+      [ -s "$OUT/w1_$engine.json" ] && sed "s/^/    /" "$OUT/w1_$engine.json"
+      ;;
+    transformers)
+      log "W1 transformers: generate, static batches of 64, $N1 x (256 in, 128 out)"
+      x timeout "$RUN_TIMEOUT" "$PYTHON" benchmarks/transformers_generate.py "$MODEL_DIR" \
+          --num-prompts "$N1" --input-len 256 --output-len 128 --batch-size 64 \
+          --output-json "$OUT/w1_transformers.json" > "$OUT/logs/w1_transformers.log" 2>&1 \
+        || log "W1 transformers failed, see logs/w1_transformers.log"
+      dry || grep -E "^Throughput" "$OUT/logs/w1_transformers.log" | sed "s/^/    /"
+      ;;
+  esac
+}
 if has w1; then
   N1=$(prompts 64)
-  if runs tokenserve; then
-    log "W1 tokenserve: bench throughput, $N1 x (256 in, 128 out)"
-    # shellcheck disable=SC2086  # TS_FLAGS is a word list
-    x timeout "$RUN_TIMEOUT" "${TOKENSERVE[@]}" bench throughput --model "$TS_MODEL" \
-        --max-model-len "$MAX_MODEL_LEN" --num-prompts "$N1" --input-len 256 --output-len 128 \
-        --output-json "$OUT/w1_tokenserve.json" $TS_FLAGS > "$OUT/logs/w1_tokenserve.log" 2>&1 \
-      || log "W1 tokenserve failed, see logs/w1_tokenserve.log"
-    dry || grep -E "^Throughput" "$OUT/logs/w1_tokenserve.log" | sed "s/^/    /"
-  fi
-  for engine in vllm vllm_bf16; do
-    runs "$engine" || continue
-    log "W1 $engine: vllm bench throughput --dtype $(vllm_dtype "$engine"), $N1 x (256 in, 128 out)"
-    x timeout "$RUN_TIMEOUT" "${VLLM_ENV[@]}" "${VLLM[@]}" bench throughput --model "$MODEL_DIR" \
-        --dtype "$(vllm_dtype "$engine")" --max-model-len "$MAX_MODEL_LEN" --dataset-name random \
-        --random-input-len 256 --random-output-len 128 --num-prompts "$N1" \
-        --output-json "$OUT/w1_$engine.json" > "$OUT/logs/w1_$engine.log" 2>&1 \
-      || log "W1 $engine failed, see logs/w1_$engine.log"
-    dry || grep -E "^Throughput" "$OUT/logs/w1_$engine.log" | sed "s/^/    /"
+  for engine in "${ENGINE_LIST[@]}"; do
+    [ -n "$engine" ] && w1 "$engine"
   done
-  for engine in llamacpp llamacpp_f16; do
-    runs "$engine" || continue
-    # llama.cpp's offline batch benchmark on W1's shape: 64 sequences of 256 prompt tokens
-    # (its own filler tokens, not random ones) decoded together for 128 tokens each.
-    log "W1 $engine: llama-batched-bench, $N1 x (256 in, 128 out)"
-    # shellcheck disable=SC2046  # the KV flags are a word list
-    if x timeout "$RUN_TIMEOUT" "$LLAMA_CPP_DIR/bin/llama-batched-bench" -m "$(llama_gguf "$engine")" \
-        -c $(( N1 * 384 )) -b 2048 -ub 512 -t "$(nproc)" -tb "$(nproc)" $(llama_kv "$engine") \
-        -npp 256 -ntg 128 -npl "$N1" --output-format jsonl \
-        > "$OUT/logs/w1_$engine.jsonl" 2> "$OUT/logs/w1_$engine.log"; then
-      dry || grep '^{' "$OUT/logs/w1_$engine.jsonl" | tail -n 1 > "$OUT/w1_$engine.json"
-    else
-      log "W1 $engine failed, see logs/w1_$engine.log"
-    fi
-    [ -s "$OUT/w1_$engine.json" ] && sed "s/^/    /" "$OUT/w1_$engine.json"
-  done
-  if runs transformers; then
-    log "W1 transformers: generate, static batches of 64, $N1 x (256 in, 128 out)"
-    x timeout "$RUN_TIMEOUT" "$PYTHON" benchmarks/transformers_generate.py "$MODEL_DIR" \
-        --num-prompts "$N1" --input-len 256 --output-len 128 --batch-size 64 \
-        --output-json "$OUT/w1_transformers.json" > "$OUT/logs/w1_transformers.log" 2>&1 \
-      || log "W1 transformers failed, see logs/w1_transformers.log"
-    dry || grep -E "^Throughput" "$OUT/logs/w1_transformers.log" | sed "s/^/    /"
-  fi
 fi
 
 # ------------------------------------------------------------------- W2, W3, W5

@@ -5,8 +5,9 @@ usage: python benchmarks/side_by_side_report.py OUT_DIR
 Reads OUT_DIR/<workload>_<engine>.json (written by `tokenserve bench serve`, `tokenserve bench
 throughput`, `vllm bench throughput` and llama.cpp's `llama-batched-bench`), prints the tables
 and writes OUT_DIR/summary.json. The ratio columns are tokenserve / each peer that ran: vLLM
-(float32), vLLM bf16, llama.cpp (F32 weights and KV), llama.cpp F16 (F16 weights and KV).
-transformers (`benchmarks/transformers_generate.py`) has W1 only. The header names the CPU
+(float32), vLLM bf16, llama.cpp (F32 weights and KV), llama.cpp F16 (F16 weights and KV); and,
+where tokenserve also ran in float32 (engine tokenserve_fp32), tokenserve fp32 / the float32
+peers. transformers (`benchmarks/transformers_generate.py`) has W1 only. The header names the CPU
 (meta.json's lscpu); the servers table gives each server's start time and resident memory
 (server_<session>_<engine>.json), and tokenserve's start to a first answer
 (startup_tokenserve.json, `tokenserve bench startup`).
@@ -19,12 +20,18 @@ import os
 import sys
 from typing import Any
 
-ENGINES = ("tokenserve", "vllm", "vllm_bf16", "transformers", "llamacpp", "llamacpp_f16")
-NAMES = {"tokenserve": "tokenserve", "vllm": "vLLM", "vllm_bf16": "vLLM bf16",
-         "transformers": "transformers", "llamacpp": "llama.cpp", "llamacpp_f16": "llama.cpp F16"}
+ENGINES = ("tokenserve", "tokenserve_fp32", "vllm", "vllm_bf16", "transformers", "llamacpp",
+           "llamacpp_f16")
+NAMES = {"tokenserve": "tokenserve", "tokenserve_fp32": "tokenserve fp32", "vllm": "vLLM",
+         "vllm_bf16": "vLLM bf16", "transformers": "transformers", "llamacpp": "llama.cpp",
+         "llamacpp_f16": "llama.cpp F16"}
 # Engines that get a column only where they have results (the others always have one).
-OPTIONAL = ("vllm_bf16", "transformers", "llamacpp", "llamacpp_f16")
+OPTIONAL = ("tokenserve_fp32", "vllm_bf16", "transformers", "llamacpp", "llamacpp_f16")
 PEERS = ("vllm", "vllm_bf16", "llamacpp", "llamacpp_f16")
+# The ratio columns, (ours, theirs): tokenserve (--dtype auto) against every peer, and
+# tokenserve in float32 against the peers that compute in float32.
+RATIOS = (*(("tokenserve", peer) for peer in PEERS),
+          ("tokenserve_fp32", "vllm"), ("tokenserve_fp32", "llamacpp"))
 # The instruction sets the figures depend on, as lscpu / /proc/cpuinfo name them.
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 W1_OUTPUT_LEN = 128  # vLLM's throughput JSON has no output-token count; W1 fixes it
@@ -92,7 +99,7 @@ def dig(data: dict[str, Any] | None, path: tuple[str, ...]) -> float | None:
 def w1_figures(out_dir: str) -> dict[str, dict[str, float | None]]:
     figures: dict[str, dict[str, float | None]] = {}
     # tokenserve's and transformers_generate.py's JSON share their keys.
-    for engine in ("tokenserve", "transformers"):
+    for engine in ("tokenserve", "tokenserve_fp32", "transformers"):
         data = load(out_dir, f"w1_{engine}")
         if data is not None:
             figures[engine] = {
@@ -174,17 +181,17 @@ def w5_outputs_equal(out_dir: str, engine: str) -> str | None:
 
 def table(title: str, rows: dict[str, dict[str, Any]]) -> list[str]:
     engines = [engine for engine in ENGINES if engine in rows or engine not in OPTIONAL]
-    peers = [peer for peer in PEERS if peer in engines]
+    pairs = [(ours, theirs) for ours, theirs in RATIOS if ours in engines and theirs in engines]
     header = " | ".join(NAMES[engine] for engine in engines)
-    ratios = " | ".join(f"tokenserve / {NAMES[peer]}" for peer in peers)
+    ratios = " | ".join(f"{NAMES[ours]} / {NAMES[theirs]}" for ours, theirs in pairs)
     lines = [f"### {title}", "", f"| figure | {header} | {ratios} |",
-             "|---|" + "---|" * (len(engines) + len(peers))]
+             "|---|" + "---|" * (len(engines) + len(pairs))]
     labels = list(dict.fromkeys(label for values in rows.values() for label in values))
     for label in labels:
         values = {engine: rows.get(engine, {}).get(label) for engine in engines}
         cells = " | ".join(_cell(values[engine]) for engine in engines)
         shares = " | ".join(
-            _cell(_ratio(values["tokenserve"], values[peer]), ".2f") for peer in peers
+            _cell(_ratio(values[ours], values[theirs]), ".2f") for ours, theirs in pairs
         )
         lines.append(f"| {label} | {cells} | {shares} |")
     return [*lines, ""]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,101 @@ def test_vllm_bfloat16_runs_only_on_a_cpu_with_native_bf16(tmp_path: Path):
     native = bool(flags & {"avx512_bf16", "amx_bf16"})
     assert any("--dtype bfloat16" in c for c in commands(printed, "bench throughput")) == native
     assert ("vLLM bfloat16 not run" in printed) == (not native)
+
+
+def test_engines_run_in_the_order_given_and_tokenserve_fp32_is_float32(tmp_path: Path):
+    printed, _ = dry_run(
+        tmp_path, ENGINES="llamacpp_f16,tokenserve_fp32,vllm,tokenserve", PHASES="w1,w2"
+    )
+    w1 = [c for c in printed.splitlines()
+          if c.startswith("+ ") and ("bench throughput" in c or "llama-batched-bench" in c)]
+    assert len(w1) == 4
+    assert "m0-f16.gguf" in w1[0]
+    assert "w1_tokenserve_fp32.json" in w1[1] and "--dtype float32" in w1[1]
+    assert "w1_vllm.json" in w1[2]
+    assert "w1_tokenserve.json" in w1[3] and "--dtype" not in w1[3]
+    # The server sessions follow the same order; tokenserve_fp32's server is tokenserve's in
+    # float32, and its clients' results are named apart.
+    servers = [c for c in printed.splitlines() if c.startswith("+ ") and (
+        (" serve " in c and "bench serve" not in c) or "llama-server" in c)]
+    assert len(servers) == 4
+    assert "llama-server" in servers[0] and "m0-f16.gguf" in servers[0]
+    assert "tokenserve.entrypoints.cli serve" in servers[1] and "--dtype float32" in servers[1]
+    assert "vllm-cpu-cli serve" in servers[2]
+    assert "tokenserve.entrypoints.cli serve" in servers[3] and "--dtype" not in servers[3]
+    assert any("w2_rate_2_tokenserve_fp32.json" in c for c in commands(printed, "bench serve"))
+
+
+def test_an_unknown_engine_is_refused(tmp_path: Path):
+    result = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out")],
+        env={**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable, "ENGINES": "tokenserve,vlm",
+             "PHASES": "w1", "MODEL_DIR": str(tmp_path / "m0")},
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert result.returncode == 2 and "unknown engine 'vlm'" in result.stderr
+
+
+def test_a_python_without_tokenserve_is_named(tmp_path: Path):
+    result = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path / "out")],
+        env={**os.environ, "DRY_RUN": "1", "PYTHON": "false", "PHASES": "w1"},
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert result.returncode == 2 and "PYTHON=false cannot import tokenserve" in result.stderr
+
+
+FAKE_SERVER = '''#!{python}
+"""A stand-in llama-server: answers /health on its --port, with a child in its process group."""
+import http.server, os, subprocess, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+child = subprocess.Popen(["sleep", "600"])
+with open(os.environ["FAKE_PIDS"], "w") as file:
+    file.write(f"{{os.getpid()}} {{child.pid}}")
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+'''
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_server_session_records_its_server_and_stops_its_whole_group(tmp_path: Path):
+    """A real (not dry) session on a stand-in server: its PID is the server's process group, so
+    its processes' RSS is summed and every one of them is stopped with the session."""
+    llama = tmp_path / "llama.cpp" / "bin"
+    llama.mkdir(parents=True)
+    (llama / "llama-server").write_text(FAKE_SERVER.format(python=sys.executable))
+    (llama / "llama-server").chmod(0o755)
+    (tmp_path / "m0").mkdir()
+    (tmp_path / "m0" / "config.json").write_text("{}")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "out"
+    pids = tmp_path / "pids"
+    result = subprocess.run(
+        ["bash", str(SCRIPT), str(out)],
+        env={**os.environ, "PYTHON": sys.executable, "MODEL_DIR": str(tmp_path / "m0"),
+             "LLAMA_CPP_DIR": str(tmp_path / "llama.cpp"), "LOCK": str(tmp_path / "cpu.lock"),
+             "ENGINES": "llamacpp", "PHASES": "w2", "SESSIONS": "main", "QUICK": "1",
+             "PORT": str(port), "START_TIMEOUT": "300", "RUN_TIMEOUT": "300",
+             "FAKE_PIDS": str(pids)},
+        capture_output=True, text=True, timeout=900, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    server = json.loads((out / "server_main_llamacpp.json").read_text())
+    # The stand-in and its child: tens of MiB, not the 0 of a PID outside the server's group.
+    assert server["rss_kib"] > 10 * 1024 and server["ready_s"] > 0
+    server_pid, child_pid = map(int, pids.read_text().split())
+    assert not alive(server_pid) and not alive(child_pid)

@@ -118,3 +118,34 @@ def test_report_names_the_cpu_and_puts_every_peer_configuration_and_server_besid
     assert servers["tokenserve"]["start: first answer s"] == 2.75
     assert servers["vllm_bf16"]["RSS MiB"] == 3000
     assert "| RSS MiB | 900.0 | - | 3000.0 | 450.0 | - | 0.30 | 2.00 |" in printed
+
+
+def test_report_puts_tokenserve_in_float32_beside_the_float32_peers(tmp_path, capsys):
+    files = {
+        "w1_tokenserve": {"output_tokens_per_second": 100.0, "total_tokens_per_second": 300.0,
+                          "elapsed_time": 80.0},
+        "w1_tokenserve_fp32": {"output_tokens_per_second": 50.0,
+                               "total_tokens_per_second": 150.0, "elapsed_time": 160.0},
+        "w1_vllm": {"num_requests": 64, "elapsed_time": 40.96, "tokens_per_second": 600.0},
+        "w1_llamacpp": {"pp": 256, "tg": 128, "pl": 64, "t": 160.0, "speed": 75.0},
+        "server_main_tokenserve": {"engine": "tokenserve", "session": "main", "ready_s": 2.5,
+                                   "rss_kib": 1024 * 900, "peak_rss_kib": 1024 * 1000},
+        "server_main_tokenserve_fp32": {"engine": "tokenserve_fp32", "session": "main",
+                                        "ready_s": 3.0, "rss_kib": 1024 * 1200,
+                                        "peak_rss_kib": 1024 * 1300},
+    }
+    for name, data in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+
+    assert load_report_script().main(str(tmp_path)) == 0
+
+    printed = capsys.readouterr().out
+    assert (
+        "| figure | tokenserve | tokenserve fp32 | vLLM | llama.cpp | tokenserve / vLLM "
+        "| tokenserve / llama.cpp | tokenserve fp32 / vLLM | tokenserve fp32 / llama.cpp |"
+    ) in printed
+    assert "| total tok/s | 300.0 | 150.0 | 600.0 | 75.0 | 0.50 | 4.00 | 0.25 | 2.00 |" in printed
+    servers = json.loads((tmp_path / "summary.json").read_text())["servers"]
+    # Each tokenserve configuration keeps its own server, the fp32 one not taken for the other.
+    assert servers["tokenserve"]["RSS MiB"] == 900
+    assert servers["tokenserve_fp32"]["RSS MiB"] == 1200
