@@ -2,9 +2,9 @@
 
 Expanding a GGUF file (gguf's numpy dequantization, the q/k row order undone, the Q4_1 /
 Q8_0 blocks repacked) takes most of a model load on CPU, and gives the same tensors every
-time. The first load writes what it yields into one file under
-`$TOKENSERVE_CACHE_DIR/weights`; later loads map that file (private, copy-on-write) and
-yield views of it. An entry is keyed by the GGUF file's identity (size, mtime, SHA-256 of
+time. The first load writes what it yields into one file under `weights/` of the cache
+directory (`cache_dir.py`); later loads map that file (private, copy-on-write) and yield
+views of it. An entry is keyed by the GGUF file's identity (size, mtime, SHA-256 of
 its header), the stored dtype and the code that expands it (this package's expansion
 sources, gguf's and numpy's versions), so a changed file or expansion gets a new entry.
 It is written under a temporary name and renamed into place, so a reader never sees a
