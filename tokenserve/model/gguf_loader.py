@@ -18,7 +18,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,9 @@ from gguf.quants import dequantize
 from tokenserve.cache_dir import cache_root
 from tokenserve.model.gguf_file import GGUFFile, GGUFTensor
 from tokenserve.model.layers.quantization.gguf import QUANTIZED_KINDS, QuantizedWeight
+
+if TYPE_CHECKING:
+    from tokenserve.model.weight_cache import WeightDtypes
 
 logger = logging.getLogger(__name__)
 
@@ -150,17 +153,18 @@ def iterate_gguf_weights(
 
 
 def iterate_cached_gguf_weights(
-    path: str, config: transformers.PretrainedConfig
+    path: str, config: transformers.PretrainedConfig, dtypes: WeightDtypes | None = None
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """`iterate_gguf_weights`, then `iterate_gguf_quantized_weights`, through the weight cache
-    (model/weight_cache.py): expanded once, memory-mapped at every later load."""
+    (model/weight_cache.py): expanded once, memory-mapped at every later load; each dense
+    weight in `dtypes`' dtype for it (default float32)."""
     from tokenserve.model.weight_cache import cached_gguf_weights
 
     def expand() -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         yield from iterate_gguf_weights(path, config)
         yield from iterate_gguf_quantized_weights(path, config)
 
-    return cached_gguf_weights(path, _open_reader(path).header_size, expand)
+    return cached_gguf_weights(path, _open_reader(path).header_size, expand, dtypes)
 
 
 def iterate_gguf_quantized_weights(

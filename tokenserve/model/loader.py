@@ -12,13 +12,16 @@ import importlib.util
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import transformers
 
 from tokenserve.model import gguf_loader, hf_loader
 from tokenserve.model.layers.quantization.gguf import QuantizedWeight
+
+if TYPE_CHECKING:
+    from tokenserve.model.weight_cache import WeightDtypes
 
 # The architectures tokenserve implements (model/registry.py maps them to classes).
 SUPPORTED_ARCHITECTURES = (
@@ -126,12 +129,13 @@ def iterate_quantized_weights(files: LoadedModelFiles) -> Iterator[tuple[str, Qu
 
 
 def iterate_model_weights(
-    files: LoadedModelFiles,
+    files: LoadedModelFiles, dtypes: WeightDtypes | None = None
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """`iterate_weights` then `iterate_quantized_weights`: everything a model loads; a GGUF
-    file's expansion comes from the weight cache after the first load."""
+    file's expansion comes from the weight cache after the first load, each dense weight in
+    `dtypes`' dtype for it (the model's parameters': `WeightDtypes.of(model)`)."""
     if files.format == "gguf":
-        return gguf_loader.iterate_cached_gguf_weights(files.path, files.hf_config)
+        return gguf_loader.iterate_cached_gguf_weights(files.path, files.hf_config, dtypes)
     return iterate_weights(files)
 
 

@@ -17,6 +17,7 @@ from tokenserve.distributed.parallel_state import ModelParallel
 from tokenserve.model.layers.quantization import get_linear_method
 from tokenserve.model.loader import iterate_model_weights
 from tokenserve.model.precision import activation_dtype
+from tokenserve.model.weight_cache import WeightDtypes
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +132,8 @@ def get_model(
     moved to `device` and processed: ready to run."""
     torch.manual_seed(model_config.seed)
     model = build_model(model_config, attention, kernel_config, parallel)
-    model.load_weights(iterate_model_weights(model_config.files))
+    # A GGUF model's cached weights come in its parameters' dtypes (no cast at load).
+    model.load_weights(iterate_model_weights(model_config.files, WeightDtypes.of(model)))
     model = model.to(device).eval()
     process_weights_after_loading(model)
     logger.info("Linear layers: %s.", model.linear_method)

@@ -4,12 +4,16 @@ Expanding a GGUF file (gguf's numpy dequantization, the q/k row order undone, th
 Q8_0 blocks repacked) takes most of a model load on CPU, and gives the same tensors every
 time. The first load writes what it yields into one file under `weights/` of the cache
 directory (`cache_dir.py`); later loads map that file (private, copy-on-write) and yield
-views of it. An entry is keyed by the GGUF file's identity (size, mtime, SHA-256 of
-its header), the stored dtype and the code that expands it (this package's expansion
-sources, gguf's and numpy's versions), so a changed file or expansion gets a new entry.
+views of it. Each dense weight is stored in the dtype of the parameter it fills
+(`WeightDtypes`: bfloat16 for a bf16 model's projections), so a bf16 entry is smaller and
+loading it copies instead of casting; the copy into a bf16 parameter rounds the same way
+either way. An entry is keyed by the GGUF file's identity (size, mtime, SHA-256 of its
+header), those dtypes and the code that expands it (this package's expansion sources,
+gguf's and numpy's versions), so a changed file, dtype or expansion gets a new entry.
 It is written under a temporary name and renamed into place, so a reader never sees a
 partial entry; every array carries a checksum that is verified before any tensor of the
-entry is yielded, so a damaged entry is removed and rebuilt, never served.
+entry is yielded, so a damaged entry is removed and rebuilt, never served. Writing an
+entry prunes the same model file's least recently used ones (`weight_cache_pruning.py`).
 
 File layout: the arrays (each 64-byte aligned), then a JSON index, then the index's length
 (u64, little-endian) and the magic number.
@@ -22,9 +26,11 @@ import json
 import logging
 import mmap
 import os
+import re
 import struct
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -32,15 +38,16 @@ import torch
 
 from tokenserve.cache_dir import cache_root
 from tokenserve.model.layers.quantization.gguf import QuantizedWeight
+from tokenserve.model.weight_cache_pruning import mark_used, prune
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"TSWCACH1"
+MAGIC = b"TSWCACH2"
 _TRAILER = struct.Struct("<Q8s")  # index length, magic
 _ALIGNMENT = 64
-# What the entries hold: the expansion's float32 tensors and the blocks' uint8 / int8 ones.
-STORED_DTYPE = "float32"
-_DTYPES = {"float32": torch.float32, "uint8": torch.uint8, "int8": torch.int8}
+# What the entries hold: the parameters' float dtypes and the blocks' uint8 / int8 ones.
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "uint8": torch.uint8, "int8": torch.int8}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _DENSE = "dense"
 # The sources (in this package) whose code decides the expanded tensors.
@@ -53,12 +60,62 @@ class CorruptCacheEntry(ValueError):
     """A cache entry that is not what its writer wrote: truncated, damaged or foreign."""
 
 
+@dataclass(frozen=True)
+class WeightDtypes:
+    """The dtype of each parameter a checkpoint's dense weights go into, so that the cache
+    stores them in it. `params`: parameter name (a layer's index as "*") → dtype, only
+    those not float32; `packed`: a checkpoint name's part → its merged parameter's part
+    (q_proj → qkv_proj: the model's `packed_modules_mapping`). A weight whose parameter is
+    not found stays float32 (the loader then converts it, as without the cache)."""
+
+    params: dict[str, torch.dtype] = field(default_factory=dict)
+    packed: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> WeightDtypes:
+        params = {_any_layer(name): param.dtype for name, param in model.named_parameters()
+                  if param.dtype != torch.float32 and param.dtype.is_floating_point}
+        packed = {part: merged for part, (merged, _) in
+                  getattr(model, "packed_modules_mapping", {}).items()}
+        return cls(params, packed)
+
+    def dtype_for(self, name: str) -> torch.dtype:
+        """The dtype the checkpoint's dense weight `name` is stored in."""
+        name = _any_layer(name)
+        for part, merged in self.packed.items():
+            if f".{part}." in name:
+                name = name.replace(f".{part}.", f".{merged}.")
+                break
+        return self.params.get(name, torch.float32)
+
+    def key(self) -> str:
+        """What the entry's key says of these dtypes ("" when nothing is converted)."""
+        if not self.params:
+            return ""
+        return json.dumps([sorted((n, str(d)) for n, d in self.params.items()),
+                           sorted(self.packed.items())])
+
+
+def _any_layer(name: str) -> str:
+    """`name` with its layer index as "*": every layer's parameters alike, on every
+    pipeline stage."""
+    return _LAYER_INDEX.sub(".*.", name)
+
+
+_LAYER_INDEX = re.compile(r"\.\d+\.")
+
+
 def cached_gguf_weights(
-    path: str, header_size: int, expand: Callable[[], Iterable[Weight]]
+    path: str,
+    header_size: int,
+    expand: Callable[[], Iterable[Weight]],
+    dtypes: WeightDtypes | None = None,
 ) -> Iterator[Weight]:
     """The weights `expand()` yields for the GGUF file at `path` (whose header is its first
-    `header_size` bytes), from the cache when it holds them, else expanded and cached."""
-    entry = entry_path(path, header_size)
+    `header_size` bytes), each dense one in `dtypes`' dtype for it (default float32), from
+    the cache when it holds them, else expanded and cached."""
+    dtypes = dtypes or WeightDtypes()
+    entry = entry_path(path, header_size, dtypes)
     if os.path.exists(entry):
         try:
             weights = read_entry(entry)
@@ -67,22 +124,35 @@ def cached_gguf_weights(
             _remove(entry)
         else:
             logger.info("Weights from the cache: %s.", entry)
+            mark_used(entry)
             yield from weights
             return
-    yield from _expand_and_write(expand(), entry)
+    yield from _expand_and_write(_stored(expand(), dtypes), entry)
 
 
-def entry_path(path: str, header_size: int) -> str:
-    """Where the cached weights of the GGUF file at `path` live."""
+def _stored(weights: Iterable[Weight], dtypes: WeightDtypes) -> Iterator[Weight]:
+    """The expanded weights in the dtypes they are stored in (the expansion's float32 where
+    the parameter is float32 or not known)."""
+    for name, weight in weights:
+        if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
+            dtype = dtypes.dtype_for(name)
+            if dtype != torch.float32:
+                weight = weight.to(dtype)
+        yield name, weight
+
+
+def entry_path(path: str, header_size: int, dtypes: WeightDtypes | None = None) -> str:
+    """Where the cached weights of the GGUF file at `path` live: a name per model file (its
+    real path) and key, so that pruning finds the file's other entries."""
     stat = os.stat(path)
     with open(path, "rb") as file:
         header_digest = hashlib.sha256(file.read(header_size)).hexdigest()
-    key = "|".join(
-        (str(stat.st_size), str(stat.st_mtime_ns), header_digest, STORED_DTYPE, code_version())
-    )
+    key = "|".join((str(stat.st_size), str(stat.st_mtime_ns), header_digest,
+                    (dtypes or WeightDtypes()).key(), code_version()))
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     stem = os.path.splitext(os.path.basename(path))[0]
-    return os.path.join(cache_root(), "weights", f"{stem}-{digest}.bin")
+    file_id = hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:8]
+    return os.path.join(cache_root(), "weights", f"{stem}-{file_id}-{digest}.bin")
 
 
 def code_version() -> str:
@@ -207,7 +277,8 @@ class _EntryWriter:
     def _write(self, tensor: torch.Tensor) -> dict[str, Any]:
         dtype = _DTYPE_NAMES[tensor.dtype]
         offset = self.file.tell()
-        data = tensor.detach().contiguous().numpy().reshape(-1).view(np.uint8)
+        # Bytes through torch: numpy has no bfloat16.
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
         self.file.write(data.data)
         self.file.write(b"\0" * (-self.file.tell() % _ALIGNMENT))
         return {"dtype": dtype, "shape": list(tensor.shape), "offset": offset,
@@ -227,6 +298,7 @@ class _EntryWriter:
             return
         self.committed = True
         logger.info("Expanded weights cached in %s.", self.entry)
+        prune(self.entry)
 
     def discard(self) -> None:
         if self.committed:
