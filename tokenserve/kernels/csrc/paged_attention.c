@@ -126,13 +126,13 @@ static inline float softmax_unnormalised(float *s, int64_t n) {
         for (int l = 0; l < 8; ++l) max = top[l] > max ? top[l] : max;
     }
     for (; t < n; ++t) max = s[t] > max ? s[t] : max;
-    v8f sums = splat8(0.0f);
-    for (t = 0; t + 8 <= n; t += 8) {
-        const v8f e = exp8(load8(s + t) - splat8(max));
-        store8(s + t, e);
+    vwf sums = splatw(0.0f);
+    for (t = 0; t + VW <= n; t += VW) {
+        const vwf e = expw(loadw(s + t) - splatw(max));
+        storew(s + t, e);
         sums += e;
     }
-    float sum = hsum8(sums);
+    float sum = hsum8(fold8(sums));
     for (; t < n; ++t) {
         s[t] = expf(s[t] - max);
         sum += s[t];

@@ -71,6 +71,31 @@ static inline vwf splatw(float x) {
 #endif
 }
 
+/* Per lane: mask ? a : b (mask lanes all ones or all zeros, as comparisons give). */
+static inline vwf selectw(vwi mask, vwf a, vwf b) {
+    return (vwf)((mask & (vwi)a) | (~mask & (vwi)b));
+}
+
+/* e^x as exp8 (vec8.h) computes it, VW lanes at a time. */
+static inline vwf expw(vwf x) {
+    x = selectw(x < splatw(-87.0f), splatw(-87.0f), x);
+    x = selectw(x > splatw(88.0f), splatw(88.0f), x);
+    const vwf scaled = x * splatw(1.44269504088896341f);
+    const vwi n = __builtin_convertvector(
+        scaled + selectw(scaled < splatw(0.0f), splatw(-0.5f), splatw(0.5f)), vwi);
+    const vwf nf = __builtin_convertvector(n, vwf);
+    vwf r = x - nf * splatw(0.693359375f);
+    r = r - nf * splatw(-2.12194440e-4f);
+    vwf p = splatw(1.9875691500e-4f);
+    p = p * r + splatw(1.3981999507e-3f);
+    p = p * r + splatw(8.3334519073e-3f);
+    p = p * r + splatw(4.1665795894e-2f);
+    p = p * r + splatw(1.6666665459e-1f);
+    p = p * r + splatw(5.0000001201e-1f);
+    p = p * r * r + r + splatw(1.0f);
+    return p * (vwf)((n + 127) << 23);
+}
+
 /* p[0 .. 2 * VW) bfloat16 as float32: even[j] = p[2j], odd[j] = p[2j + 1]. */
 static inline void bf16_pairs(const uint16_t *p, vwf *even, vwf *odd) {
     vwi bits;
