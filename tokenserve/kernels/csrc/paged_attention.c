@@ -8,14 +8,18 @@
  * head (grouped-query attention) are done together, so each key and value is read once
  * from memory.
  *
- * Two passes per item: scores q.k for the whole context (eight keys at a time, eight
- * independent accumulators), a softmax, then the probability-weighted sum of values
- * (the output row held in registers). Head sizes 64 and 128 get code specialised at
- * compile time; other sizes take a plain loop.
+ * Two passes per item, each reading every key (value) once for all the query heads of the
+ * group: scores q.k for the whole context (KEYS keys by up to SCORE_HEADS heads of
+ * accumulators at a time), a softmax per head, then the probability-weighted sum of values
+ * (the heads' output rows held in registers). The vectors are the widest of the build's
+ * level (vecw.h: 16 float32 lanes on AVX-512, 8 on AVX2). Head sizes 64 and 128 get code
+ * specialised at compile time, other multiples of the vector step take the same code with
+ * the size a variable (in slices above SLICE_VECTORS vectors), the rest a plain loop.
  *
  * The cache holds float32 or bfloat16 (--kv-cache-dtype bfloat16: half the bytes to
- * stream; a bfloat16 is the top half of a float32, so reading one back is a shift, and
- * writing one rounds to nearest even, as torch's conversion does).
+ * stream; a bfloat16 is the top half of a float32, so reading two back is a shift and a
+ * mask (vecw.h's even and odd lanes: the queries are laid out to match), and writing one
+ * rounds to nearest even, as torch's conversion does). The arithmetic is float32 either way.
  *
  * Layouts (contiguous; out, query, key and value float32):
  *   out, query     [num_tokens, num_heads, head_dim], heads contiguous, rows strided
