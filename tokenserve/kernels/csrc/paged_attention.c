@@ -57,8 +57,11 @@ static inline uint16_t to_bf16(float x) {
 /* Query heads scored per pass over a block's keys: each holds KEYS accumulators, and a
  * 16-register AVX2 file holds one head's. */
 #define KEYS 8
-/* Blocks ahead whose keys and values are prefetched (further ahead measured no faster). */
-#define PREFETCH_AHEAD 1
+/* Pass 1 reads the context in runs of up to RUN tokens of one block, prefetching the
+ * keys and values AHEAD tokens on: a steady stream, where whole blocks at once (128
+ * tokens in an engine) measured ~10% slower (docs/PERFORMANCE_CPU.md). */
+#define RUN 16
+#define AHEAD 64
 #define SCORE_HEADS (VW == 16 ? 3 : 1)
 /* Cache elements per vector step: VW float32, or 2 * VW bfloat16 (an even and an odd vector). */
 #define CHUNK(bf16) ((bf16) ? 2 * VW : VW)
@@ -208,25 +211,30 @@ static inline __attribute__((always_inline)) void attend_item(
     for (int64_t g = 0; g < group * head_dim; g += CHUNK(bf16))
         for (int64_t j = 0; j < CHUNK(bf16); ++j)
             qs[g + (bf16 ? (j & 1) * VW + j / 2 : j)] = q[g + j] * scale;
-    /* Pass 1: scaled scores, per query head of the group, per context position. */
-    for (int64_t start = 0; start < seq_len; start += block_size) {
-        const int64_t block = table[start / block_size] * block_stride + kv_offset;
-        const int64_t count = seq_len - start < block_size ? seq_len - start : block_size;
-        /* Block PREFETCH_AHEAD blocks on (all of them at the first): its keys, and its
-         * values for pass 2, start coming from memory while this block is computed; a
+    /* Pass 1: scaled scores, per query head of the group, per context position, in runs
+     * of at most RUN tokens of one block. */
+    for (int64_t start = 0; start < seq_len;) {
+        const int64_t offset = start % block_size;
+        const int64_t block = table[start / block_size] * block_stride + kv_offset +
+                              offset * head_dim;
+        int64_t count = block_size - offset < RUN ? block_size - offset : RUN;
+        count = seq_len - start < count ? seq_len - start : count;
+        /* The keys, and the values for pass 2, AHEAD tokens on (all of those up to there
+         * at the first run) start coming from memory while this run is computed: a
          * block table is a pointer chase the hardware prefetcher cannot follow. */
-        for (int64_t ahead = start ? PREFETCH_AHEAD : 1; ahead <= PREFETCH_AHEAD; ++ahead) {
-            const int64_t first = start + ahead * block_size;
-            if (first >= seq_len) break;
-            const int64_t next = table[first / block_size] * block_stride + kv_offset;
-            /* The kv head's run in that block: its tokens, contiguous. */
-            const int64_t bytes =
-                (seq_len - first < block_size ? seq_len - first : block_size) * head_dim *
-                element;
-            for (int64_t b = 0; b < bytes; b += 64) {
-                __builtin_prefetch((const char *)key_cache + next * element + b, 0, 3);
-                __builtin_prefetch((const char *)value_cache + next * element + b, 0, 2);
+        const int64_t until = start + AHEAD + count;
+        for (int64_t at = start ? start + AHEAD : 0; at < until && at < seq_len;) {
+            const int64_t at_offset = at % block_size;
+            const int64_t row = table[at / block_size] * block_stride + kv_offset +
+                                at_offset * head_dim;
+            int64_t n = block_size - at_offset;
+            n = until - at < n ? until - at : n;
+            n = seq_len - at < n ? seq_len - at : n;
+            for (int64_t b = 0; b < n * head_dim * element; b += 64) {
+                __builtin_prefetch((const char *)key_cache + row * element + b, 0, 3);
+                __builtin_prefetch((const char *)value_cache + row * element + b, 0, 2);
             }
+            at += n;
         }
         for (int64_t g = 0; g < group; g += SCORE_HEADS) {
             float *s = scores + g * seq_len + start;
@@ -243,6 +251,7 @@ static inline __attribute__((always_inline)) void attend_item(
                 score_keys(s, seq_len, qg, key_cache, block, count, head_dim, 1, bf16);
             }
         }
+        start += count;
     }
     float inv[group];
     for (int64_t g = 0; g < group; ++g)
