@@ -1,15 +1,18 @@
 """The paged decode kernel (kernels/csrc/paged_attention.c) over a model's worth of layers,
-with each row's blocks in order and scattered through the cache.
+with each row's blocks in order and scattered through the cache, for each cache dtype and
+each instruction-set level the CPU runs (kernels/cpu_isa.py; lower ones forced).
 
 A fresh engine hands out blocks nearly in order; a server that has run for a while hands
 out whatever was freed last, so a row's blocks lie anywhere. The shapes default to the
 default model's (9 query heads, 3 kv heads, head size 64, 30 layers) at W1's decode
-(64 rows, ~340 tokens of context). Figures are wall-clock ms per step (all layers): the
-fastest of `--repeats`, the two block orders taking turns; and the K/V bytes read per
-second.
+(64 rows, ~340 tokens of context). Figures are ms per step (all layers): the fastest
+wall-clock time of `--repeats`, the block orders, dtypes and levels taking turns; the K/V
+bytes read per second; and the process's CPU time per step, which on a shared machine
+moves less with the load than the wall clock (with one thread they agree when idle).
 
 usage: python benchmarks/paged_decode.py [--rows 64] [--context 340] [--block-size 16]
-       [--layers 30] [--kv-cache-dtype float32|bfloat16] [--repeats 7]
+       [--layers 30] [--kv-cache-dtype float32 bfloat16] [--cpu-isa avx2 avx512 ...]
+       [--repeats 7]
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 
 import torch
 
-from tokenserve.kernels import paged_attention
+from tokenserve.kernels import cpu_isa, paged_attention
 
 
 def main() -> None:
@@ -31,20 +34,26 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--kv-cache-dtype", nargs="+", choices=["float32", "bfloat16"],
+                        default=["float32", "bfloat16"])
+    parser.add_argument("--cpu-isa", nargs="+", default=cpu_isa.supported_levels(),
+                        help="Levels to run (default: every one this CPU runs).")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
-    ops = paged_attention.load()
-    if ops is None:
+    levels = [cpu_isa.resolve(level) for level in args.cpu_isa]
+    kernels = {level: paged_attention.load(level) for level in levels}
+    if any(ops is None for ops in kernels.values()):
         raise SystemExit("The C kernels are unavailable (see the warning above).")
 
     blocks_per_row = -(-args.context // args.block_size)
     num_blocks = args.rows * blocks_per_row
     shape = (num_blocks, args.kv_heads, args.block_size, args.head_dim)
-    dtype = getattr(torch, args.kv_cache_dtype)
-    caches = [
-        (torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(args.layers)
-    ]
+    floats = [(torch.randn(shape), torch.randn(shape)) for _ in range(args.layers)]
+    caches = {
+        name: [(k.to(getattr(torch, name)), v.to(getattr(torch, name))) for k, v in floats]
+        for name in args.kv_cache_dtype
+    }
+    del floats
     generator = torch.Generator().manual_seed(0)
     tables = {
         "in order": torch.arange(num_blocks).view(args.rows, blocks_per_row),
@@ -57,30 +66,38 @@ def main() -> None:
     rows = torch.arange(args.rows)
     seq_lens = torch.full((args.rows,), args.context, dtype=torch.int64)
     scale = args.head_dim**-0.5
+    cases = [(level, dtype, order) for level in levels for dtype in caches for order in tables]
 
-    def step(table: torch.Tensor) -> None:
-        for key_cache, value_cache in caches:
-            ops.decode(out, query, rows, key_cache, value_cache, table, seq_lens, scale)
+    def step(case: tuple[str, str, str]) -> None:
+        level, dtype, order = case
+        for key_cache, value_cache in caches[dtype]:
+            kernels[level].decode(out, query, rows, key_cache, value_cache, tables[order],
+                                  seq_lens, scale)
 
-    best = dict.fromkeys(tables, float("inf"))
-    for table in tables.values():
-        step(table)  # warm-up
+    wall = dict.fromkeys(cases, float("inf"))
+    cpu = dict.fromkeys(cases, float("inf"))
+    for case in cases:
+        step(case)  # warm-up
     for _ in range(args.repeats):
-        for name, table in tables.items():
-            started = time.perf_counter()
-            step(table)
-            best[name] = min(best[name], time.perf_counter() - started)
-    element = caches[0][0].element_size()
-    kv_bytes = 2 * args.rows * args.context * args.kv_heads * args.head_dim * element * args.layers
+        for case in cases:
+            started, started_cpu = time.perf_counter(), time.process_time()
+            step(case)
+            wall[case] = min(wall[case], time.perf_counter() - started)
+            cpu[case] = min(cpu[case], time.process_time() - started_cpu)
     print(
-        f"{args.rows} rows x {args.context} tokens, block size {args.block_size}, "
-        f"{args.layers} layers, {args.kv_cache_dtype} cache, {torch.get_num_threads()} threads"
+        f"{args.rows} rows x {args.context} tokens, {args.heads} heads / {args.kv_heads} kv "
+        f"heads x {args.head_dim}, block size {args.block_size}, {args.layers} layers, "
+        f"{torch.get_num_threads()} threads"
     )
-    for name, seconds in best.items():
+    for level, dtype, order in cases:
+        element = caches[dtype][0][0].element_size()
+        kv_bytes = (2 * args.rows * args.context * args.kv_heads * args.head_dim * element
+                    * args.layers)
+        seconds = wall[level, dtype, order]
         # Microseconds and three significant digits: a tiny shape on a fast CPU is not 0.0.
         print(
-            f"  blocks {name:9s} {seconds * 1e3:9.3f} ms per step  "
-            f"{kv_bytes / seconds / 1e9:8.3g} GB/s"
+            f"  {level:11s} {dtype:8s} blocks {order:9s} {seconds * 1e3:9.3f} ms per step  "
+            f"{kv_bytes / seconds / 1e9:8.3g} GB/s  cpu {cpu[level, dtype, order] * 1e3:9.3f} ms"
         )
 
 

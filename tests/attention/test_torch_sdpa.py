@@ -80,7 +80,8 @@ TABLES = [[3, 9, 4], [10, 11], [20], [30, 31, 32], [40, 41, 42, 43], [50, 51], [
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_mixed_step_equals_attention_over_whole_contexts(use_kernels, cache_dtype):
     common, tensors, generator = _step(QUERY_LENS, SEQ_LENS, TABLES)
-    backend = TorchSDPABackend(use_kernels=use_kernels)
+    # Prompt chunks in float32 whatever the cache (the bf16 ones: the test below).
+    backend = TorchSDPABackend(use_kernels=use_kernels, native_bf16=False)
     assert (backend.ops is not None) == use_kernels
     kv_cache = _cache(backend, cache_dtype, generator)
     metadata = backend.build_metadata(common)
@@ -95,6 +96,29 @@ def test_mixed_step_equals_attention_over_whole_contexts(use_kernels, cache_dtyp
     output = backend.forward(*tensors, kv_cache, metadata, SCALE)
     expected = _reference(common, tensors, kv_cache)
     torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_chunks_over_a_bfloat16_cache_attend_in_bfloat16_where_native():
+    """With native bf16 the prompt chunks' SDPA runs on bf16 queries, keys and values (the
+    keys and values the cache holds): within bf16 rounding of the float32 result, which the
+    rows of a float32 cache and the decode rows still match exactly."""
+    common, tensors, generator = _step(QUERY_LENS, SEQ_LENS, TABLES)
+    backend = TorchSDPABackend(native_bf16=True)
+    assert backend.prompt_dtype(torch.float32, torch.bfloat16) == torch.bfloat16
+    assert backend.prompt_dtype(torch.float32, torch.float32) == torch.float32
+    assert TorchSDPABackend(native_bf16=False).prompt_dtype(
+        torch.float32, torch.bfloat16) == torch.float32
+    kv_cache = _cache(backend, torch.bfloat16, generator)
+    metadata = backend.build_metadata(common)
+    output = backend.forward(*tensors, kv_cache, metadata, SCALE)
+    expected = _reference(common, tensors, kv_cache)
+    decode = metadata.decode_rows
+    torch.testing.assert_close(output[decode], expected[decode], rtol=1e-5, atol=1e-5)
+    prompt = torch.cat([torch.arange(c.start, c.end) for c in metadata.prompt_chunks])
+    error = (output[prompt] - expected[prompt]).abs()
+    # Queries and probabilities rounded to 8 significant bits (relative 2^-9 each), over
+    # outputs of size ~1: a few thousandths, far above float32's ~1e-7.
+    assert 1e-5 < error.max() < 2e-2, error.max()
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])

@@ -131,22 +131,26 @@ def attend_cascade(
     value_cache: torch.Tensor,
     cascade: Cascade,
     scale: float,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Writes the cascade's rows of output: the shared prefix in one call for all its
-    queries, each chunk's suffix by shape group, merged by log-sum-exp."""
+    queries, each chunk's suffix by shape group, merged by log-sum-exp (in output's dtype).
+    The calls compute in `dtype` (default: the queries')."""
+    dtype = query.dtype if dtype is None else dtype
     num_rows = len(cascade.rows)
     _, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
     group = num_heads // num_kv_heads
     # [rows, kv_heads, group, dim]: the query heads of kv head h are h*group...
-    q = query.index_select(0, cascade.rows).view(num_rows, num_kv_heads, group, head_dim)
+    q = query.index_select(0, cascade.rows).to(dtype)
+    q = q.view(num_rows, num_kv_heads, group, head_dim)
     k = gather_context(key_cache, cascade.prefix_blocks, cascade.prefix_len)
     v = gather_context(value_cache, cascade.prefix_blocks, cascade.prefix_len)
     # Every query sees the whole prefix: per kv head, its queries are rows of one call.
     prefix_out, prefix_lse = _flash_with_lse(
         q.permute(1, 0, 2, 3).reshape(1, num_kv_heads, num_rows * group, head_dim),
-        k.to(query.dtype).unsqueeze(0),
-        v.to(query.dtype).unsqueeze(0),
+        k.to(dtype).unsqueeze(0),
+        v.to(dtype).unsqueeze(0),
         scale,
     )
     prefix_out = prefix_out.reshape(num_kv_heads, num_rows, group, head_dim).transpose(0, 1)
@@ -158,7 +162,7 @@ def attend_cascade(
         mask = cascade.masks.get((index, group))
         if mask is None:
             # Rows query_j * group + g, as the queries are laid out below.
-            mask = torch.zeros(suffix.mask.shape, dtype=query.dtype)
+            mask = torch.zeros(suffix.mask.shape, dtype=dtype)
             mask.masked_fill_(~suffix.mask, float("-inf"))
             mask = cascade.masks[index, group] = mask.repeat_interleave(group, 0)
         k, v = (
@@ -172,8 +176,8 @@ def attend_cascade(
             q_chunks.permute(0, 2, 1, 3, 4).reshape(
                 num_chunks, num_kv_heads, query_len * group, head_dim
             ),
-            k.to(query.dtype),
-            v.to(query.dtype),
+            k.to(dtype),
+            v.to(dtype),
             scale,
             mask,
         )
@@ -187,6 +191,6 @@ def attend_cascade(
     prefix_weight = (prefix_lse - top).exp_()
     suffix_weight = (suffix_lse - top).exp_()
     total = prefix_weight + suffix_weight
-    merged = prefix_out * (prefix_weight / total).unsqueeze(-1)
-    merged.add_(suffix_out * (suffix_weight / total).unsqueeze(-1))
+    merged = prefix_out.to(output.dtype) * (prefix_weight / total).unsqueeze(-1)
+    merged.add_(suffix_out.to(output.dtype) * (suffix_weight / total).unsqueeze(-1))
     output.index_copy_(0, cascade.rows, merged.reshape(num_rows, num_heads, head_dim))

@@ -8,14 +8,18 @@
  * head (grouped-query attention) are done together, so each key and value is read once
  * from memory.
  *
- * Two passes per item: scores q.k for the whole context (eight keys at a time, eight
- * independent accumulators), a softmax, then the probability-weighted sum of values
- * (the output row held in registers). Head sizes 64 and 128 get code specialised at
- * compile time; other sizes take a plain loop.
+ * Two passes per item, each reading every key (value) once for all the query heads of the
+ * group: scores q.k for the whole context (KEYS keys by up to SCORE_HEADS heads of
+ * accumulators at a time), a softmax per head, then the probability-weighted sum of values
+ * (the heads' output rows held in registers). The vectors are the widest of the build's
+ * level (vecw.h: 16 float32 lanes on AVX-512, 8 on AVX2). Head sizes 64 and 128 get code
+ * specialised at compile time, other multiples of the vector step take the same code with
+ * the size a variable (in slices above SLICE_VECTORS vectors), the rest a plain loop.
  *
  * The cache holds float32 or bfloat16 (--kv-cache-dtype bfloat16: half the bytes to
- * stream; a bfloat16 is the top half of a float32, so reading one back is a shift, and
- * writing one rounds to nearest even, as torch's conversion does).
+ * stream; a bfloat16 is the top half of a float32, so reading two back is a shift and a
+ * mask (vecw.h's even and odd lanes: the queries are laid out to match), and writing one
+ * rounds to nearest even, as torch's conversion does). The arithmetic is float32 either way.
  *
  * Layouts (contiguous; out, query, key and value float32):
  *   out, query     [num_tokens, num_heads, head_dim], heads contiguous, rows strided
@@ -32,19 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "vec8.h"
-
-/* Cache elements i..i+7 (or i) as float32; `bf16` is a constant after inlining. */
-static inline v8f kv_load8(const void *cache, int64_t i, int bf16) {
-    if (!bf16) return load8((const float *)cache + i);
-    uint16_t half[8];
-    memcpy(half, (const uint16_t *)cache + i, sizeof half);
-    v8i bits;
-    for (int l = 0; l < 8; ++l) bits[l] = (int32_t)((uint32_t)half[l] << 16);
-    v8f out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
+#include "vecw.h"
 
 static inline float kv_load1(const void *cache, int64_t i, int bf16) {
     if (!bf16) return ((const float *)cache)[i];
@@ -62,98 +54,231 @@ static inline uint16_t to_bf16(float x) {
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* Query heads scored per pass over a block's keys: each holds KEYS accumulators, and a
+ * 16-register AVX2 file holds one head's. */
+#define KEYS 8
+/* Pass 1 reads the context in runs of up to RUN tokens of one block, prefetching the
+ * keys and values AHEAD tokens on: a steady stream, where whole blocks at once (128
+ * tokens in an engine) measured ~10% slower (docs/PERFORMANCE_CPU.md). */
+#define RUN 16
+#define AHEAD 64
+#define SCORE_HEADS (VW == 16 ? 3 : 1)
+/* Cache elements per vector step: VW float32, or 2 * VW bfloat16 (an even and an odd vector). */
+#define CHUNK(bf16) ((bf16) ? 2 * VW : VW)
+
+/* Chunk c of cache row `row` as float32 into k[0] (and k[1]: the odd elements of bf16). */
+static inline __attribute__((always_inline)) void kv_chunk(const void *cache, int64_t row,
+                                                          int64_t c, int bf16, vwf k[2]) {
+    if (bf16)
+        bf16_pairs((const uint16_t *)cache + row + c * 2 * VW, &k[0], &k[1]);
+    else
+        k[0] = loadw((const float *)cache + row + c * VW);
+}
+
+/* Scaled scores of `heads` query heads (qs: scaled, in kv_chunk's element order, head_dim
+ * apart) against `count` keys from `keys` (head_dim apart); head h's go to s + h * stride.
+ * Each key is converted once for all the heads. */
+static inline __attribute__((always_inline)) void score_keys(
+    float *s, int64_t stride, const float *qs, const void *key_cache, int64_t keys,
+    int64_t count, const int64_t head_dim, const int heads, int bf16) {
+    const int64_t chunks = head_dim / CHUNK(bf16);
+    const int parts = bf16 ? 2 : 1;
+    int64_t i = 0;
+    for (; i + KEYS <= count; i += KEYS) {
+        vwf acc[SCORE_HEADS][KEYS];
+        for (int h = 0; h < heads; ++h)
+            for (int t = 0; t < KEYS; ++t) acc[h][t] = splatw(0.0f);
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < chunks; ++c)
+            for (int t = 0; t < KEYS; ++t) {
+                vwf k[2];
+                kv_chunk(key_cache, keys + (i + t) * head_dim, c, bf16, k);
+                for (int h = 0; h < heads; ++h)
+                    for (int p = 0; p < parts; ++p)
+                        acc[h][t] = fmaw(loadw(qs + h * head_dim + (c * parts + p) * VW), k[p],
+                                         acc[h][t]);
+            }
+        for (int h = 0; h < heads; ++h) {
+            v8f folded[KEYS];
+            for (int t = 0; t < KEYS; ++t) folded[t] = fold8(acc[h][t]);
+            store8(s + h * stride + i, hsum8x8(folded));
+        }
+    }
+    for (; i < count; ++i) {
+        vwf acc[SCORE_HEADS];
+        for (int h = 0; h < heads; ++h) acc[h] = splatw(0.0f);
+#pragma GCC unroll 16
+        for (int64_t c = 0; c < chunks; ++c) {
+            vwf k[2];
+            kv_chunk(key_cache, keys + i * head_dim, c, bf16, k);
+            for (int h = 0; h < heads; ++h)
+                for (int p = 0; p < parts; ++p)
+                    acc[h] = fmaw(loadw(qs + h * head_dim + (c * parts + p) * VW), k[p], acc[h]);
+        }
+        for (int h = 0; h < heads; ++h) s[h * stride + i] = hsum8(fold8(acc[h]));
+    }
+}
+
+/* Scores e^(s - max) in place; returns their sum. */
+static inline float softmax_unnormalised(float *s, int64_t n) {
+    /* The maximum and the sum eight lanes at a time, each reduced once at the end. */
+    float max = s[0];
+    int64_t t = 0;
+    if (n >= 8) {
+        v8f top = load8(s);
+        for (t = 8; t + 8 <= n; t += 8) {
+            const v8f x = load8(s + t);
+            top = select8(x > top, x, top);
+        }
+        for (int l = 0; l < 8; ++l) max = top[l] > max ? top[l] : max;
+    }
+    for (; t < n; ++t) max = s[t] > max ? s[t] : max;
+    vwf sums = splatw(0.0f);
+    for (t = 0; t + VW <= n; t += VW) {
+        const vwf e = expw(loadw(s + t) - splatw(max));
+        storew(s + t, e);
+        sums += e;
+    }
+    float sum = hsum8(fold8(sums));
+    for (; t < n; ++t) {
+        s[t] = expf(s[t] - max);
+        sum += s[t];
+    }
+    return sum;
+}
+
+/* The most vectors of output one value pass keeps in registers, over all its heads, and
+ * per head (a wider head is done in slices of SLICE_VECTORS * VW elements). */
+#define VALUE_VECTORS (VW == 16 ? 24 : 8)
+#define SLICE_VECTORS 8
+
+/* o[h][0 .. width) = sum over the context of p[h * stride + t] * value t [0 .. width),
+ * times inv[h], for `heads` query heads, values read from element `first` of each row:
+ * each value is converted once for all the heads. */
+static inline __attribute__((always_inline)) void weigh_values(
+    float *o, const float *p, int64_t stride, const float *inv, const void *value_cache,
+    const int64_t *table, int64_t seq_len, const int64_t head_dim, const int64_t first,
+    const int64_t width, int64_t block_stride, int64_t block_size, int64_t kv_offset,
+    const int heads, int bf16) {
+    const int64_t chunks = width / CHUNK(bf16);
+    const int parts = bf16 ? 2 : 1;
+    vwf acc[4][SLICE_VECTORS]; /* heads <= 4 */
+    for (int h = 0; h < heads; ++h)
+        for (int64_t c = 0; c < chunks * parts; ++c) acc[h][c] = splatw(0.0f);
+    for (int64_t start = 0; start < seq_len; start += block_size) {
+        const int64_t block = table[start / block_size] * block_stride + kv_offset + first;
+        const int64_t count = seq_len - start < block_size ? seq_len - start : block_size;
+        for (int64_t i = 0; i < count; ++i) {
+            const int64_t row = block + i * head_dim;
+#pragma GCC unroll 16
+            for (int64_t c = 0; c < chunks; ++c) {
+                vwf v[2];
+                kv_chunk(value_cache, row, c, bf16, v);
+                for (int h = 0; h < heads; ++h) {
+                    const vwf weight = splatw(p[h * stride + start + i]);
+                    for (int q = 0; q < parts; ++q)
+                        acc[h][c * parts + q] = fmaw(weight, v[q], acc[h][c * parts + q]);
+                }
+            }
+        }
+    }
+    for (int h = 0; h < heads; ++h)
+        for (int64_t c = 0; c < chunks; ++c) {
+            if (!bf16) {
+                storew(o + h * head_dim + first + c * VW, acc[h][c] * splatw(inv[h]));
+                continue;
+            }
+            /* Back from even and odd lanes to the row's order. */
+            vwf lo, hi;
+            interleave(acc[h][2 * c], acc[h][2 * c + 1], &lo, &hi);
+            storew(o + h * head_dim + first + c * 2 * VW, lo * splatw(inv[h]));
+            storew(o + h * head_dim + first + c * 2 * VW + VW, hi * splatw(inv[h]));
+        }
+}
+
+/* The group of query heads sharing one kv head, for one decode row: scores for the whole
+ * context (SCORE_HEADS heads per pass over each block's keys), a softmax per head, then
+ * the probability-weighted sum of values (as many heads per pass as fit in registers). The
+ * caller guarantees head_dim % CHUNK(bf16) == 0 and head_dim <= 256. */
 static inline __attribute__((always_inline)) void attend_item(
     float *o, const float *q, const void *key_cache, const void *value_cache,
     const int64_t *table, int64_t seq_len, int64_t group, const int64_t head_dim,
     int64_t block_stride, int64_t block_size, int64_t kv_offset,
     float scale, float *scores, int bf16) {
-    const int64_t chunks = head_dim / 8;
     const int64_t element = bf16 ? 2 : 4;
-    /* Pass 1: scaled scores, per query head of the group, per context position. */
-    for (int64_t start = 0; start < seq_len; start += block_size) {
-        const int64_t block = table[start / block_size] * block_stride + kv_offset;
-        const int64_t count = seq_len - start < block_size ? seq_len - start : block_size;
-        if (start + block_size < seq_len) {
-            /* The next block's keys, and its values for pass 2, start coming from memory
-             * while this block is computed: a block table is a pointer chase the hardware
-             * prefetcher cannot follow. */
-            const int64_t next = table[start / block_size + 1] * block_stride + kv_offset;
-            const int64_t next_count =
-                seq_len - start - block_size < block_size ? seq_len - start - block_size
-                                                          : block_size;
-            /* The kv head's run in the next block: next_count tokens, contiguous. */
-            const int64_t bytes = next_count * head_dim * element;
-            for (int64_t b = 0; b < bytes; b += 64) {
-                __builtin_prefetch((const char *)key_cache + next * element + b, 0, 3);
-                __builtin_prefetch((const char *)value_cache + next * element + b, 0, 2);
+    /* The queries scaled, and for bf16 de-interleaved per chunk as kv_chunk reads keys. */
+    float qs[group * head_dim] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < group * head_dim; g += CHUNK(bf16))
+        for (int64_t j = 0; j < CHUNK(bf16); ++j)
+            qs[g + (bf16 ? (j & 1) * VW + j / 2 : j)] = q[g + j] * scale;
+    /* Pass 1: scaled scores, per query head of the group, per context position, in runs
+     * of at most RUN tokens of one block. */
+    for (int64_t start = 0; start < seq_len;) {
+        const int64_t offset = start % block_size;
+        const int64_t block = table[start / block_size] * block_stride + kv_offset +
+                              offset * head_dim;
+        int64_t count = block_size - offset < RUN ? block_size - offset : RUN;
+        count = seq_len - start < count ? seq_len - start : count;
+        /* The keys, and the values for pass 2, AHEAD tokens on (all of those up to there
+         * at the first run) start coming from memory while this run is computed: a
+         * block table is a pointer chase the hardware prefetcher cannot follow. */
+        const int64_t until = start + AHEAD + count;
+        for (int64_t at = start ? start + AHEAD : 0; at < until && at < seq_len;) {
+            const int64_t at_offset = at % block_size;
+            const int64_t row = table[at / block_size] * block_stride + kv_offset +
+                                at_offset * head_dim;
+            int64_t n = block_size - at_offset;
+            n = until - at < n ? until - at : n;
+            n = seq_len - at < n ? seq_len - at : n;
+            for (int64_t b = 0; b < n * head_dim * element; b += 64) {
+                __builtin_prefetch((const char *)key_cache + row * element + b, 0, 3);
+                __builtin_prefetch((const char *)value_cache + row * element + b, 0, 2);
             }
+            at += n;
         }
-        for (int64_t g = 0; g < group; ++g) {
-            const float *qg = q + g * head_dim;
+        for (int64_t g = 0; g < group; g += SCORE_HEADS) {
             float *s = scores + g * seq_len + start;
-            int64_t i = 0;
-            for (; i + 8 <= count; i += 8) {
-                v8f acc[8] = {0};
-                for (int64_t c = 0; c < chunks; ++c) {
-                    const v8f qv = load8(qg + 8 * c);
-                    for (int t = 0; t < 8; ++t)
-                        acc[t] = fma8(qv,
-                                      kv_load8(key_cache, block + (i + t) * head_dim + 8 * c,
-                                               bf16),
-                                      acc[t]);
-                }
-                store8(s + i, hsum8x8(acc) * splat8(scale));
-            }
-            for (; i < count; ++i) {
-                v8f acc = {0};
-                for (int64_t c = 0; c < chunks; ++c)
-                    acc = fma8(load8(qg + 8 * c),
-                               kv_load8(key_cache, block + i * head_dim + 8 * c, bf16), acc);
-                s[i] = hsum8(acc) * scale;
+            const float *qg = qs + g * head_dim;
+            /* A constant head count in each call, so the accumulators stay in registers. */
+            switch (group - g < SCORE_HEADS ? group - g : SCORE_HEADS) {
+            case 3:
+                score_keys(s, seq_len, qg, key_cache, block, count, head_dim, 3, bf16);
+                break;
+            case 2:
+                score_keys(s, seq_len, qg, key_cache, block, count, head_dim, 2, bf16);
+                break;
+            default:
+                score_keys(s, seq_len, qg, key_cache, block, count, head_dim, 1, bf16);
             }
         }
+        start += count;
     }
-    /* Softmax per query head, then pass 2: the probability-weighted sum of values. */
-    for (int64_t g = 0; g < group; ++g) {
-        float *s = scores + g * seq_len;
-        /* The maximum and the sum eight lanes at a time, each reduced once at the end:
-         * cheaper than a scalar maximum and a horizontal sum per eight scores. */
-        float max = s[0];
-        int64_t t = 0;
-        if (seq_len >= 8) {
-            v8f top = load8(s);
-            for (t = 8; t + 8 <= seq_len; t += 8) {
-                const v8f x = load8(s + t);
-                top = select8(x > top, x, top);
-            }
-            for (int l = 0; l < 8; ++l) max = top[l] > max ? top[l] : max;
+    float inv[group];
+    for (int64_t g = 0; g < group; ++g)
+        inv[g] = 1.0f / softmax_unnormalised(scores + g * seq_len, seq_len);
+    /* Pass 2: per slice of the head, as many heads per pass over the values as their
+     * outputs fit in registers. */
+    const int64_t width = head_dim < SLICE_VECTORS * VW ? head_dim : SLICE_VECTORS * VW;
+    int64_t most = VALUE_VECTORS / (width / VW);
+    most = most < 1 ? 1 : most > 4 ? 4 : most;
+    for (int64_t first = 0; first < head_dim; first += width)
+        for (int64_t g = 0; g < group;) {
+            const int64_t heads = group - g < most ? group - g : most;
+            const int64_t slice = head_dim - first < width ? head_dim - first : width;
+#define WEIGH(n)                                                                              \
+    weigh_values(o + g * head_dim, scores + g * seq_len, seq_len, inv + g, value_cache, table, \
+                 seq_len, head_dim, first, slice, block_stride, block_size, kv_offset, n, bf16)
+            if (heads == 4)
+                WEIGH(4);
+            else if (heads == 3)
+                WEIGH(3);
+            else if (heads == 2)
+                WEIGH(2);
+            else
+                WEIGH(1);
+            g += heads;
         }
-        for (; t < seq_len; ++t) max = s[t] > max ? s[t] : max;
-        v8f sums = splat8(0.0f);
-        for (t = 0; t + 8 <= seq_len; t += 8) {
-            const v8f e = exp8(load8(s + t) - splat8(max));
-            store8(s + t, e);
-            sums += e;
-        }
-        float sum = hsum8(sums);
-        for (; t < seq_len; ++t) {
-            s[t] = expf(s[t] - max);
-            sum += s[t];
-        }
-        v8f acc[32] = {0}; /* head_dim <= 256 */
-        for (int64_t start = 0; start < seq_len; start += block_size) {
-            const int64_t block = table[start / block_size] * block_stride + kv_offset;
-            const int64_t count = seq_len - start < block_size ? seq_len - start : block_size;
-            for (int64_t i = 0; i < count; ++i) {
-                const v8f p = splat8(s[start + i]);
-                const int64_t v = block + i * head_dim;
-                for (int64_t c = 0; c < chunks; ++c)
-                    acc[c] = fma8(p, kv_load8(value_cache, v + 8 * c, bf16), acc[c]);
-            }
-        }
-        const v8f inv = splat8(1.0f / sum);
-        for (int64_t c = 0; c < chunks; ++c) store8(o + g * head_dim + 8 * c, acc[c] * inv);
-    }
+#undef WEIGH
 }
 
 static void attend_item_generic(float *o, const float *q, const void *key_cache,
@@ -217,6 +342,10 @@ static void decode_item(float *o, const float *q, const void *key_cache,
         ATTEND(128, 1);
     else if (head_dim == 128)
         ATTEND(128, 0);
+    else if (head_dim % CHUNK(kv_bf16 != 0) == 0 && head_dim <= 256 && kv_bf16)
+        ATTEND(head_dim, 1); /* the same code with the size a variable */
+    else if (head_dim % CHUNK(kv_bf16 != 0) == 0 && head_dim <= 256)
+        ATTEND(head_dim, 0);
     else
         attend_item_generic(o, q, key_cache, value_cache, table, seq_len, group, head_dim,
                             block_stride, block_size, kv_offset, scale, scores, kv_bf16 != 0);

@@ -1,0 +1,107 @@
+"""The paged decode kernel (kernels/csrc/paged_attention.c) on the shapes its vector code
+splits on, against attention written out in float64 torch, for every instruction-set level
+the host has (conftest.py): head sizes it specialises (64, 128), ones it takes with the size
+a variable (96; 192 and 256, done in slices), ones only the plain loop takes (40, 80 with a
+bfloat16 cache), query-head groups that fill its per-pass head counts unevenly (1, 3, 4, 5,
+7), contexts on and off block edges, one row and many."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenserve.kernels import paged_attention
+
+
+@pytest.fixture(scope="module")
+def paged(cpu_isa_level) -> paged_attention.PagedAttentionOps:
+    paged_ops = paged_attention.load()
+    assert paged_ops is not None, "the C kernels did not build (see the warning in the log)"
+    return paged_ops
+
+
+def _reference(query, key_cache, value_cache, tables, seq_lens, scale):
+    """softmax(q·kᵀ · scale)·v per row and query head, in float64, from the cache's values."""
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    group = query.shape[1] // num_kv_heads
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for row, seq_len in enumerate(seq_lens.tolist()):
+        positions = torch.arange(seq_len)
+        blocks, offsets = tables[row, positions // block_size], positions % block_size
+        for head in range(query.shape[1]):
+            kv_head = head // group
+            k = key_cache[blocks, kv_head, offsets].double()  # [seq_len, dim]
+            v = value_cache[blocks, kv_head, offsets].double()
+            weights = torch.softmax(k @ query[row, head].double() * scale, dim=0)
+            out[row, head] = weights @ v
+    return out
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size", "seq_lens"),
+    [
+        (9, 3, 64, 16, [1, 15, 16, 17, 33, 100]),
+        (5, 1, 64, 16, [7, 40]),
+        (14, 2, 64, 16, [9, 130]),
+        (2, 2, 128, 16, [31, 64]),
+        (12, 3, 128, 8, [3, 77]),
+        (6, 2, 96, 16, [5, 50]),
+        (3, 1, 192, 16, [21]),
+        (8, 2, 256, 32, [1, 70]),
+        (4, 4, 40, 16, [12, 19]),
+        (10, 2, 80, 16, [29]),
+    ],
+    ids=["gqa3-d64", "gqa5-d64", "gqa7-d64", "mha-d128", "gqa4-d128-b8", "gqa3-d96",
+         "gqa3-d192", "gqa4-d256-b32", "mha-d40", "gqa5-d80"],
+)
+def test_paged_decode_matches_float64_attention(
+    paged, num_heads, num_kv_heads, head_dim, block_size, seq_lens, cache_dtype
+):
+    generator = torch.Generator().manual_seed(head_dim + num_heads)
+    seq_lens = torch.tensor(seq_lens)
+    max_blocks = int(-(-seq_lens.max() // block_size))
+    num_blocks = len(seq_lens) * max_blocks + 3
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(cache_dtype)
+    value_cache = torch.randn(shape, generator=generator).to(cache_dtype)
+    # Each row's blocks scattered through the cache; block 0 is never used.
+    tables = 1 + torch.randperm(num_blocks - 1, generator=generator)[: len(seq_lens) * max_blocks]
+    tables = tables.view(len(seq_lens), max_blocks).contiguous()
+    # Scores of a few units, as trained models have: the softmax neither flat nor one-hot.
+    query = 2 * torch.randn(len(seq_lens), num_heads, head_dim, generator=generator)
+    out = torch.full_like(query, float("nan"))
+    scale = head_dim**-0.5
+    paged.decode(out, query, torch.arange(len(seq_lens)), key_cache, value_cache, tables,
+                 seq_lens, scale)
+    expected = _reference(query, key_cache, value_cache, tables, seq_lens, scale)
+    # float32 arithmetic on the cache's very values: only the order of the sums differs.
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_row_alone_equals_row_among_many(paged, cache_dtype):
+    """A row's output is bit-identical whichever rows share the call and wherever its
+    blocks lie in the cache."""
+    generator = torch.Generator().manual_seed(1)
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    seq_lens = torch.tensor([50, 3, 200, 16, 97])
+    shape = (100, num_kv_heads, block_size, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(cache_dtype)
+    value_cache = torch.randn(shape, generator=generator).to(cache_dtype)
+    order = torch.randperm(100, generator=generator)
+    tables, spare = order[:65].view(5, 13).contiguous(), order[65:]
+    query = torch.randn(5, num_heads, head_dim, generator=generator)
+    together = torch.empty_like(query)
+    paged.decode(together, query, torch.arange(5), key_cache, value_cache, tables, seq_lens,
+                 0.125)
+    for row in range(5):
+        # The row's blocks copied to unused ones: another block table, the same context.
+        used = tables[row, : -(-int(seq_lens[row]) // block_size)]
+        moved = spare[: len(used)]
+        key_cache[moved], value_cache[moved] = key_cache[used], value_cache[used]
+        alone = torch.empty(1, num_heads, head_dim)
+        paged.decode(alone, query[row : row + 1], torch.zeros(1, dtype=torch.int64),
+                     key_cache, value_cache, moved.view(1, -1).contiguous(),
+                     seq_lens[row : row + 1].contiguous(), 0.125)
+        assert torch.equal(alone[0], together[row])
