@@ -95,3 +95,29 @@ def test_bad_dtypes_are_refused(ops):
         ops.rms_norm(torch.ones(2, 8, dtype=torch.float16), torch.ones(8), 1e-5, None, BF16)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         ops.rms_norm(torch.ones(2, 8), torch.ones(8), 1e-5, None, torch.float16)
+
+
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 2, 1, 8), (9, 9, 3, 64),
+                                                       (700, 4, 2, 16)])
+def test_rotary_from_bf16_is_the_cast_then_rotary(ops, tokens, heads, kv_heads, dim):
+    generator = torch.Generator().manual_seed(tokens)
+    width = (heads + 2 * kv_heads) * dim
+    qkv = torch.randn(tokens, width, generator=generator).to(BF16)
+    positions = torch.randint(0, 100, (tokens,), generator=generator)
+    angles = torch.rand(100, dim // 2, generator=generator) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+
+    out = ops.rotary_from_bf16(qkv, positions, cos, sin, heads, kv_heads)
+
+    expected = qkv.float()
+    q = expected[:, : heads * dim].view(tokens, heads, dim)
+    k = expected[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    ops.rotary(q, k, positions, cos, sin)
+    assert out.dtype == F32 and torch.equal(out, expected)
+    # Against plain PyTorch's rotate-half.
+    half = dim // 2
+    x = qkv.float()[:, : heads * dim].view(tokens, heads, dim)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    rotated = x * c + torch.cat([-x[..., half:], x[..., :half]], -1) * s
+    torch.testing.assert_close(out[:, : heads * dim].view(tokens, heads, dim), rotated)
+    assert torch.equal(out[:, (heads + kv_heads) * dim :], qkv.float()[:, (heads + kv_heads) * dim :])

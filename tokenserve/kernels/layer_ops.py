@@ -38,6 +38,9 @@ class LayerOps:
         self._silu_and_mul_to_bf16 = library.ts_silu_and_mul_to_bf16
         self._silu_and_mul_to_bf16.restype = None
         self._silu_and_mul_to_bf16.argtypes = [ptr, ptr, ctypes.c_int, i64, i64]
+        self._rotary_from_bf16 = library.ts_rotary_from_bf16
+        self._rotary_from_bf16.restype = None
+        self._rotary_from_bf16.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
         self._rotary = library.ts_rotary_f32
         self._rotary.restype = None
         self._rotary.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
@@ -126,6 +129,33 @@ class LayerOps:
             query.data_ptr(), key.data_ptr(), query.stride(0), positions.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), tokens, heads, key.shape[1], dim,
         )
+
+
+    def rotary_from_bf16(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> torch.Tensor:
+        """A bf16 product's fused q/k/v [tokens, (heads + 2 kv_heads) * dim] as float32,
+        query and key heads rotated: the cast and `rotary` in one pass."""
+        check_f32(cos, sin)
+        check_i64(positions)
+        if qkv.dtype != torch.bfloat16 or not qkv.is_contiguous() or not qkv.is_cpu:
+            raise ValueError("rotary_from_bf16 needs a contiguous bfloat16 CPU tensor.")
+        tokens, width = qkv.shape
+        head_dim = cos.shape[1]
+        if width != (num_heads + 2 * num_kv_heads) * head_dim or positions.shape != (tokens,):
+            raise ValueError("rotary_from_bf16: qkv, heads, positions and tables disagree.")
+        out = torch.empty((tokens, width), dtype=torch.float32)
+        self._rotary_from_bf16(
+            out.data_ptr(), qkv.data_ptr(), width, positions.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), tokens, num_heads, num_kv_heads, head_dim,
+        )
+        return out
 
 
 def load(isa: str | None = None) -> LayerOps | None:

@@ -86,18 +86,15 @@ class LlamaAttention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        qkv = self.project_qkv(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k, v = self.rotary_emb.forward_qkv(
+            positions, self.qkv_proj(hidden_states), self.num_heads, self.num_kv_heads
+        )
         attn_output = self.attn(q, k, v, kv_cache, metadata)
         return self.o_proj(attn_output.reshape(num_tokens, self.q_size))
 
     def project_qkv(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The fused q/k/v in the activations' dtype (rotary and attention read it; a bf16
-        product hands its sums in bf16)."""
+        """The fused q/k/v in the activations' dtype, not rotated (a bf16 product hands its
+        sums in bf16)."""
         qkv = self.qkv_proj(hidden_states)
         return qkv if qkv.dtype == self.dtype else qkv.to(self.dtype)
 

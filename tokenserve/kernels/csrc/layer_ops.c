@@ -227,3 +227,20 @@ void ts_silu_and_mul_to_bf16(uint16_t *out, const void *gate_up, int in_bf16, in
         silu_and_mul_row_to_bf16(out + r * d, (const char *)gate_up + r * 2 * d * in_size,
                                  in_bf16, d);
 }
+
+/* A bf16 product's fused q/k/v rows [num_tokens, width] (query heads, key heads, then value
+ * heads) into float32 `out` of the same shape, with rotary applied to the query and key
+ * heads: the cast and ts_rotary_f32 in one pass over each row, with the same arithmetic. */
+void ts_rotary_from_bf16(float *out, const uint16_t *qkv, int64_t width, const int64_t *positions,
+                         const float *cos, const float *sin, int64_t num_tokens,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+#pragma omp parallel for schedule(static) if (num_tokens * width >= PARALLEL_MIN)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        float *row = out + t * width;
+        const uint16_t *source = qkv + t * width;
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) row[i] = bf16_load(source, i);
+        rotary_token(row, row + num_heads * head_dim, positions[t], cos, sin, num_heads,
+                     num_kv_heads, head_dim);
+    }
+}
