@@ -8,10 +8,11 @@ call. The packed copy replaces the dense weight, so memory does not double (unle
 module reads the dense weight too: a tied embedding table).
 
 With `weight_dtype=torch.bfloat16` (a bfloat16 model on CPU, model/precision.py) the weights
-are kept in bf16 while the activations stay float32: each product rounds its input to bf16,
-multiplies in bf16 with float32 accumulation (oneDNN: AMX tiles or AVX512_BF16 where the CPU
-has them), writes the sums in bf16 (oneDNN's output dtype is its input's) and hands them back
-as float32, the bias added in float32.
+are kept in bf16 while the activations stay float32: each product multiplies bf16 input in
+bf16 with float32 accumulation (oneDNN: AMX tiles or AVX512_BF16 where the CPU has them) and
+writes the sums in bf16 (oneDNN's output dtype is its input's). The operator before hands
+the input in bf16 (`input_dtype`) and the sums stay bf16 for the operator after; float32
+input is rounded here and its sums handed back as float32; a bias is added in float32.
 """
 
 from __future__ import annotations
