@@ -1,5 +1,6 @@
 """Bindings of csrc/layer_ops.c: RMSNorm (with the residual add fused), SwiGLU, and rotary
-embeddings in place."""
+embeddings in place; RMSNorm and SwiGLU also read and write the bfloat16 of a bf16 model's
+products (model/precision.py) without a cast between."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import functools
 import torch
 
 from tokenserve.kernels import build
-from tokenserve.kernels.tensor_checks import check_f32, check_i64, check_rows, i64, ptr
+from tokenserve.kernels.tensor_checks import (
+    check_f32,
+    check_f32_or_bf16,
+    check_i64,
+    check_rows,
+    i64,
+    ptr,
+)
 
 
 class LayerOps:
@@ -22,6 +30,17 @@ class LayerOps:
         self._silu_and_mul = library.ts_silu_and_mul_f32
         self._silu_and_mul.restype = None
         self._silu_and_mul.argtypes = [ptr, ptr, i64, i64]
+        self._rms_norm_mixed = library.ts_rms_norm_mixed
+        self._rms_norm_mixed.restype = None
+        self._rms_norm_mixed.argtypes = [
+            ptr, ctypes.c_int, ptr, ctypes.c_int, ptr, ptr, i64, i64, ctypes.c_float,
+        ]
+        self._silu_and_mul_to_bf16 = library.ts_silu_and_mul_to_bf16
+        self._silu_and_mul_to_bf16.restype = None
+        self._silu_and_mul_to_bf16.argtypes = [ptr, ptr, ctypes.c_int, i64, i64]
+        self._rotary_from_bf16 = library.ts_rotary_from_bf16
+        self._rotary_from_bf16.restype = None
+        self._rotary_from_bf16.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
         self._rotary = library.ts_rotary_f32
         self._rotary.restype = None
         self._rotary.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
@@ -32,9 +51,14 @@ class LayerOps:
         weight: torch.Tensor,
         eps: float,
         residual: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """RMSNorm of x [rows, hidden]; with `residual`, of residual + x, which is also
-        written back into `residual` (in place)."""
+        written back into `residual` (in place). x and the result (`out_dtype`, default x's)
+        may be bfloat16; residual and weight are float32."""
+        out_dtype = out_dtype or x.dtype
+        if x.dtype != torch.float32 or out_dtype != torch.float32:
+            return self._rms_norm_bf16(x, weight, eps, residual, out_dtype)
         check_f32(x, weight, *(() if residual is None else (residual,)))
         out = torch.empty_like(x)
         self._rms_norm(
@@ -43,8 +67,41 @@ class LayerOps:
         )
         return out
 
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up for gate_up = [rows, 2 * d] → [rows, d]."""
+    def _rms_norm_bf16(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        check_f32_or_bf16(x)
+        check_f32(weight, *(() if residual is None else (residual,)))
+        if out_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"rms_norm writes float32 or bfloat16, not {out_dtype}.")
+        out = torch.empty(x.shape, dtype=out_dtype)
+        self._rms_norm_mixed(
+            out.data_ptr(), int(out_dtype == torch.bfloat16), x.data_ptr(),
+            int(x.dtype == torch.bfloat16), 0 if residual is None else residual.data_ptr(),
+            weight.data_ptr(), x.shape[0], x.shape[1], eps,
+        )
+        return out
+
+    def silu_and_mul(
+        self, gate_up: torch.Tensor, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """silu(gate) * up for gate_up = [rows, 2 * d] → [rows, d]. gate_up may be bfloat16;
+        the result is `out_dtype` (default gate_up's): float32 from float32 only."""
+        out_dtype = out_dtype or gate_up.dtype
+        if out_dtype == torch.bfloat16:
+            check_f32_or_bf16(gate_up)
+            rows, width = gate_up.shape
+            out = torch.empty((rows, width // 2), dtype=torch.bfloat16)
+            self._silu_and_mul_to_bf16(
+                out.data_ptr(), gate_up.data_ptr(), int(gate_up.dtype == torch.bfloat16), rows,
+                width // 2,
+            )
+            return out
         check_f32(gate_up)
         rows, width = gate_up.shape
         out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
@@ -72,6 +129,33 @@ class LayerOps:
             query.data_ptr(), key.data_ptr(), query.stride(0), positions.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), tokens, heads, key.shape[1], dim,
         )
+
+
+    def rotary_from_bf16(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> torch.Tensor:
+        """A bf16 product's fused q/k/v [tokens, (heads + 2 kv_heads) * dim] as float32,
+        query and key heads rotated: the cast and `rotary` in one pass."""
+        check_f32(cos, sin)
+        check_i64(positions)
+        if qkv.dtype != torch.bfloat16 or not qkv.is_contiguous() or not qkv.is_cpu:
+            raise ValueError("rotary_from_bf16 needs a contiguous bfloat16 CPU tensor.")
+        tokens, width = qkv.shape
+        head_dim = cos.shape[1]
+        if width != (num_heads + 2 * num_kv_heads) * head_dim or positions.shape != (tokens,):
+            raise ValueError("rotary_from_bf16: qkv, heads, positions and tables disagree.")
+        out = torch.empty((tokens, width), dtype=torch.float32)
+        self._rotary_from_bf16(
+            out.data_ptr(), qkv.data_ptr(), width, positions.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), tokens, num_heads, num_kv_heads, head_dim,
+        )
+        return out
 
 
 def load(isa: str | None = None) -> LayerOps | None:

@@ -36,6 +36,16 @@ def check_f32(*tensors: torch.Tensor) -> None:
             raise ValueError("C kernels need contiguous float32 CPU tensors.")
 
 
+def check_f32_or_bf16(*tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        if (
+            tensor.dtype not in (torch.float32, torch.bfloat16)
+            or not tensor.is_contiguous()
+            or not tensor.is_cpu
+        ):
+            raise ValueError("C kernels need contiguous float32 or bfloat16 CPU tensors.")
+
+
 def check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
     """1 for bfloat16 caches, 0 for float32; anything else is refused."""
     if key_cache.dtype != value_cache.dtype or key_cache.dtype not in (torch.float32,

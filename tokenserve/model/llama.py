@@ -74,6 +74,7 @@ class LlamaAttention(nn.Module):
             total_num_heads * head_dim, hidden_size, quant_method=linear_method, params_dtype=dtype,
             tp_size=tp.size, tp_rank=tp.rank, tp_group=tp,
         )
+        self.dtype = dtype
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, head_dim, head_dim**-0.5, self.num_kv_heads, backend)
 
@@ -85,14 +86,25 @@ class LlamaAttention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k, v = self.rotary_emb.forward_qkv(
+            positions, self.qkv_proj(hidden_states), self.num_heads, self.num_kv_heads
+        )
         attn_output = self.attn(q, k, v, kv_cache, metadata)
         return self.o_proj(attn_output.reshape(num_tokens, self.q_size))
+
+    def project_qkv(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The fused q/k/v in the activations' dtype, not rotated (a bf16 product hands its
+        sums in bf16)."""
+        qkv = self.qkv_proj(hidden_states)
+        return qkv if qkv.dtype == self.dtype else qkv.to(self.dtype)
+
+
+def product_input_dtype(linear: nn.Module, rows: int) -> torch.dtype | None:
+    """What a linear layer's product of `rows` rows reads, where it is not the activations'
+    dtype (a bf16 model's products: the operator before hands its result in bf16); None
+    otherwise, also for a wrapper that adds to the product (a LoRA layer)."""
+    input_dtype = getattr(linear, "input_dtype", None)
+    return None if input_dtype is None else input_dtype(rows)
 
 
 class LlamaMLP(nn.Module):
@@ -116,9 +128,11 @@ class LlamaMLP(nn.Module):
             tp_size=tp.size, tp_rank=tp.rank, tp_group=tp,
         )
         self.act_fn = SiluAndMul(dtype, use_c_kernels)
+        self.dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        out_dtype = product_input_dtype(self.down_proj, x.shape[0]) or self.dtype
+        return self.down_proj(self.act_fn(self.gate_up_proj(x), out_dtype))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -154,13 +168,18 @@ class LlamaDecoderLayer(nn.Module):
         """One layer on the residual stream: returns (this layer's MLP output, the stream
         before it is added). `residual` is None for the first layer, whose input is the
         stream itself; the next norm adds the two (fused with the norm on CPU)."""
+        # Each norm hands its result in the dtype its product reads (bf16 for bf16 products).
+        rows = hidden_states.shape[0]
+        qkv_dtype = product_input_dtype(self.self_attn.qkv_proj, rows)
         if residual is None:
             residual = hidden_states
-            x = self.input_layernorm(hidden_states)
+            x = self.input_layernorm(hidden_states, out_dtype=qkv_dtype)
         else:
-            x = self.input_layernorm(hidden_states, residual)
+            x = self.input_layernorm(hidden_states, residual, qkv_dtype)
         attn_output = self.self_attn(positions, x, kv_cache, metadata)
-        x = self.post_attention_layernorm(attn_output, residual)
+        x = self.post_attention_layernorm(
+            attn_output, residual, product_input_dtype(self.mlp.gate_up_proj, rows)
+        )
         return self.mlp(x), residual
 
 
@@ -235,7 +254,8 @@ class LlamaModel(nn.Module):
             positions, hidden_states, kv_caches, metadata, residual
         )
         if not self.pp.is_last:
-            self.pp.send([hidden_states, residual])
+            # The last MLP's sums may be a bf16 product's: sent in the activations' dtype.
+            self.pp.send([hidden_states.to(self.dtype), residual])
             return None
         return self.norm(hidden_states, residual)
 
@@ -298,6 +318,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The logits, in the dtype of the head's product: bfloat16 from a bf16 product
+        (the sampler reads them once, as they are; who computes with them takes float32)."""
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
+        input_dtype = self.lm_head.quant_method.input_dtype(self.lm_head, hidden_states.shape[0])
+        if input_dtype is not None:
+            hidden_states = hidden_states.to(input_dtype)
         return self.lm_head(hidden_states)
 
     @torch.no_grad()

@@ -8,9 +8,12 @@ float32 elsewhere (without native bf16 a bf16 matmul is slower than a float32 on
 A bfloat16 model on CPU is mixed precision (docs/PERFORMANCE_CPU.md): the linear layers'
 weights are bfloat16 (GGUF blocks expanded to bf16), their products run in bf16 with
 float32 accumulation (oneDNN, AMX tiles where present), and the KV cache holds bfloat16;
-the residual stream, norms, rotary, softmax and the logits stay float32 (`activation_dtype`),
-so the C kernels of those operators serve it unchanged and only the products round their
-inputs to bf16. A GGUF model's decode steps of at most `bf16_quantized_max_rows` rows
+the residual stream, norms, rotary and softmax compute in float32 (`activation_dtype`).
+Between them the values a product reads or writes pass in bf16: a norm or SwiGLU writes
+its result rounded to bf16 for the product after it (the rounding the product would do),
+a product's sums stay bf16 until the next operator reads them, and the LM head's logits
+stay bf16 for the sampler (kernels/csrc/layer_ops.c; `QuantizationMethod.input_dtype`).
+A GGUF model's decode steps of at most `bf16_quantized_max_rows` rows
 still read its blocks in float32 (model/layers/quantization/__init__.py); larger steps and
 prefill take the bf16 products. float16 stays float16 throughout (the pure-torch path).
 """

@@ -36,7 +36,7 @@ class Qwen3Attention(LlamaAttention):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split(
+        q, k, v = self.project_qkv(hidden_states).split(
             [self.q_size, self.kv_size, self.kv_size], dim=-1
         )
         q = q.view(num_tokens, self.num_heads, self.head_dim)

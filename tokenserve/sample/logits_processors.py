@@ -62,6 +62,14 @@ class LogitsProcessorInputs:
     logit_bias: LogitBias | None = None
     penalties: Penalties | None = None
 
+    def any(self) -> bool:
+        """Whether some processor changes the logits this step."""
+        return any(
+            inputs is not None
+            for inputs in (self.grammar, self.allowed, self.banned, self.logit_bias,
+                           self.penalties)
+        )
+
 
 def apply_logits_processors(logits: torch.Tensor, inputs: LogitsProcessorInputs) -> torch.Tensor:
     """Apply every processor in `inputs` to `logits` ([num_rows, vocab] float32, in place)."""

@@ -27,7 +27,7 @@ import torch
 
 from tokenserve.sample.logits_processors import apply_logits_processors
 from tokenserve.sample.logprobs import LogprobsTensors, compute_logprobs
-from tokenserve.sample.sampler import Sampler, SamplingMetadata
+from tokenserve.sample.sampler import Sampler, SamplingMetadata, greedy_tokens
 
 
 @dataclass
@@ -55,7 +55,7 @@ class RejectionSampler:
         if metadata.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)
         logits = apply_logits_processors(logits, metadata.processors)
-        argmax = logits.argmax(dim=-1).tolist()
+        argmax = greedy_tokens(logits).tolist()
         probs = None if metadata.all_greedy else Sampler.probs(logits, metadata)
         greedy = metadata.greedy.tolist()
         row_tokens = list(argmax)

@@ -11,6 +11,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "vec8.h"
 
@@ -94,4 +96,151 @@ void ts_rotary_f32(float *query, float *key, int64_t token_stride, const int64_t
     for (int64_t t = 0; t < num_tokens; ++t)
         rotary_token(query + t * token_stride, key + t * token_stride, positions[t], cos, sin,
                      num_heads, num_kv_heads, head_dim);
+}
+
+/* --- bfloat16 hand-offs between a bf16 model's products (model/precision.py) ---------------
+ * A product's input is rounded to bf16 and its sums come back in bf16; these variants read
+ * or write bf16 directly, so no separate cast pass runs between the operators. The
+ * arithmetic is the float32 one above; a bf16 result is that float32 value rounded to
+ * nearest even, as torch's cast rounds it. */
+
+static inline float bf16_load(const uint16_t *p, int64_t i) {
+    const uint32_t bits = (uint32_t)p[i] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static inline uint16_t bf16_round(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* Eight values of a bf16 row as floats, and eight floats rounded into one. */
+static inline v8f load8_bf16(const uint16_t *p) {
+    uint16_t h[8];
+    memcpy(h, p, sizeof h);
+    v8i bits;
+    for (int i = 0; i < 8; ++i) bits[i] = (int32_t)((uint32_t)h[i] << 16);
+    v8f out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline void store8_bf16(uint16_t *p, v8f v) {
+    v8u bits;
+    memcpy(&bits, &v, sizeof bits);
+    v8u rounded = bits + 0x7fffu + ((bits >> 16) & 1u);
+    const v8u nan = (v8u)((bits & 0x7fffffffu) > 0x7f800000u);
+    rounded = (nan & 0x7fc00000u) | (~nan & rounded);
+    uint16_t h[8];
+    for (int i = 0; i < 8; ++i) h[i] = (uint16_t)(rounded[i] >> 16);
+    memcpy(p, h, sizeof h);
+}
+
+/* rms_norm_row with x in float32 or bf16 (x_bf16) and the result in float32 or bf16. */
+static inline void rms_norm_row_mixed(void *out, int out_bf16, const void *x, int x_bf16,
+                                      float *residual, const float *weight, int64_t hidden,
+                                      float eps, float *scratch) {
+    const float *src;
+    if (residual != NULL) {
+        if (x_bf16) {
+#pragma omp simd
+            for (int64_t i = 0; i < hidden; ++i) residual[i] += bf16_load(x, i);
+        } else {
+            const float *xf = x;
+#pragma omp simd
+            for (int64_t i = 0; i < hidden; ++i) residual[i] += xf[i];
+        }
+        src = residual;
+    } else if (x_bf16) {
+        for (int64_t i = 0; i < hidden; ++i) scratch[i] = bf16_load(x, i);
+        src = scratch;
+    } else {
+        src = x;
+    }
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < hidden; ++i) sum += src[i] * src[i];
+    const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+    if (out_bf16) {
+        uint16_t *o = out;
+        for (int64_t i = 0; i < hidden; ++i) o[i] = bf16_round(weight[i] * (src[i] * inv));
+    } else {
+        float *o = out;
+#pragma omp simd
+        for (int64_t i = 0; i < hidden; ++i) o[i] = weight[i] * (src[i] * inv);
+    }
+}
+
+/* ts_rms_norm_f32 with x and out each float32 or bf16 (residual and weight float32). */
+void ts_rms_norm_mixed(void *out, int out_bf16, const void *x, int x_bf16, float *residual,
+                       const float *weight, int64_t num_rows, int64_t hidden, float eps) {
+#pragma omp parallel if (num_rows * hidden >= PARALLEL_MIN)
+    {
+        float scratch_stack[1024];
+        float *scratch = hidden <= 1024 ? scratch_stack : malloc(hidden * sizeof(float));
+        const size_t x_size = x_bf16 ? 2 : 4, out_size = out_bf16 ? 2 : 4;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < num_rows; ++r)
+            rms_norm_row_mixed((char *)out + r * hidden * out_size, out_bf16,
+                               (const char *)x + r * hidden * x_size, x_bf16,
+                               residual == NULL ? NULL : residual + r * hidden, weight, hidden,
+                               eps, scratch);
+        if (scratch != scratch_stack) free(scratch);
+    }
+}
+
+/* silu_and_mul_row with gate_up in float32 or bf16 and the result in bf16. */
+static inline void silu_and_mul_row_to_bf16(uint16_t *out, const void *gate_up, int in_bf16,
+                                            int64_t d) {
+    int64_t i = 0;
+    if (in_bf16) {
+        const uint16_t *gate = gate_up, *up = (const uint16_t *)gate_up + d;
+        for (; i + 8 <= d; i += 8) {
+            const v8f g = load8_bf16(gate + i);
+            store8_bf16(out + i, g / (splat8(1.0f) + exp8(-g)) * load8_bf16(up + i));
+        }
+        for (; i < d; ++i) {
+            const float g = bf16_load(gate, i);
+            out[i] = bf16_round(g / (1.0f + expf(-g)) * bf16_load(up, i));
+        }
+    } else {
+        const float *gate = gate_up, *up = (const float *)gate_up + d;
+        for (; i + 8 <= d; i += 8) {
+            const v8f g = load8(gate + i);
+            store8_bf16(out + i, g / (splat8(1.0f) + exp8(-g)) * load8(up + i));
+        }
+        for (; i < d; ++i) out[i] = bf16_round(gate[i] / (1.0f + expf(-gate[i])) * up[i]);
+    }
+}
+
+void ts_silu_and_mul_to_bf16(uint16_t *out, const void *gate_up, int in_bf16, int64_t num_rows,
+                             int64_t d) {
+    const size_t in_size = in_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (num_rows * d >= PARALLEL_MIN)
+    for (int64_t r = 0; r < num_rows; ++r)
+        silu_and_mul_row_to_bf16(out + r * d, (const char *)gate_up + r * 2 * d * in_size,
+                                 in_bf16, d);
+}
+
+/* A bf16 product's fused q/k/v rows [num_tokens, width] (query heads, key heads, then value
+ * heads) into float32 `out` of the same shape, with rotary applied to the query and key
+ * heads: the cast and ts_rotary_f32 in one pass over each row, with the same arithmetic. */
+void ts_rotary_from_bf16(float *out, const uint16_t *qkv, int64_t width, const int64_t *positions,
+                         const float *cos, const float *sin, int64_t num_tokens,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+#pragma omp parallel for schedule(static) if (num_tokens * width >= PARALLEL_MIN)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        float *row = out + t * width;
+        const uint16_t *source = qkv + t * width;
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) row[i] = bf16_load(source, i);
+        rotary_token(row, row + num_heads * head_dim, positions[t], cos, sin, num_heads,
+                     num_kv_heads, head_dim);
+    }
 }

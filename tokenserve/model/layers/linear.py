@@ -83,6 +83,11 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
+    def input_dtype(self, rows: int) -> torch.dtype | None:
+        """What a product of `rows` rows reads where it is not the activations' dtype (bf16
+        products: the operator before may hand its result in it); None otherwise."""
+        return self.quant_method.input_dtype(self, rows)
+
     def weight_loader(self, param: nn.Parameter, loaded_weight, shard_id=None) -> None:
         raise NotImplementedError
 
@@ -252,6 +257,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
         if self.reduce_results:
+            if out.dtype != torch.float32 and out.dtype == self.input_dtype(x.shape[0]):
+                out = out.float()  # a bf16 product's partial sums add up in float32
             out = self.tp_group.all_reduce(out)
         return out
 

@@ -68,6 +68,32 @@ class RotaryEmbedding(torch.nn.Module):
         return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
 
 
+    def forward_qkv(
+        self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, num_kv_heads: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(query, key, value) [T, heads, D] of a fused q/k/v product [T, width] in the
+        table's dtype, query and key rotated. A bf16 product's q/k/v is cast and rotated in
+        one pass on CPU with the C kernels."""
+        head_dim = self.cos.shape[1]
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        if self.ops is not None and qkv.dtype == torch.bfloat16 and qkv.device.type == "cpu":
+            qkv = self.ops.rotary_from_bf16(
+                qkv.contiguous(), positions, self.cos, self.sin, num_heads, num_kv_heads
+            )
+            rotated = True
+        else:
+            qkv = qkv.to(self.cos.dtype)
+            rotated = False
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(tokens, num_heads, head_dim)
+        k = k.view(tokens, num_kv_heads, head_dim)
+        v = v.view(tokens, num_kv_heads, head_dim)
+        if not rotated:
+            q, k = self(positions, q, k)
+        return q, k, v
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -34,6 +34,11 @@ class QuantizationMethod(ABC):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Turn the loaded weight into the form `apply` reads (once, after loading)."""
 
+    def input_dtype(self, layer: nn.Module, rows: int) -> torch.dtype | None:
+        """What `apply` reads for a product of `rows` rows where that differs from the
+        activations' dtype (the operator before may hand its result in it); None: the same."""
+        return None
+
     @abstractmethod
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None

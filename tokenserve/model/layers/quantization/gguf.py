@@ -201,12 +201,18 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
             return None
         return replace(joined, max_rows=self.max_rows, gemm_max_rows=self.gemm_max_rows)
 
+    def input_dtype(self, layer: nn.Module, rows: int) -> torch.dtype | None:
+        """The blocks' kernels read float32; the dense products as the base method says."""
+        if layer.blocks is not None and layer.blocks.takes(rows):
+            return None
+        return super().input_dtype(layer, rows)
+
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         blocks = layer.blocks
         if blocks is not None and x.dim() == 2 and blocks.takes(x.shape[0]):
-            out = blocks.matmul(x)
+            out = blocks.matmul(x.float())  # the blocks read float32 (x may come in bf16)
             return out if bias is None else out.add_(bias)
         return super().apply(layer, x, bias)
 

@@ -8,10 +8,11 @@ call. The packed copy replaces the dense weight, so memory does not double (unle
 module reads the dense weight too: a tied embedding table).
 
 With `weight_dtype=torch.bfloat16` (a bfloat16 model on CPU, model/precision.py) the weights
-are kept in bf16 while the activations stay float32: each product rounds its input to bf16,
-multiplies in bf16 with float32 accumulation (oneDNN: AMX tiles or AVX512_BF16 where the CPU
-has them), writes the sums in bf16 (oneDNN's output dtype is its input's) and hands them back
-as float32, the bias added in float32.
+are kept in bf16 while the activations stay float32: each product multiplies bf16 input in
+bf16 with float32 accumulation (oneDNN: AMX tiles or AVX512_BF16 where the CPU has them) and
+writes the sums in bf16 (oneDNN's output dtype is its input's). The operator before hands
+the input in bf16 (`input_dtype`) and the sums stay bf16 for the operator after; float32
+input is rounded here and its sums handed back as float32; a bias is added in float32.
 """
 
 from __future__ import annotations
@@ -79,19 +80,30 @@ class UnquantizedLinearMethod(QuantizationMethod):
             # The packed copy is the weight from now on; free the dense one.
             layer.weight.data = torch.empty(0, dtype=packed.dtype)
 
+    def input_dtype(self, layer: nn.Module, rows: int) -> torch.dtype | None:
+        """bf16 for bf16 products: the operator before hands its result in bf16, no cast.
+        (A tied head left unpacked multiplies by the float32 table: None.)"""
+        weight = layer.weight if layer.packed_weight is None else layer.packed_weight
+        return self.weight_dtype if weight.dtype == self.weight_dtype else None
+
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        """x · Wᵀ (+ bias). Float32 x on bf16 weights: the result comes back float32; bf16 x
+        (handed by the operator before): the result stays bf16 (float32 with a bias, which
+        is added in float32)."""
         weight = layer.weight if layer.packed_weight is None else layer.packed_weight
-        if weight.dtype != x.dtype:
-            # bf16 products of float32 activations: round x, accumulate in float32 (oneDNN,
-            # MKL), and add the bias in float32 after.
+        if weight.dtype != x.dtype or x.dtype == self.weight_dtype:
+            # bf16 products: round x, accumulate in float32 (oneDNN, MKL), and add the bias
+            # in float32 after.
             rows = x.shape[0]
             padded = -(-rows // BF16_ROW_BUCKET) * BF16_ROW_BUCKET
             xb = x.to(weight.dtype)
             if x.dim() == 2 and padded != rows:
                 xb = torch.cat([xb, xb.new_zeros(padded - rows, xb.shape[1])])
-            out = self._product(layer, xb, None)[:rows].to(x.dtype)
+            out = self._product(layer, xb, None)[:rows]
+            if x.dtype != weight.dtype or bias is not None:
+                out = out.to(torch.float32 if x.dtype == weight.dtype else x.dtype)
             return out if bias is None else out.add_(bias)
         return self._product(layer, x, bias)
 
