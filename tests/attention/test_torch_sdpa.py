@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from tokenserve.attention.backend import CommonAttentionMetadata
 from tokenserve.attention.selector import get_attention_backend
 from tokenserve.attention.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
-from tokenserve.kernels import paged_attention
+from tokenserve.kernels import build, cpu_isa, paged_attention
 
 HEADS, KV_HEADS, DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 64, 16, 64
 SCALE = 0.125
@@ -161,3 +161,17 @@ def test_the_backend_owns_the_cache_layout():
     assert get_attention_backend(torch.device("cpu"), torch.float32, use_c_kernels=False).ops is None
     with pytest.raises(ValueError, match="No attention backend"):
         get_attention_backend(torch.device("meta"), torch.float32)
+
+
+def test_prompt_chunks_attend_in_bf16_only_for_a_bf16_model():
+    """A float32 model with a bf16 cache (--kv-cache-dtype bfloat16) keeps float32 prompt
+    attention on every CPU; a bf16 model's follows the CPU (bf16 where it is native)."""
+    cpu = torch.device("cpu")
+    float_model = get_attention_backend(cpu, torch.float32, weights_dtype=torch.float32)
+    assert float_model.prompt_dtype(torch.float32, torch.bfloat16) == torch.float32
+    bf16_model = get_attention_backend(cpu, torch.float32, weights_dtype=torch.bfloat16)
+    native = cpu_isa.native_bf16(build.selected_isa())
+    assert bf16_model.prompt_dtype(torch.float32, torch.bfloat16) == (
+        torch.bfloat16 if native else torch.float32
+    )
+    assert bf16_model.prompt_dtype(torch.float32, torch.float32) == torch.float32

@@ -1,7 +1,8 @@
 """benchmarks/paged_decode.py: the decode kernel timed over blocks in order and scattered.
 
-Timings depend on the host, so only their shape is checked: both block orders reported,
-each figure a finite, non-negative number (a fast CPU may time a tiny shape near 0).
+Timings depend on the host, so only their shape is checked: every instruction-set level the
+host runs, both cache dtypes and both block orders reported, each figure a finite,
+non-negative number (a fast CPU may time a tiny shape near 0).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+from tokenserve.kernels import cpu_isa
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "paged_decode.py"
 NUMBER = r"([-+\d.eE]+|inf|nan)"
@@ -23,14 +26,20 @@ def test_paged_decode_times_both_block_orders():
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("3 rows x 40 tokens, block size 8, 2 layers, float32"), (
-        result.stdout
-    )
+    assert result.stdout.startswith(
+        "3 rows x 40 tokens, 9 heads / 3 kv heads x 64, block size 8, 2 layers, "
+    ), result.stdout
     timed = re.findall(
-        rf"^\s+blocks (in order|scattered)\s+{NUMBER} ms per step\s+{NUMBER} GB/s$",
+        rf"^\s+(\S+)\s+(float32|bfloat16)\s+blocks (in order|scattered)\s+{NUMBER} ms per step"
+        rf"\s+{NUMBER} GB/s\s+cpu\s+{NUMBER} ms$",
         result.stdout, re.MULTILINE,
     )
-    assert [name for name, _, _ in timed] == ["in order", "scattered"], result.stdout
-    for _, ms, rate in timed:
-        for value in (float(ms), float(rate)):
+    assert [row[:3] for row in timed] == [
+        (level, dtype, order)
+        for level in cpu_isa.supported_levels()
+        for dtype in ("float32", "bfloat16")
+        for order in ("in order", "scattered")
+    ], result.stdout
+    for *_, ms, rate, cpu_ms in timed:
+        for value in (float(ms), float(rate), float(cpu_ms)):
             assert math.isfinite(value) and value >= 0, result.stdout

@@ -13,10 +13,15 @@ def get_attention_backend(
     dtype: torch.dtype,
     cascade: bool = True,
     use_c_kernels: bool = True,
+    weights_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
+    """`dtype`: the activations'; `weights_dtype`: the model's (`--dtype`)."""
     if device.type == "cpu":
         # The C decode kernel reads float32 queries; other dtypes take the pure-torch path.
+        # Prompt chunks over a bf16 cache attend in bf16 only for a bf16 model (where the CPU
+        # computes bf16 natively): a float32 model with a bf16 cache keeps float32 attention.
         return TorchSDPABackend(
-            use_kernels=use_c_kernels and dtype == torch.float32, cascade=cascade, device=device
+            use_kernels=use_c_kernels and dtype == torch.float32, cascade=cascade, device=device,
+            native_bf16=None if weights_dtype == torch.bfloat16 else False,
         )
     raise ValueError(f"No attention backend for device type {device.type!r} yet (only 'cpu').")

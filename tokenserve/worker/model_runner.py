@@ -71,6 +71,7 @@ class ModelRunner:
             activation_dtype(model_config.dtype),
             cascade=not model_config.disable_cascade_attn,
             use_c_kernels=not config.kernel_config.disable_c_kernels,
+            weights_dtype=model_config.dtype,
         )
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
