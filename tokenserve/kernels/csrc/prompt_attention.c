@@ -29,6 +29,7 @@
  * contiguous; caches [num_blocks, num_kv_heads, block_size, head_dim]; chunks
  * [num_chunks, 3] int64 (start, end, seq_len); block_tables [num_chunks, stride] int64.
  */
+#define _GNU_SOURCE /* syscall(), for the AMX permission (prompt_amx.h) */
 #include "paged_attention.c"
 
 #if defined(__AVX512BF16__)
@@ -262,6 +263,13 @@ static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
 }
 #endif
 
+#if PROMPT_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "prompt_amx.h"
+#define PROMPT_AMX 1
+#else
+#define PROMPT_AMX 0
+#endif
+
 /* Returns 0, -1 if scratch memory could not be allocated. */
 int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
                         int64_t query_stride, const void *key_cache, const void *value_cache,
@@ -272,6 +280,9 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
     const int64_t group = num_heads / num_kv_heads;
     const int64_t tile = rows_per_item(group);
     const int native = ts_prompt_attention_native(kv_bf16, num_heads, num_kv_heads, head_dim);
+#if PROMPT_AMX
+    const int amx = native && head_dim % 32 == 0 && amx_permitted();
+#endif
     int64_t num_tiles = 0, max_seq_len = 0;
     for (int64_t c = 0; c < num_chunks; ++c) {
         num_tiles += (chunks[3 * c + 1] - chunks[3 * c] + tile - 1) / tile;
@@ -293,6 +304,10 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
 #pragma omp parallel
     {
         void *scratch = NULL;
+#if PROMPT_AMX
+        if (amx) scratch = aligned_alloc(64, sizeof(AmxScratch));
+        else
+#endif
 #if PROMPT_BF16
         if (native) scratch = aligned_alloc(64, sizeof(Bf16Scratch));
 #endif
@@ -309,6 +324,15 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
             const int64_t seq_len = chunks[3 * c + 2];
             const int64_t *table = block_tables + c * block_table_stride;
             if (scratch == NULL) continue;
+#if PROMPT_AMX
+            if (amx) {
+                prompt_item_amx(out, out_stride, query, query_stride, key_cache, value_cache,
+                                table, start, q_len, seq_len, item->first_row, item->rows, h,
+                                num_heads, num_kv_heads, head_dim, block_size, scale,
+                                (AmxScratch *)scratch);
+                continue;
+            }
+#endif
 #if PROMPT_BF16
             if (native) {
                 prompt_item_bf16(out, out_stride, query, query_stride, key_cache, value_cache,
