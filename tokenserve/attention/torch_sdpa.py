@@ -47,8 +47,9 @@ from tokenserve.attention.backend import (
 )
 from tokenserve.attention.cascade import Cascade, attend_cascade, plan_cascades
 from tokenserve.attention.paged_context import context_index, gather_context, offset_causal_mask
-from tokenserve.kernels import build, cpu_isa, paged_attention
+from tokenserve.kernels import build, cpu_isa, paged_attention, prompt_attention
 from tokenserve.kernels.paged_attention import DecodeRows
+from tokenserve.kernels.prompt_attention import PromptChunks
 
 # The shortest shared prefix that cascade attention takes (see the module docstring).
 CASCADE_MIN_PREFIX_TOKENS = 1024
@@ -86,6 +87,8 @@ class TorchSDPAMetadata(AttentionMetadata):
     # Without them: the padded gather of the decode rows' contexts, and where each new
     # token's key and value go ((block, offset) per token).
     padded_decode: PaddedDecode | None = None
+    # With the C kernels: prompt_chunks as the prompt-attention kernel's chunk table.
+    prompt_batch: PromptChunks | None = None
     write_index: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -110,6 +113,7 @@ class TorchSDPABackend(AttentionBackend):
         native_bf16: bool | None = None,
     ) -> None:
         self.ops = paged_attention.load() if use_kernels else None
+        self.prompt_ops = prompt_attention.load() if use_kernels else None
         # Whether a bf16 cache's prompt chunks attend in bf16 (default: the kernels' level has
         # native bf16, cpu_isa.native_bf16).
         self.native_bf16 = (
@@ -159,6 +163,8 @@ class TorchSDPABackend(AttentionBackend):
             mask = offset_causal_mask(seq_len, end - start, device)
             metadata.prompt_chunks.append(PromptChunk(start, end, (blocks, seq_len), mask))
 
+        if self.prompt_ops is not None and metadata.prompt_chunks:
+            metadata.prompt_batch = self._prompt_batch(common, metadata.prompt_chunks)
         if self.ops is None:
             slots = common.slot_mapping
             metadata.write_index = (slots // common.block_size, slots % common.block_size)
@@ -191,6 +197,34 @@ class TorchSDPABackend(AttentionBackend):
             rows,
             torch.from_numpy(tables).to(self.device),
             torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
+        )
+
+    def _prompt_batch(
+        self, common: CommonAttentionMetadata, chunks: list[PromptChunk]
+    ) -> PromptChunks:
+        """The chunks as (start, end, context length) rows with their block tables."""
+        by_start = {common.query_start_loc[i]: i for i in range(common.num_reqs)}
+        reqs = [by_start[chunk.start] for chunk in chunks]
+        block_size = common.block_size
+        lengths = [common.seq_lens[i] for i in reqs]
+        tables = np.zeros((len(reqs), max(-(-n // block_size) for n in lengths)), dtype=np.int64)
+        for row, i in enumerate(reqs):
+            used = -(-lengths[row] // block_size)
+            tables[row, :used] = common.block_tables[i][:used]
+        rows = [[chunk.start, chunk.end, n] for chunk, n in zip(chunks, lengths)]
+        return PromptChunks(torch.tensor(rows, dtype=torch.int64, device=self.device),
+                            torch.from_numpy(tables).to(self.device))
+
+    def _prompt_kernel(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+        """Whether the prompt-attention kernel takes this step's chunks: its bf16 path
+        (vdpbf16ps or AMX) where they attend in bf16; SDPA otherwise (it is faster than
+        the kernel's float32 path)."""
+        _, num_heads, head_dim = query.shape
+        return (
+            self.prompt_ops is not None
+            and query.dtype == torch.float32
+            and self.prompt_dtype(query.dtype, key_cache.dtype) == torch.bfloat16
+            and self.prompt_ops.native(key_cache.dtype, num_heads, key_cache.shape[1], head_dim)
         )
 
     def _padded_decode(
@@ -251,7 +285,13 @@ class TorchSDPABackend(AttentionBackend):
 
         output = torch.empty_like(query)
         dtype = self.prompt_dtype(query.dtype, key_cache.dtype)
-        for chunk in metadata.prompt_chunks:
+        chunks = metadata.prompt_chunks
+        if metadata.prompt_batch is not None and self._prompt_kernel(query, key_cache):
+            assert self.prompt_ops is not None
+            self.prompt_ops.attend(output, query, key_cache, value_cache,
+                                   metadata.prompt_batch, scale)
+            chunks = []
+        for chunk in chunks:
             start, end = chunk.start, chunk.end
             if chunk.context is None:
                 k = key[start:end].transpose(0, 1).to(dtype)
