@@ -71,7 +71,15 @@ class PromptChunk:
     # The blocks and length of the context the chunk continues; None for a first chunk,
     # which attends over its own keys and values alone (causal).
     context: tuple[torch.Tensor, int] | None = None
-    mask: torch.Tensor | None = None  # [query_len, context_len] bool with a context
+    # [query_len, context_len] bool with a context: built at the first SDPA call that needs
+    # it (a step whose chunks all go to the C kernel builds none).
+    mask: torch.Tensor | None = None
+
+    def causal_mask(self, device: torch.device) -> torch.Tensor | None:
+        """None for a first chunk (SDPA's is_causal); else the mask offset by the context."""
+        if self.context is not None and self.mask is None:
+            self.mask = offset_causal_mask(self.context[1], self.end - self.start, device)
+        return self.mask
 
 
 @dataclass
@@ -167,8 +175,7 @@ class TorchSDPABackend(AttentionBackend):
             seq_len = common.seq_lens[i]
             num_blocks = -(-seq_len // common.block_size)
             blocks = torch.tensor(common.block_tables[i][:num_blocks], device=device)
-            mask = offset_causal_mask(seq_len, end - start, device)
-            metadata.prompt_chunks.append(PromptChunk(start, end, (blocks, seq_len), mask))
+            metadata.prompt_chunks.append(PromptChunk(start, end, (blocks, seq_len)))
 
         if self.prompt_ops is not None and metadata.prompt_chunks:
             metadata.prompt_batch = self._prompt_batch(common, metadata.prompt_chunks)
@@ -311,8 +318,8 @@ class TorchSDPABackend(AttentionBackend):
                 query[start:end].transpose(0, 1).unsqueeze(0).to(dtype),
                 k.unsqueeze(0),
                 v.unsqueeze(0),
-                attn_mask=chunk.mask,
-                is_causal=chunk.mask is None,
+                attn_mask=chunk.causal_mask(self.device),
+                is_causal=chunk.context is None,
                 scale=scale,
                 enable_gqa=True,
             )
