@@ -85,6 +85,8 @@ def test_prompt_attention_matches_float64_attention(kernel, cpu_isa_level, case,
                                                  block_size, chunks, cache_dtype)
     native = kernel.native(cache_dtype, num_heads, num_kv_heads, head_dim)
     assert native == (cache_dtype == torch.bfloat16 and cpu_isa.native_bf16(cpu_isa_level))
+    amx = native and cpu_isa_level == "amx" and head_dim % 32 == 0
+    assert (kernel.path(cache_dtype, num_heads, num_kv_heads, head_dim) == "amx") == amx
     out = torch.full_like(query, float("nan"))
     scale = head_dim**-0.5
     kernel.attend(out, query, key_cache, value_cache, batch, scale)

@@ -60,6 +60,10 @@ from tokenserve.kernels.prompt_attention import PromptChunks
 
 # The shortest shared prefix that cascade attention takes (see the module docstring).
 CASCADE_MIN_PREFIX_TOKENS = 1024
+# The prompt-attention kernel's paths the backend takes: those measured faster than SDPA
+# (AMX tiles: 1.2-1.5x on W3/W4 chunks, one thread; the vdpbf16ps path ran at 0.4-0.9x of
+# SDPA on the same AMX CPU, where SDPA's GEMMs are AMX's: benchmarks/prompt_attention.py).
+PROMPT_KERNEL_PATHS = ("amx",)
 
 
 @dataclass
@@ -230,15 +234,15 @@ class TorchSDPABackend(AttentionBackend):
                             torch.from_numpy(tables).to(self.device))
 
     def _prompt_kernel(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-        """Whether the prompt-attention kernel takes this step's chunks: its bf16 path
-        (vdpbf16ps or AMX) where they attend in bf16; SDPA otherwise (it is faster than
-        the kernel's float32 path)."""
+        """Whether the prompt-attention kernel takes this step's chunks: where they attend
+        in bf16 and the kernel's path is one of PROMPT_KERNEL_PATHS; SDPA otherwise."""
         _, num_heads, head_dim = query.shape
         return (
             self.prompt_ops is not None
             and query.dtype == torch.float32
             and self.prompt_dtype(query.dtype, key_cache.dtype) == torch.bfloat16
-            and self.prompt_ops.native(key_cache.dtype, num_heads, key_cache.shape[1], head_dim)
+            and self.prompt_ops.path(key_cache.dtype, num_heads, key_cache.shape[1], head_dim)
+            in PROMPT_KERNEL_PATHS
         )
 
     def _padded_decode(

@@ -10,6 +10,9 @@ import torch
 from tokenserve.kernels import build
 from tokenserve.kernels.tensor_checks import check_caches, check_i64, check_rows, i64, ptr
 
+# ts_prompt_attention_path's answers.
+PATHS = ("float32", "avx512_bf16", "amx")
+
 
 class PromptChunks:
     """A step's prompt chunks for the kernel: chunks [n, 3] int64 (start row, end row,
@@ -57,17 +60,24 @@ class PromptAttentionOps:
         self._attend.restype = ctypes.c_int
         self._attend.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64,
                                  i64, i64, ctypes.c_float, i64]
-        self._native = library.ts_prompt_attention_native
-        self._native.restype = ctypes.c_int
-        self._native.argtypes = [i64, i64, i64, i64]
+        self._path = library.ts_prompt_attention_path
+        self._path.restype = ctypes.c_int
+        self._path.argtypes = [i64, i64, i64, i64]
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - one instance per level, kept for good
+    def path(self, cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+             head_dim: int) -> str:
+        """The kernel's path for these shapes: "amx" (AMX tiles) or "avx512_bf16"
+        (vdpbf16ps), both with the numerics of PyTorch's bf16 flash kernel; else "float32"
+        (the decode kernel per query row: correct, slower)."""
+        code = self._path(int(cache_dtype == torch.bfloat16), num_heads, num_kv_heads,
+                          head_dim)
+        return PATHS[code]
+
     def native(self, cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                head_dim: int) -> bool:
-        """Whether these shapes take the bf16 path (vdpbf16ps, the numerics of PyTorch's bf16
-        flash kernel); otherwise the kernel is float32 per query row (correct, slower)."""
-        return bool(self._native(int(cache_dtype == torch.bfloat16), num_heads, num_kv_heads,
-                                 head_dim))
+        """Whether these shapes take a bf16 path (queries and probabilities rounded to bf16)."""
+        return self.path(cache_dtype, num_heads, num_kv_heads, head_dim) != "float32"
 
     def attend(
         self,

@@ -270,6 +270,17 @@ static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
 #define PROMPT_AMX 0
 #endif
 
+/* The path ts_prompt_attention takes for these shapes: 2 AMX tiles, 1 vdpbf16ps, 0 the
+ * float32 one (per query row). */
+int ts_prompt_attention_path(int64_t kv_bf16, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim) {
+    if (!ts_prompt_attention_native(kv_bf16, num_heads, num_kv_heads, head_dim)) return 0;
+#if PROMPT_AMX
+    if (head_dim % 32 == 0 && amx_permitted()) return 2;
+#endif
+    return 1;
+}
+
 /* Returns 0, -1 if scratch memory could not be allocated. */
 int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
                         int64_t query_stride, const void *key_cache, const void *value_cache,
@@ -281,7 +292,7 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
     const int64_t tile = rows_per_item(group);
     const int native = ts_prompt_attention_native(kv_bf16, num_heads, num_kv_heads, head_dim);
 #if PROMPT_AMX
-    const int amx = native && head_dim % 32 == 0 && amx_permitted();
+    const int amx = ts_prompt_attention_path(kv_bf16, num_heads, num_kv_heads, head_dim) == 2;
 #endif
     int64_t num_tiles = 0, max_seq_len = 0;
     for (int64_t c = 0; c < num_chunks; ++c) {
@@ -305,7 +316,7 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
     {
         void *scratch = NULL;
 #if PROMPT_AMX
-        if (amx) scratch = aligned_alloc(64, sizeof(AmxScratch));
+        if (amx) scratch = aligned_alloc(64, (sizeof(AmxScratch) + 63) / 64 * 64);
         else
 #endif
 #if PROMPT_BF16
