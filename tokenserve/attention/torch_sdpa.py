@@ -1,14 +1,15 @@
 """Paged attention on CPU: C kernels for prompt chunks attending in bf16 and for decode
 rows, PyTorch's scaled_dot_product_attention for the other prompt chunks.
 
-Prompt chunks that attend in bf16 (see the last paragraph) go, all of them, first and
-continuing alike, to one call of the prompt-attention kernel (kernels/prompt_attention.py)
-per layer: after the step's keys and values are written, it reads each chunk's queries in
-place from the fused QKV tensor and its context from the blocks (no gather, no mask, no
-casts), causal aligned bottom-right, with the numerics of PyTorch's bf16 flash kernel
+Prompt chunks that attend in bf16 (see the last paragraph) go, where the prompt-attention
+kernel (kernels/prompt_attention.py) runs them on its AMX path (PROMPT_KERNEL_PATHS), all
+of them, first and continuing alike, to one call of that kernel per layer: after the
+step's keys and values are written, it reads each chunk's queries in place from the fused
+QKV tensor and its context from the blocks (no gather, no mask, no casts), causal aligned
+bottom-right, with the numerics of PyTorch's bf16 flash kernel
 (docs/PERFORMANCE_CPU.md). Its chunk table (`PromptChunks`) is built once per step in
-`build_metadata`. Elsewhere (float32 prompt attention, the kernels off) each prompt chunk
-gets its own SDPA call (4-D, so PyTorch takes its flash kernel, GQA
+`build_metadata`. Elsewhere (float32 prompt attention, no AMX, the kernels off) each
+prompt chunk gets its own SDPA call (4-D, so PyTorch takes its flash kernel, GQA
 included). A chunk with nothing cached before it attends over its own new keys and values
 directly; a chunk that continues a context gathers that context once per layer and uses a
 causal mask offset by the tokens already cached. Several tokens of a running request (a
