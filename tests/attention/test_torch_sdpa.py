@@ -129,10 +129,19 @@ def test_kernels_and_pure_torch_agree_and_write_the_same_cache(cache_dtype):
     outputs, caches = [], []
     for backend in (TorchSDPABackend(use_kernels=True), TorchSDPABackend(use_kernels=False)):
         kv_cache = base.clone()
-        outputs.append(backend.forward(*tensors, kv_cache, backend.build_metadata(common), SCALE))
+        metadata = backend.build_metadata(common)
+        outputs.append(backend.forward(*tensors, kv_cache, metadata, SCALE))
         caches.append(kv_cache)
-    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
     assert torch.equal(caches[0], caches[1])
+    bf16_prompts = backend.prompt_dtype(torch.float32, cache_dtype) == torch.bfloat16
+    prompt = torch.cat([torch.arange(c.start, c.end) for c in metadata.prompt_chunks])
+    decode = metadata.decode_rows
+    # Where prompt chunks attend in bf16, the kernel (kernels/prompt_attention.py) and SDPA
+    # both round queries and probabilities to bf16, summing in other orders: they agree to
+    # bf16's rounding of outputs of size ~1; everything else to float32's.
+    tolerance = {"rtol": 2e-2, "atol": 1e-2} if bf16_prompts else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(outputs[0][prompt], outputs[1][prompt], **tolerance)
+    torch.testing.assert_close(outputs[0][decode], outputs[1][decode], rtol=1e-5, atol=1e-5)
 
 
 def test_a_decode_only_step_is_marked_so():

@@ -1,7 +1,15 @@
-"""Paged attention on CPU: PyTorch's scaled_dot_product_attention for prompt chunks, a C
-kernel for decode rows.
+"""Paged attention on CPU: C kernels for prompt chunks attending in bf16 and for decode
+rows, PyTorch's scaled_dot_product_attention for the other prompt chunks.
 
-Each prompt chunk gets its own SDPA call (4-D, so PyTorch takes its flash kernel, GQA
+Prompt chunks that attend in bf16 (see the last paragraph) go, where the prompt-attention
+kernel (kernels/prompt_attention.py) runs them on its AMX path (PROMPT_KERNEL_PATHS), all
+of them, first and continuing alike, to one call of that kernel per layer: after the
+step's keys and values are written, it reads each chunk's queries in place from the fused
+QKV tensor and its context from the blocks (no gather, no mask, no casts), causal aligned
+bottom-right, with the numerics of PyTorch's bf16 flash kernel
+(docs/PERFORMANCE_CPU.md). Its chunk table (`PromptChunks`) is built once per step in
+`build_metadata`. Elsewhere (float32 prompt attention, no AMX, the kernels off) each
+prompt chunk gets its own SDPA call (4-D, so PyTorch takes its flash kernel, GQA
 included). A chunk with nothing cached before it attends over its own new keys and values
 directly; a chunk that continues a context gathers that context once per layer and uses a
 causal mask offset by the tokens already cached. Several tokens of a running request (a
@@ -47,11 +55,16 @@ from tokenserve.attention.backend import (
 )
 from tokenserve.attention.cascade import Cascade, attend_cascade, plan_cascades
 from tokenserve.attention.paged_context import context_index, gather_context, offset_causal_mask
-from tokenserve.kernels import build, cpu_isa, paged_attention
+from tokenserve.kernels import build, cpu_isa, paged_attention, prompt_attention
 from tokenserve.kernels.paged_attention import DecodeRows
+from tokenserve.kernels.prompt_attention import PromptChunks
 
 # The shortest shared prefix that cascade attention takes (see the module docstring).
 CASCADE_MIN_PREFIX_TOKENS = 1024
+# The prompt-attention kernel's paths the backend takes: those measured faster than SDPA
+# (AMX tiles: 1.2-1.5x on W3/W4 chunks, one thread; the vdpbf16ps path ran at 0.4-0.9x of
+# SDPA on the same AMX CPU, where SDPA's GEMMs are AMX's: benchmarks/prompt_attention.py).
+PROMPT_KERNEL_PATHS = ("amx",)
 
 
 @dataclass
@@ -63,7 +76,15 @@ class PromptChunk:
     # The blocks and length of the context the chunk continues; None for a first chunk,
     # which attends over its own keys and values alone (causal).
     context: tuple[torch.Tensor, int] | None = None
-    mask: torch.Tensor | None = None  # [query_len, context_len] bool with a context
+    # [query_len, context_len] bool with a context: built at the first SDPA call that needs
+    # it (a step whose chunks all go to the C kernel builds none).
+    mask: torch.Tensor | None = None
+
+    def causal_mask(self, device: torch.device) -> torch.Tensor | None:
+        """None for a first chunk (SDPA's is_causal); else the mask offset by the context."""
+        if self.context is not None and self.mask is None:
+            self.mask = offset_causal_mask(self.context[1], self.end - self.start, device)
+        return self.mask
 
 
 @dataclass
@@ -86,6 +107,8 @@ class TorchSDPAMetadata(AttentionMetadata):
     # Without them: the padded gather of the decode rows' contexts, and where each new
     # token's key and value go ((block, offset) per token).
     padded_decode: PaddedDecode | None = None
+    # With the C kernels: prompt_chunks as the prompt-attention kernel's chunk table.
+    prompt_batch: PromptChunks | None = None
     write_index: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -110,6 +133,7 @@ class TorchSDPABackend(AttentionBackend):
         native_bf16: bool | None = None,
     ) -> None:
         self.ops = paged_attention.load() if use_kernels else None
+        self.prompt_ops = prompt_attention.load() if use_kernels else None
         # Whether a bf16 cache's prompt chunks attend in bf16 (default: the kernels' level has
         # native bf16, cpu_isa.native_bf16).
         self.native_bf16 = (
@@ -156,9 +180,10 @@ class TorchSDPABackend(AttentionBackend):
             seq_len = common.seq_lens[i]
             num_blocks = -(-seq_len // common.block_size)
             blocks = torch.tensor(common.block_tables[i][:num_blocks], device=device)
-            mask = offset_causal_mask(seq_len, end - start, device)
-            metadata.prompt_chunks.append(PromptChunk(start, end, (blocks, seq_len), mask))
+            metadata.prompt_chunks.append(PromptChunk(start, end, (blocks, seq_len)))
 
+        if self.prompt_ops is not None and metadata.prompt_chunks:
+            metadata.prompt_batch = self._prompt_batch(common, metadata.prompt_chunks)
         if self.ops is None:
             slots = common.slot_mapping
             metadata.write_index = (slots // common.block_size, slots % common.block_size)
@@ -191,6 +216,34 @@ class TorchSDPABackend(AttentionBackend):
             rows,
             torch.from_numpy(tables).to(self.device),
             torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
+        )
+
+    def _prompt_batch(
+        self, common: CommonAttentionMetadata, chunks: list[PromptChunk]
+    ) -> PromptChunks:
+        """The chunks as (start, end, context length) rows with their block tables."""
+        by_start = {common.query_start_loc[i]: i for i in range(common.num_reqs)}
+        reqs = [by_start[chunk.start] for chunk in chunks]
+        block_size = common.block_size
+        lengths = [common.seq_lens[i] for i in reqs]
+        tables = np.zeros((len(reqs), max(-(-n // block_size) for n in lengths)), dtype=np.int64)
+        for row, i in enumerate(reqs):
+            used = -(-lengths[row] // block_size)
+            tables[row, :used] = common.block_tables[i][:used]
+        rows = [[chunk.start, chunk.end, n] for chunk, n in zip(chunks, lengths)]
+        return PromptChunks(torch.tensor(rows, dtype=torch.int64, device=self.device),
+                            torch.from_numpy(tables).to(self.device))
+
+    def _prompt_kernel(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+        """Whether the prompt-attention kernel takes this step's chunks: where they attend
+        in bf16 and the kernel's path is one of PROMPT_KERNEL_PATHS; SDPA otherwise."""
+        _, num_heads, head_dim = query.shape
+        return (
+            self.prompt_ops is not None
+            and query.dtype == torch.float32
+            and self.prompt_dtype(query.dtype, key_cache.dtype) == torch.bfloat16
+            and self.prompt_ops.path(key_cache.dtype, num_heads, key_cache.shape[1], head_dim)
+            in PROMPT_KERNEL_PATHS
         )
 
     def _padded_decode(
@@ -251,7 +304,13 @@ class TorchSDPABackend(AttentionBackend):
 
         output = torch.empty_like(query)
         dtype = self.prompt_dtype(query.dtype, key_cache.dtype)
-        for chunk in metadata.prompt_chunks:
+        chunks = metadata.prompt_chunks
+        if metadata.prompt_batch is not None and self._prompt_kernel(query, key_cache):
+            assert self.prompt_ops is not None
+            self.prompt_ops.attend(output, query, key_cache, value_cache,
+                                   metadata.prompt_batch, scale)
+            chunks = []
+        for chunk in chunks:
             start, end = chunk.start, chunk.end
             if chunk.context is None:
                 k = key[start:end].transpose(0, 1).to(dtype)
@@ -264,8 +323,8 @@ class TorchSDPABackend(AttentionBackend):
                 query[start:end].transpose(0, 1).unsqueeze(0).to(dtype),
                 k.unsqueeze(0),
                 v.unsqueeze(0),
-                attn_mask=chunk.mask,
-                is_causal=chunk.mask is None,
+                attn_mask=chunk.causal_mask(self.device),
+                is_causal=chunk.context is None,
                 scale=scale,
                 enable_gqa=True,
             )

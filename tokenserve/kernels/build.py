@@ -29,7 +29,7 @@ from tokenserve.kernels import cpu_isa
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-KERNELS = ("paged_attention", "layer_ops", "quant_linear", "decode_layer")
+KERNELS = ("paged_attention", "layer_ops", "quant_linear", "decode_layer", "prompt_attention")
 _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # The level the kernels of this process are built for (None: the best the CPU has).
 _selected_isa: str | None = None

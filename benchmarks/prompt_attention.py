@@ -1,0 +1,122 @@
+"""The prompt-attention kernel (kernels/csrc/prompt_attention.c) against the SDPA path it
+replaces, on the prompt-chunk shapes of W3 and W4, for each instruction-set level the CPU
+runs with native bf16 (kernels/cpu_isa.py; lower levels keep SDPA).
+
+Both run through the CPU attention backend (attention/torch_sdpa.py) on a bf16 cache, as
+`--dtype auto` serves the default model: one layer's forward() over a step of prompt chunks
+(the K/V writes included, the same for both), with the kernel, then with the backend's
+SDPA path (per chunk: the context gathered from the paged cache, a causal mask offset by
+the cached tokens, PyTorch's bf16 flash kernel). Shapes default to the default model's (9
+query heads, 3 kv heads, head size 64). Figures: the fastest of `--repeats` wall-clock
+times (kernel and SDPA taking turns), and GFLOP/s of useful work (4 · heads · head size
+per query-key pair that the causal mask lets through).
+
+usage: python benchmarks/prompt_attention.py [--shapes w3-first w3-continue w4 w3-cached]
+       [--scale 1.0] [--block-size 16] [--cpu-isa avx512_bf16 amx] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tokenserve.attention.backend import CommonAttentionMetadata
+from tokenserve.attention.torch_sdpa import TorchSDPABackend
+from tokenserve.kernels import build, cpu_isa
+
+# A step's prompt chunks: (query length, context length) each.
+SHAPES = {
+    # W3 without prefix caching at budget 512: a 1088-token prompt's first chunk, its
+    # second (continuing 512 cached tokens), and a step of the last 64 tokens of 8 prompts.
+    "w3-first": [(512, 512)],
+    "w3-continue": [(512, 1024)],
+    "w3-tails": [(64, 1088)] * 8,
+    # W4 at budget 256: one chunk continuing a 2048-token prompt near its end.
+    "w4": [(256, 2048)],
+}
+
+
+def _step(chunks: list[tuple[int, int]], block_size: int, args: argparse.Namespace):
+    starts, seq_lens, tables, slots = [0], [], [], []
+    next_block = 1
+    for q_len, seq_len in chunks:
+        blocks = list(range(next_block, next_block + -(-seq_len // block_size)))
+        next_block += len(blocks)
+        starts.append(starts[-1] + q_len)
+        seq_lens.append(seq_len)
+        tables.append(blocks)
+        slots += [blocks[p // block_size] * block_size + p % block_size
+                  for p in range(seq_len - q_len, seq_len)]
+    common = CommonAttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=starts, seq_lens=seq_lens,
+        block_tables=tables, block_size=block_size,
+    )
+    tokens = starts[-1]
+    qkv = torch.randn(tokens, (args.heads + 2 * args.kv_heads) * args.head_dim)
+    q, k, v = qkv.split([args.heads * args.head_dim, args.kv_heads * args.head_dim,
+                         args.kv_heads * args.head_dim], dim=-1)
+    tensors = (q.view(tokens, args.heads, args.head_dim),
+               k.view(tokens, args.kv_heads, args.head_dim),
+               v.view(tokens, args.kv_heads, args.head_dim))
+    return common, tensors, next_block
+
+
+def _useful_flops(chunks: list[tuple[int, int]], heads: int, head_dim: int) -> float:
+    pairs = sum(q_len * (seq_len - q_len) + q_len * (q_len + 1) / 2 for q_len, seq_len in chunks)
+    return 4.0 * heads * head_dim * pairs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="Multiply every query and context length (a quick run: 0.1).")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    bf16_levels = [level for level in cpu_isa.supported_levels() if cpu_isa.native_bf16(level)]
+    parser.add_argument("--cpu-isa", nargs="+", default=bf16_levels,
+                        help="Levels to run (default: every one with native bf16 here).")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    levels = [cpu_isa.resolve(level) for level in args.cpu_isa]
+    print(f"{args.heads} heads / {args.kv_heads} kv heads x {args.head_dim}, block size "
+          f"{args.block_size}, bf16 cache, {torch.get_num_threads()} threads")
+    if not levels:
+        print("no level with native bf16 on this CPU: prompt chunks keep SDPA")
+        return
+    for level in levels:
+        build.select_isa(level)
+        backend = TorchSDPABackend(device=torch.device("cpu"), native_bf16=True)
+        if backend.prompt_ops is None:
+            raise SystemExit("The C kernels are unavailable (see the warning above).")
+        for name in args.shapes:
+            chunks = [(max(1, round(q * args.scale)), max(1, round(n * args.scale)))
+                      for q, n in SHAPES[name]]
+            chunks = [(q, max(q, n)) for q, n in chunks]
+            common, tensors, num_blocks = _step(chunks, args.block_size, args)
+            kv_cache = torch.randn(backend.kv_cache_shape(
+                num_blocks, args.block_size, args.kv_heads, args.head_dim)).to(torch.bfloat16)
+            metadata = backend.build_metadata(common)
+            kernel = backend.prompt_ops
+            best = {"kernel": float("inf"), "sdpa": float("inf")}
+            for _ in range(args.repeats):
+                for path in ("kernel", "sdpa"):
+                    backend.prompt_ops = kernel if path == "kernel" else None
+                    begin = time.perf_counter()
+                    backend.forward(*tensors, kv_cache, metadata, args.head_dim**-0.5)
+                    best[path] = min(best[path], time.perf_counter() - begin)
+            backend.prompt_ops = kernel
+            flops = _useful_flops(chunks, args.heads, args.head_dim)
+            figures = "  ".join(f"{path} {seconds * 1e3:8.2f} ms {flops / seconds / 1e9:6.1f} GFLOP/s"
+                                for path, seconds in best.items())
+            described = ", ".join(f"{q}/{n}" for q, n in sorted(set(chunks)))
+            print(f"  {level:12s} {name:12s} {len(chunks):2d} x {described:12s} {figures}  "
+                  f"sdpa/kernel {best['sdpa'] / best['kernel']:5.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""benchmarks/prompt_attention.py: the prompt-attention kernel against the SDPA path.
+
+Timings depend on the host, so only their shape is checked: every level with native bf16
+the host runs and every shape reported, each figure a finite, non-negative number; a host
+without native bf16 says that prompt chunks keep SDPA.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tokenserve.kernels import cpu_isa
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "prompt_attention.py"
+NUMBER = r"([-+\d.eE]+|inf|nan)"
+
+
+def test_prompt_attention_benchmark_reports_every_level_and_shape():
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--scale", "0.05", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("9 heads / 3 kv heads x 64, block size 16, bf16 cache, ")
+    levels = [level for level in cpu_isa.supported_levels() if cpu_isa.native_bf16(level)]
+    if not levels:
+        assert "prompt chunks keep SDPA" in result.stdout
+        return
+    timed = re.findall(
+        rf"^\s+(\S+)\s+(\S+)\s+\d+ x \S+\s+kernel\s+{NUMBER} ms\s+{NUMBER} GFLOP/s\s+"
+        rf"sdpa\s+{NUMBER} ms\s+{NUMBER} GFLOP/s\s+sdpa/kernel\s+{NUMBER}$",
+        result.stdout, re.MULTILINE,
+    )
+    assert [row[:2] for row in timed] == [
+        (level, shape) for level in levels
+        for shape in ("w3-first", "w3-continue", "w3-tails", "w4")
+    ], result.stdout
+    for *_, kernel_ms, kernel_rate, sdpa_ms, sdpa_rate, ratio in timed:
+        for value in (kernel_ms, kernel_rate, sdpa_ms, sdpa_rate, ratio):
+            assert math.isfinite(float(value)) and float(value) >= 0, result.stdout

@@ -1,0 +1,138 @@
+"""The prompt-attention kernel (kernels/csrc/prompt_attention.c) against attention written
+out in float64 torch, for every instruction-set level the host has (conftest.py): first
+chunks and chunks continuing a cached context in one call, query lengths 1..300, contexts
+on and off block edges, head sizes the AMX path takes (64, 96, 128) and one only the
+vdpbf16ps path takes (40), query-head groups 1, 3 and 4, float32 and bf16 caches; rows
+outside the chunks untouched; a chunk's rows the same alone and among others; bad tables
+refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenserve.kernels import cpu_isa, prompt_attention
+from tokenserve.kernels.prompt_attention import PromptChunks
+
+
+@pytest.fixture(scope="module")
+def kernel(cpu_isa_level) -> prompt_attention.PromptAttentionOps:
+    ops = prompt_attention.load()
+    assert ops is not None, "the C kernels did not build (see the warning in the log)"
+    return ops
+
+
+def _step(num_heads, num_kv_heads, head_dim, block_size, chunks, cache_dtype, seed=0, gap=2):
+    """Chunks (query length, context length) laid out one after another with `gap` rows
+    between them (decode rows of the step, not the kernel's), each context's blocks
+    scattered through the cache (block 0 never used)."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = [-(-seq_len // block_size) for _, seq_len in chunks]
+    num_blocks = sum(blocks) + 3
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(cache_dtype)
+    value_cache = torch.randn(shape, generator=generator).to(cache_dtype)
+    order = (1 + torch.randperm(num_blocks - 1, generator=generator)).tolist()
+    tables = torch.zeros(len(chunks), max(blocks), dtype=torch.int64)
+    rows, start = [], 0
+    for c, ((q_len, seq_len), n) in enumerate(zip(chunks, blocks)):
+        tables[c, :n] = torch.tensor(order[:n])
+        order = order[n:]
+        rows.append([start, start + q_len, seq_len])
+        start += q_len + gap
+    # Scores of a few units, as trained models have: the softmax neither flat nor one-hot.
+    query = 2 * torch.randn(start, num_heads, head_dim, generator=generator)
+    return query, key_cache, value_cache, PromptChunks(torch.tensor(rows), tables)
+
+
+def _reference(query, key_cache, value_cache, batch, scale, bf16_queries):
+    """softmax(q·kᵀ · scale)·v per chunk and query head, causal aligned bottom-right, in
+    float64 from the cache's values (and the queries rounded to bf16 where the kernel does);
+    rows outside the chunks NaN."""
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    group = query.shape[1] // num_kv_heads
+    q = query.to(torch.bfloat16).double() if bf16_queries else query.double()
+    out = torch.full(query.shape, float("nan"), dtype=torch.float64)
+    for (start, end, seq_len), table in zip(batch.chunks.tolist(), batch.block_tables):
+        positions = torch.arange(seq_len)
+        blocks, offsets = table[positions // block_size], positions % block_size
+        k = key_cache[blocks, :, offsets].double()  # [seq_len, kv_heads, dim]
+        v = value_cache[blocks, :, offsets].double()
+        rows = torch.arange(seq_len - (end - start), seq_len)
+        visible = positions[None, :] <= rows[:, None]
+        for head in range(query.shape[1]):
+            scores = q[start:end, head] @ k[:, head // group].T * scale
+            weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+            out[start:end, head] = weights @ v[:, head // group]
+    return out
+
+
+CASES = {
+    # (heads, kv heads, head size, block size, [(query length, context length)])
+    "gqa3-d64": (9, 3, 64, 16, [(37, 37), (3, 100), (100, 150), (1, 1), (2, 17)]),
+    "gqa4-d128-long": (8, 2, 128, 16, [(300, 300), (40, 333)]),
+    "mha-d64-b8": (6, 6, 64, 8, [(65, 200), (2, 5), (31, 31)]),
+    "gqa4-d96-b32": (4, 1, 96, 32, [(45, 77), (64, 64)]),
+    "mha-d40": (4, 4, 40, 16, [(17, 40), (33, 33), (1, 9)]),
+}
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_prompt_attention_matches_float64_attention(kernel, cpu_isa_level, case, cache_dtype):
+    num_heads, num_kv_heads, head_dim, block_size, chunks = CASES[case]
+    query, key_cache, value_cache, batch = _step(num_heads, num_kv_heads, head_dim,
+                                                 block_size, chunks, cache_dtype)
+    native = kernel.native(cache_dtype, num_heads, num_kv_heads, head_dim)
+    assert native == (cache_dtype == torch.bfloat16 and cpu_isa.native_bf16(cpu_isa_level))
+    amx = native and cpu_isa_level == "amx" and head_dim % 32 == 0
+    assert (kernel.path(cache_dtype, num_heads, num_kv_heads, head_dim) == "amx") == amx
+    out = torch.full_like(query, float("nan"))
+    scale = head_dim**-0.5
+    kernel.attend(out, query, key_cache, value_cache, batch, scale)
+    expected = _reference(query, key_cache, value_cache, batch, scale, bf16_queries=native)
+    outside = expected.isnan()
+    assert out[outside].isnan().all(), "rows outside the chunks were written"
+    if native:
+        # The queries are rounded to bf16 in the reference too; what is left is P rounded
+        # to bf16 for P·V (relative 2^-9 per weight, so at most 2^-9 · max|v| on an output)
+        # and float32 sums in another order: 2^-8 · max|v| bounds both.
+        atol = 2**-8 * value_cache.abs().max().item()
+        torch.testing.assert_close(out[~outside].double(), expected[~outside], rtol=0,
+                                   atol=atol)
+    else:
+        # float32 arithmetic on the cache's very values: only the order of the sums differs.
+        torch.testing.assert_close(out[~outside].double(), expected[~outside], rtol=1e-5,
+                                   atol=2e-6)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_alone_equals_the_chunk_among_others(kernel, cache_dtype):
+    """A chunk's rows are bit-identical whichever chunks share the call: work items never
+    span chunks."""
+    chunks = [(50, 90), (7, 7), (120, 400), (1, 30)]
+    query, key_cache, value_cache, batch = _step(9, 3, 64, 16, chunks, cache_dtype, gap=0)
+    together = torch.zeros_like(query)
+    kernel.attend(together, query, key_cache, value_cache, batch, 0.125)
+    for c in range(len(chunks)):
+        start, end, _ = batch.chunks[c].tolist()
+        alone = torch.zeros_like(query)
+        single = PromptChunks(batch.chunks[c : c + 1].contiguous(),
+                              batch.block_tables[c : c + 1].contiguous())
+        kernel.attend(alone, query, key_cache, value_cache, single, 0.125)
+        assert torch.equal(alone[start:end], together[start:end])
+
+
+def test_bad_chunk_tables_are_refused(kernel):
+    query, key_cache, value_cache, batch = _step(9, 3, 64, 16, [(5, 20)], torch.bfloat16)
+    out = torch.empty_like(query)
+    with pytest.raises(ValueError, match="context length"):
+        PromptChunks(torch.tensor([[0, 5, 4]]), batch.block_tables)
+    with pytest.raises(ValueError, match="shorter than its context"):
+        kernel.attend(out, query, key_cache, value_cache,
+                      PromptChunks(torch.tensor([[0, 5, 40]]), batch.block_tables), 0.125)
+    with pytest.raises(ValueError, match="past the end of the cache"):
+        kernel.attend(out, query, key_cache, value_cache,
+                      PromptChunks(batch.chunks, batch.block_tables + 1000), 0.125)
+    with pytest.raises(ValueError, match="past the step's tokens"):
+        kernel.attend(out[:3], query[:3], key_cache, value_cache, batch, 0.125)

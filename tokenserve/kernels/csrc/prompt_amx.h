@@ -1,0 +1,209 @@
+/*
+ * The AMX level of prompt_attention.c: the same item (rows of one chunk, the query heads of
+ * one kv head) with both products on AMX tiles (tdpbf16ps: 16 x 16 float32 sums of bf16
+ * pairs) and the same numerics as the vdpbf16ps path and PyTorch's bf16 flash kernel:
+ * queries and probabilities rounded to bf16, scores, softmax and output in float32.
+ *
+ * Scores S = Q Kᵀ per key tile: A = the item's queries row-major [16 rows x 32 dims] (bf16),
+ * B = the tile's keys laid out as pairs of dims ([dims / 2][KT keys]: the VNNI layout),
+ * C = S [16 queries x 16 keys]. The softmax runs along each query's row of S. Output
+ * O += P V: A = P [16 queries x KT keys] row-major (bf16), B = values as pairs of keys
+ * ([KT / 2][head_dim]: pack_values), C = O [16 queries x 16 dims], rescaled in memory
+ * when a row's maximum moves. All eight tiles are configured 16 rows x 64 bytes; the
+ * configuration is loaded per item (oneDNN, on the same threads, loads its own).
+ * Needs head_dim % 32 == 0 (whole A tiles); other sizes take the vdpbf16ps path.
+ */
+#ifndef TOKENSERVE_PROMPT_AMX_H
+#define TOKENSERVE_PROMPT_AMX_H
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Linux hands out AMX state only on request, once per process (torch/oneDNN usually asked
+ * already); 1 if granted. */
+static int amx_permitted(void) {
+    static int state = 0; /* 0 unknown, 1 granted, -1 refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+                                == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* e^x to float32 accuracy (exp8's polynomial), AVX-512 instructions throughout: clamped,
+ * n = round(x / ln 2), the remainder's polynomial times 2^n (vscalefps). */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* kp[d][j] = pair d of key j (rows[j]), for KT keys and `pairs` (a multiple of 16) pairs:
+ * 16 x 16 transposes in registers, each four rounds of swapping off-diagonal blocks
+ * (8, 4, 2, 1 wide) with vpermt2d. */
+static inline void pack_keys(uint32_t *kp, const uint16_t *const *rows, int64_t pairs) {
+    __m512i lo[4], hi[4];
+    for (int s = 0; s < 4; ++s) {
+        const int b = 8 >> s;
+        int32_t l[16], u[16];
+        for (int c = 0; c < 16; ++c) {
+            l[c] = (c & b) ? 16 + c - b : c;
+            u[c] = (c & b) ? 16 + c : c + b;
+        }
+        lo[s] = _mm512_loadu_si512(l);
+        hi[s] = _mm512_loadu_si512(u);
+    }
+    for (int j0 = 0; j0 < KT; j0 += 16)
+        for (int64_t d0 = 0; d0 < pairs; d0 += 16) {
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i)
+                r[i] = _mm512_loadu_si512((const uint32_t *)rows[j0 + i] + d0);
+            for (int s = 0; s < 4; ++s) {
+                const int b = 8 >> s;
+                for (int i = 0; i < 16; ++i)
+                    if (!(i & b)) {
+                        const __m512i a = r[i], c = r[i + b];
+                        r[i] = _mm512_permutex2var_epi32(a, lo[s], c);
+                        r[i + b] = _mm512_permutex2var_epi32(a, hi[s], c);
+                    }
+            }
+            for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kp + (d0 + i) * KT + j0, r[i]);
+        }
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+typedef struct {
+    uint16_t q[MAX_QUERIES * MAX_DIM];  /* [queries][head_dim] bf16 */
+    uint32_t kp[MAX_DIM / 2 * KT];      /* [head_dim / 2][KT] key pairs */
+    uint32_t vp[KT / 2 * MAX_DIM];      /* [KT / 2][head_dim] value pairs */
+    float s[MAX_QUERIES * KT];          /* [queries][KT] scores */
+    uint16_t p[MAX_QUERIES * KT];       /* [queries][KT] bf16 probabilities */
+    float o[MAX_QUERIES * MAX_DIM];     /* [queries][head_dim] */
+    float max[MAX_QUERIES], sum[MAX_QUERIES];
+    int32_t limit[MAX_QUERIES];
+    const uint16_t *rows[KT];
+} AmxScratch;
+
+static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
+                            int64_t query_stride, const uint16_t *key_cache,
+                            const uint16_t *value_cache, const int64_t *table, int64_t start,
+                            int64_t q_len, int64_t seq_len, int64_t first_row, int64_t count,
+                            int64_t h, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale,
+                            AmxScratch *w) {
+    const int64_t group = num_heads / num_kv_heads, pairs = head_dim / 2;
+    const int64_t queries = count * group, context = seq_len - q_len;
+    const int64_t padded = (queries + 15) / 16 * 16;
+    const int64_t block_stride = num_kv_heads * block_size * head_dim;
+    const int64_t kv_offset = h * block_size * head_dim;
+    for (int64_t m = 0; m < padded; ++m) {
+        const int64_t row = m < queries ? m / group : count - 1;
+        w->limit[m] = (int32_t)(context + first_row + row);
+        w->max[m] = -INFINITY;
+        w->sum[m] = 0.0f;
+        const float *q = query + (start + first_row + row) * query_stride +
+                         (h * group + m % group) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d)
+            w->q[m * head_dim + d] = m < queries ? to_bf16(q[d]) : 0;
+    }
+    memset(w->o, 0, sizeof(float) * (size_t)(padded * head_dim));
+    TileConfig config = {.palette = 1};
+    for (int t = 0; t < 8; ++t) {
+        config.colsb[t] = 64;
+        config.rows[t] = 16;
+    }
+    _tile_loadconfig(&config);
+    const __m512 scales = _mm512_set1_ps(scale);
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int64_t last = context + first_row + count - 1;
+    for (int64_t k0 = 0; k0 <= last; k0 += KT) {
+        /* The tile's keys as pairs of dims, [pairs][KT]. */
+        for (int j = 0; j < KT; ++j)
+            w->rows[j] = key_row(key_cache, table, k0 + j, seq_len, block_stride, block_size,
+                                 kv_offset, head_dim);
+        pack_keys(w->kp, w->rows, pairs);
+        for (int j = 0; j < KT; ++j)
+            w->rows[j] = key_row(value_cache, table, k0 + j, seq_len, block_stride, block_size,
+                                 kv_offset, head_dim);
+        pack_values(w->vp, w->rows, head_dim);
+        for (int64_t r = 0; r < padded; r += 16) {
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t d = 0; d < head_dim; d += 32) {
+                _tile_loadd(2, w->q + r * head_dim + d, head_dim * 2);
+                _tile_loadd(3, w->kp + d / 2 * KT, KT * 4);
+                _tile_loadd(4, w->kp + d / 2 * KT + 16, KT * 4);
+                _tile_dpbf16ps(0, 2, 3);
+                _tile_dpbf16ps(1, 2, 4);
+            }
+            _tile_stored(0, w->s + r * KT, KT * 4);
+            _tile_stored(1, w->s + r * KT + 16, KT * 4);
+        }
+        const int masked = k0 + KT - 1 > context + first_row;
+        const __m512i pos0 = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)k0));
+        const __m512i pos1 = _mm512_add_epi32(pos0, _mm512_set1_epi32(16));
+        for (int64_t m = 0; m < padded; ++m) {
+            __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(w->s + m * KT), scales);
+            __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(w->s + m * KT + 16), scales);
+            __mmask16 keep0 = 0xffff, keep1 = 0xffff;
+            if (masked) {
+                const __m512i limit = _mm512_set1_epi32(w->limit[m]);
+                keep0 = _mm512_cmple_epi32_mask(pos0, limit);
+                keep1 = _mm512_cmple_epi32_mask(pos1, limit);
+                x0 = _mm512_mask_blend_ps(keep0, _mm512_set1_ps(-INFINITY), x0);
+                x1 = _mm512_mask_blend_ps(keep1, _mm512_set1_ps(-INFINITY), x1);
+            }
+            const float top = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+            const float old = w->max[m];
+            const float now = top > old ? top : old; /* finite: every row sees key 0 */
+            const __m512 now_v = _mm512_set1_ps(now);
+            const __m512 p0 = _mm512_maskz_mov_ps(keep0, exp512(_mm512_sub_ps(x0, now_v)));
+            const __m512 p1 = _mm512_maskz_mov_ps(keep1, exp512(_mm512_sub_ps(x1, now_v)));
+            _mm512_storeu_si512(w->p + m * KT, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            if (now != old) {
+                const float alpha = expf(old - now);
+                w->max[m] = now;
+                w->sum[m] *= alpha;
+                float *o = w->o + m * head_dim;
+                for (int64_t d = 0; d < head_dim; d += 16)
+                    _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d),
+                                                          _mm512_set1_ps(alpha)));
+            }
+            w->sum[m] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+        }
+        for (int64_t r = 0; r < padded; r += 16) {
+            _tile_loadd(6, w->p + r * KT, KT * 2);
+            for (int64_t d = 0; d < head_dim; d += 16) {
+                _tile_loadd(5, w->o + r * head_dim + d, head_dim * 4);
+                _tile_loadd(7, w->vp + d, head_dim * 4);
+                _tile_dpbf16ps(5, 6, 7);
+                _tile_stored(5, w->o + r * head_dim + d, head_dim * 4);
+            }
+        }
+    }
+    _tile_release();
+    for (int64_t m = 0; m < queries; ++m) {
+        float *row = out + (start + first_row + m / group) * out_stride +
+                     (h * group + m % group) * head_dim;
+        const float inv = 1.0f / w->sum[m];
+        for (int64_t d = 0; d < head_dim; ++d) row[d] = w->o[m * head_dim + d] * inv;
+    }
+}
+
+#endif
