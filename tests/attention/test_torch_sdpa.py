@@ -184,3 +184,33 @@ def test_prompt_chunks_attend_in_bf16_only_for_a_bf16_model():
         torch.bfloat16 if native else torch.float32
     )
     assert bf16_model.prompt_dtype(torch.float32, torch.float32) == torch.float32
+
+
+def test_chunks_on_a_shared_prefix_go_to_the_prompt_kernel_where_it_runs(monkeypatch):
+    """Chunks continuing one cached 48-token prefix (three blocks every table shares) are a
+    cascade for SDPA; where the prompt-attention kernel takes the step's bf16 chunks (its AMX
+    path), it takes these too and no cascade runs. Either way each row attends its whole
+    context, within bf16 rounding."""
+    query_lens, seq_lens = [5, 7, 3], [53, 55, 51]
+    tables = [[1, 2, 3, 10], [1, 2, 3, 11], [1, 2, 3, 12]]
+    common, tensors, generator = _step(query_lens, seq_lens, tables)
+    backend = TorchSDPABackend(native_bf16=True, cascade_min_prefix_tokens=32)
+    kv_cache = _cache(backend, torch.bfloat16, generator)
+    calls = []
+    attend = TorchSDPABackend._attend_cascade
+
+    def counted(self, output, query, key_cache, value_cache, cascade, scale):
+        calls.append(len(cascade.rows))
+        return attend(self, output, query, key_cache, value_cache, cascade, scale)
+
+    monkeypatch.setattr(TorchSDPABackend, "_attend_cascade", counted)
+    metadata = backend.build_metadata(common)
+    assert len(metadata.cascades) == 1  # planned for SDPA; the kernel path skips it
+    kernel = backend._prompt_kernel(tensors[0], kv_cache[0])
+    assert kernel == (backend.prompt_ops is not None and backend.prompt_ops.path(
+        torch.bfloat16, HEADS, KV_HEADS, DIM) == "amx")
+    output = backend.forward(*tensors, kv_cache, metadata, SCALE)
+    assert calls == ([] if kernel else [3])
+    expected = _reference(common, tensors, kv_cache)
+    error = (output - expected).abs()
+    assert error.max() < 2e-2, error.max()

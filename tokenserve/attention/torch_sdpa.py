@@ -3,7 +3,9 @@ rows, PyTorch's scaled_dot_product_attention for the other prompt chunks.
 
 Prompt chunks that attend in bf16 (see the last paragraph) go, where the prompt-attention
 kernel (kernels/prompt_attention.py) runs them on its AMX path (PROMPT_KERNEL_PATHS), all
-of them, first and continuing alike, to one call of that kernel per layer: after the
+of them, first and continuing alike and those sharing a long prefix too (no cascade: on
+W3's shape the kernel attending each chunk alone took ~0.75 of cascade's time,
+docs/PERFORMANCE_CPU.md), to one call of that kernel per layer: after the
 step's keys and values are written, it reads each chunk's queries in place from the fused
 QKV tensor and its context from the blocks (no gather, no mask, no casts), causal aligned
 bottom-right, with the numerics of PyTorch's bf16 flash kernel
@@ -13,7 +15,7 @@ prompt chunk gets its own SDPA call (4-D, so PyTorch takes its flash kernel, GQA
 included). A chunk with nothing cached before it attends over its own new keys and values
 directly; a chunk that continues a context gathers that context once per layer and uses a
 causal mask offset by the tokens already cached. Several tokens of a running request (a
-multi-token step) are such a continuing chunk. Chunks that continue contexts sharing at
+multi-token step) are such a continuing chunk. On that path, chunks that continue contexts sharing at
 least CASCADE_MIN_PREFIX_TOKENS cached tokens take cascade attention (attention/cascade.py),
 from where it pays (benchmarks/cascade_attention.py, docs/benchmarks/cpu-hot-path.md);
 `--disable-cascade-attn` turns it off.
@@ -182,8 +184,14 @@ class TorchSDPABackend(AttentionBackend):
             blocks = torch.tensor(common.block_tables[i][:num_blocks], device=device)
             metadata.prompt_chunks.append(PromptChunk(start, end, (blocks, seq_len)))
 
-        if self.prompt_ops is not None and metadata.prompt_chunks:
-            metadata.prompt_batch = self._prompt_batch(common, metadata.prompt_chunks)
+        if self.prompt_ops is not None and (metadata.prompt_chunks or continuing):
+            # Every prompt chunk, those of cascades included: where the kernel takes the
+            # step's chunks it takes them all, and no cascade runs.
+            spans = [(chunk.start, chunk.end) for chunk in metadata.prompt_chunks if
+                     chunk.context is None]
+            spans += [(common.query_start_loc[i], common.query_start_loc[i + 1])
+                      for i in continuing]
+            metadata.prompt_batch = self._prompt_batch(common, spans)
         if self.ops is None:
             slots = common.slot_mapping
             metadata.write_index = (slots // common.block_size, slots % common.block_size)
@@ -219,18 +227,19 @@ class TorchSDPABackend(AttentionBackend):
         )
 
     def _prompt_batch(
-        self, common: CommonAttentionMetadata, chunks: list[PromptChunk]
+        self, common: CommonAttentionMetadata, spans: list[tuple[int, int]]
     ) -> PromptChunks:
-        """The chunks as (start, end, context length) rows with their block tables."""
+        """The chunks (start, end rows) as (start, end, context length) rows with their
+        block tables."""
         by_start = {common.query_start_loc[i]: i for i in range(common.num_reqs)}
-        reqs = [by_start[chunk.start] for chunk in chunks]
+        reqs = [by_start[start] for start, _ in spans]
         block_size = common.block_size
         lengths = [common.seq_lens[i] for i in reqs]
         tables = np.zeros((len(reqs), max(-(-n // block_size) for n in lengths)), dtype=np.int64)
         for row, i in enumerate(reqs):
             used = -(-lengths[row] // block_size)
             tables[row, :used] = common.block_tables[i][:used]
-        rows = [[chunk.start, chunk.end, n] for chunk, n in zip(chunks, lengths)]
+        rows = [[start, end, n] for (start, end), n in zip(spans, lengths)]
         return PromptChunks(torch.tensor(rows, dtype=torch.int64, device=self.device),
                             torch.from_numpy(tables).to(self.device))
 
@@ -304,12 +313,12 @@ class TorchSDPABackend(AttentionBackend):
 
         output = torch.empty_like(query)
         dtype = self.prompt_dtype(query.dtype, key_cache.dtype)
-        chunks = metadata.prompt_chunks
+        chunks, cascades = metadata.prompt_chunks, metadata.cascades
         if metadata.prompt_batch is not None and self._prompt_kernel(query, key_cache):
             assert self.prompt_ops is not None
             self.prompt_ops.attend(output, query, key_cache, value_cache,
                                    metadata.prompt_batch, scale)
-            chunks = []
+            chunks, cascades = [], []
         for chunk in chunks:
             start, end = chunk.start, chunk.end
             if chunk.context is None:
@@ -329,7 +338,7 @@ class TorchSDPABackend(AttentionBackend):
                 enable_gqa=True,
             )
             output[start:end] = out[0].transpose(0, 1)
-        for cascade in metadata.cascades:
+        for cascade in cascades:
             self._attend_cascade(output, query, key_cache, value_cache, cascade, scale)
 
         if metadata.decode_batch is not None:
