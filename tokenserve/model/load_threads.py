@@ -5,9 +5,9 @@ GGUF blocks joined, oneDNN's reorder of each projection). With torch's OpenMP po
 ends at a barrier where every thread waits for the others; while another process computes
 on the same cores (the API process importing its stack during a `tokenserve serve`, other
 jobs on a shared machine) one of the pool's threads is often descheduled and the others
-spin at the barrier for its time slice. On the default model (0.4 GB of parameters, 2
-cores, the API process starting beside it) the load took 3-4 s with two threads and
-0.45 s of CPU with one (docs/STARTUP.md). A small model's load therefore runs on one
+spin at the barrier for its time slice. On the default model (a few hundred MB of
+parameters, 2 cores, other processes busy beside it) the load took 4-6 s with two threads
+and 0.46 s of CPU with one (docs/STARTUP.md). A small model's load therefore runs on one
 thread; a large one keeps the pool, where each operation's work outweighs the barrier.
 Threads change no result: every operation here is a copy, a cast or a reorder.
 """
