@@ -79,6 +79,18 @@ def test_package_root_is_lazy_and_complete():
     assert "tokenserve.entrypoints.llm" in modules
 
 
+def test_parsing_the_serve_flags_imports_no_fastapi():
+    # The API process sends the engine process its arguments once it has parsed them; the
+    # engine process waits for them, so the parse must not wait for the HTTP stack (fastapi
+    # comes after, with the app).
+    modules = imported_after(
+        "from tokenserve.entrypoints.cli import build_parser\n"
+        "from tokenserve.engine.cli_args import engine_args_from\n"
+        "engine_args_from(build_parser(serve_only=True).parse_args(['serve']))\n"
+    )
+    assert found(modules, ["fastapi", "uvicorn", "tokenserve.entrypoints.openai.errors"]) == []
+
+
 def test_engine_core_process_imports_no_http_and_no_features():
     # What the pre-started engine-core process imports before it is configured.
     modules = imported_after(

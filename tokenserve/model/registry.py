@@ -15,6 +15,7 @@ from tokenserve.attention.backend import AttentionBackend
 from tokenserve.config import KernelConfig, ModelConfig
 from tokenserve.distributed.parallel_state import ModelParallel
 from tokenserve.model.layers.quantization import get_linear_method
+from tokenserve.model.load_threads import load_threads
 from tokenserve.model.loader import iterate_model_weights
 from tokenserve.model.precision import activation_dtype
 from tokenserve.model.weight_cache import WeightDtypes
@@ -132,9 +133,10 @@ def get_model(
     moved to `device` and processed: ready to run."""
     torch.manual_seed(model_config.seed)
     model = build_model(model_config, attention, kernel_config, parallel)
-    # A GGUF model's cached weights come in its parameters' dtypes (no cast at load).
-    model.load_weights(iterate_model_weights(model_config.files, WeightDtypes.of(model)))
-    model = model.to(device).eval()
-    process_weights_after_loading(model)
+    with load_threads(model):  # a small model loads on one thread (load_threads.py)
+        # A GGUF model's cached weights come in its parameters' dtypes (no cast at load).
+        model.load_weights(iterate_model_weights(model_config.files, WeightDtypes.of(model)))
+        model = model.to(device).eval()
+        process_weights_after_loading(model)
     logger.info("Linear layers: %s.", model.linear_method)
     return model

@@ -13,13 +13,30 @@ queue (checked where requests are added, `serving_base.OpenAIServing.add_request
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenserve.entrypoints.openai.errors import OpenAIError, error_json
 from tokenserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenserve.entrypoints.openai.errors import OpenAIError
+
+
+def _openai_error(*args: Any, **kwargs: Any) -> OpenAIError:
+    # errors.py brings fastapi: imported at the first error, not when `tokenserve serve`
+    # parses its flags (ServingLimits gives the defaults; docs/STARTUP.md).
+    from tokenserve.entrypoints.openai.errors import OpenAIError
+
+    return OpenAIError(*args, **kwargs)
+
+
+async def _send_error(error: OpenAIError, scope: Scope, receive: Receive, send: Send) -> None:
+    from tokenserve.entrypoints.openai.errors import error_json
+
+    await error_json(error)(scope, receive, send)
 
 # What a client is told to wait before retrying when the server is full.
 RETRY_AFTER_S = 1
@@ -60,17 +77,17 @@ class ServingLimits:
     def check_sampling(self, params: SamplingParams) -> None:
         """400 for a request asking for more samples or stop strings than allowed."""
         if params.n > self.max_n:
-            raise OpenAIError(400, f"n must be at most {self.max_n}, got {params.n}.", param="n")
+            raise _openai_error(400, f"n must be at most {self.max_n}, got {params.n}.", param="n")
         stop = params.stop or []
         if len(stop) > self.max_stop_strings:
-            raise OpenAIError(
+            raise _openai_error(
                 400,
                 f"At most {self.max_stop_strings} stop strings are allowed, got {len(stop)}.",
                 param="stop",
             )
         longest = max((len(s) for s in stop), default=0)
         if longest > self.max_stop_string_length:
-            raise OpenAIError(
+            raise _openai_error(
                 400,
                 f"Stop strings may be at most {self.max_stop_string_length} characters long, "
                 f"got one of {longest}.",
@@ -79,7 +96,7 @@ class ServingLimits:
 
 
 def server_full_error(num_unfinished: int, capacity: int) -> OpenAIError:
-    return OpenAIError(
+    return _openai_error(
         503,
         f"The server is at capacity ({num_unfinished} of {capacity} sequences running or "
         "waiting). Retry later.",
@@ -106,16 +123,16 @@ class RequestSizeMiddleware:
         headers = scope["headers"]
         header_size = sum(len(name) + len(value) for name, value in headers)
         if len(headers) > self.max_header_count or header_size > self.max_header_size:
-            error = OpenAIError(
+            error = _openai_error(
                 431,
                 f"The request headers ({len(headers)}, {header_size} bytes) exceed the limit "
                 f"of {self.max_header_count} headers and {self.max_header_size} bytes.",
             )
-            await error_json(error)(scope, receive, send)
+            await _send_error(error, scope, receive, send)
             return
         content_length = Headers(scope=scope).get("content-length", "")
         if content_length.isdigit() and int(content_length) > self.max_body_size:
-            await error_json(self._too_large())(scope, receive, send)
+            await _send_error(self._too_large(), scope, receive, send)
             return
         received = 0
 
@@ -133,6 +150,6 @@ class RequestSizeMiddleware:
         await self.app(scope, receive_within_limit, send)
 
     def _too_large(self) -> OpenAIError:
-        return OpenAIError(
+        return _openai_error(
             413, f"The request body is larger than the limit of {self.max_body_size} bytes."
         )
