@@ -121,3 +121,25 @@ def test_rotary_from_bf16_is_the_cast_then_rotary(ops, tokens, heads, kv_heads, 
     rotated = x * c + torch.cat([-x[..., half:], x[..., :half]], -1) * s
     torch.testing.assert_close(out[:, : heads * dim].view(tokens, heads, dim), rotated)
     assert torch.equal(out[:, (heads + kv_heads) * dim :], qkv.float()[:, (heads + kv_heads) * dim :])
+
+
+# Rows split into the build's widest vectors, then eight lanes, then single values (widths
+# 16 + 8 + 5 on an AVX-512 build); NaN, infinities and values past exp's clamp included.
+@pytest.mark.parametrize("d", [24, 29, 1536])
+@pytest.mark.parametrize("in_dtype", [F32, BF16])
+def test_silu_and_mul_to_bf16_every_lane_width_and_special_values(ops, d, in_dtype):
+    generator = torch.Generator().manual_seed(d)
+    gate_up = torch.randn(6, 2 * d, generator=generator) * 30
+    specials = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1e30, -200.0,
+                             100.0, -1e-30])
+    gate_up[0, : len(specials)] = specials  # gates, each lane width
+    gate_up[1, d - len(specials) : d] = specials
+    gate_up[2, d : d + len(specials)] = specials  # ups
+    gate_up = gate_up.to(in_dtype)
+
+    out = ops.silu_and_mul(gate_up, BF16)
+
+    expected = ops.silu_and_mul(gate_up.float()).to(BF16)
+    # Bit for bit, a NaN where it gives one (the kernel's NaN is the quiet one, as bf16_round).
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(out).any()

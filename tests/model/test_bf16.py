@@ -96,3 +96,19 @@ def test_auto_is_the_fast_dtype_of_this_cpu_and_float32_is_one_flag_away(tiny_mo
     assert fp32.kv_caches[0].dtype == torch.float32
     # Activations stay float32 either way (the C norms, rotary and attention serve both).
     assert auto.model.model.norm.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_o_proj_hands_its_bf16_sums_to_the_norm_unchanged(tiny_model_dirs, family):
+    """The attention's output is rounded to bf16 before o_proj, whose sums stay bf16 for
+    the norm after: the very values of rounding inside the product and widening after."""
+    llm = LLM(tiny_model_dirs[family], dtype="bfloat16", kv_cache_memory="8MiB")
+    attention = _runner(llm).model.model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(3)
+    attn_output = torch.randn(37, attention.num_heads, attention.head_dim, generator=generator)
+
+    handed = attention.project_output(attn_output)
+
+    widened = attention.o_proj(attn_output.reshape(37, attention.q_size))  # float32 in and out
+    assert handed.dtype == torch.bfloat16 and widened.dtype == torch.float32
+    assert torch.equal(handed.float(), widened)

@@ -85,12 +85,19 @@ class LlamaAttention(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
         q, k, v = self.rotary_emb.forward_qkv(
             positions, self.qkv_proj(hidden_states), self.num_heads, self.num_kv_heads
         )
-        attn_output = self.attn(q, k, v, kv_cache, metadata)
-        return self.o_proj(attn_output.reshape(num_tokens, self.q_size))
+        return self.project_output(self.attn(q, k, v, kv_cache, metadata))
+
+    def project_output(self, attn_output: torch.Tensor) -> torch.Tensor:
+        """o_proj over the attention's output [T, heads, D]. A bf16 product reads it rounded
+        to bf16 here, so its sums stay bf16 for the norm after (one cast, not two)."""
+        attn_output = attn_output.reshape(attn_output.shape[0], self.q_size)
+        input_dtype = product_input_dtype(self.o_proj, attn_output.shape[0])
+        if input_dtype is not None:
+            attn_output = attn_output.to(input_dtype)
+        return self.o_proj(attn_output)
 
     def project_qkv(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The fused q/k/v in the activations' dtype, not rotated (a bf16 product hands its

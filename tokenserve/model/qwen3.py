@@ -46,8 +46,7 @@ class Qwen3Attention(LlamaAttention):
         q.copy_(self.q_norm(q))
         k.copy_(self.k_norm(k))
         q, k = self.rotary_emb(positions, q, k)
-        attn_output = self.attn(q, k, v, kv_cache, metadata)
-        return self.o_proj(attn_output.reshape(num_tokens, self.q_size))
+        return self.project_output(self.attn(q, k, v, kv_cache, metadata))
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

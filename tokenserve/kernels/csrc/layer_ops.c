@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "vec8.h"
+#include "vecw.h"
 
 /* Values (rows x row width) from which an operator is split over the threads. */
 #define PARALLEL_MIN 16384
@@ -118,28 +119,41 @@ static inline uint16_t bf16_round(float value) {
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* Eight values of a bf16 row as floats, and eight floats rounded into one. */
-static inline v8f load8_bf16(const uint16_t *p) {
-    uint16_t h[8];
-    memcpy(h, p, sizeof h);
-    v8i bits;
-    for (int i = 0; i < 8; ++i) bits[i] = (int32_t)((uint32_t)h[i] << 16);
-    v8f out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
+/* VW bf16 values as floats, and VW floats rounded into bf16 as bf16_round does each: the
+ * widest vectors of the build (vecw.h). */
+typedef uint16_t vwh __attribute__((vector_size(VW * 2)));
+typedef uint32_t vwu __attribute__((vector_size(VW * 4)));
+
+static inline vwf load_bf16w(const uint16_t *p) {
+    vwh h;
+    memcpy(&h, p, sizeof h);
+    return (vwf)(__builtin_convertvector(h, vwu) << 16);
 }
 
+static inline void store_bf16w(uint16_t *p, vwf v) {
+    const vwu bits = (vwu)v;
+    const vwu nan = (vwu)((bits & 0x7fffffffu) > 0x7f800000u);
+    const vwu rounded = (nan & 0x7fc00000u) | (~nan & (bits + 0x7fffu + ((bits >> 16) & 1u)));
+    const vwh h = __builtin_convertvector(rounded >> 16, vwh);
+    memcpy(p, &h, sizeof h);
+}
+
+/* The same eight lanes at a time (the rest of a row after the VW-lane blocks). */
+typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 
+static inline v8f load8_bf16(const uint16_t *p) {
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    return (v8f)(__builtin_convertvector(h, v8u) << 16);
+}
+
 static inline void store8_bf16(uint16_t *p, v8f v) {
-    v8u bits;
-    memcpy(&bits, &v, sizeof bits);
-    v8u rounded = bits + 0x7fffu + ((bits >> 16) & 1u);
+    const v8u bits = (v8u)v;
     const v8u nan = (v8u)((bits & 0x7fffffffu) > 0x7f800000u);
-    rounded = (nan & 0x7fc00000u) | (~nan & rounded);
-    uint16_t h[8];
-    for (int i = 0; i < 8; ++i) h[i] = (uint16_t)(rounded[i] >> 16);
-    memcpy(p, h, sizeof h);
+    const v8u rounded = (nan & 0x7fc00000u) | (~nan & (bits + 0x7fffu + ((bits >> 16) & 1u)));
+    const v8h h = __builtin_convertvector(rounded >> 16, v8h);
+    memcpy(p, &h, sizeof h);
 }
 
 /* rms_norm_row with x in float32 or bf16 (x_bf16) and the result in float32 or bf16. */
@@ -195,12 +209,18 @@ void ts_rms_norm_mixed(void *out, int out_bf16, const void *x, int x_bf16, float
     }
 }
 
-/* silu_and_mul_row with gate_up in float32 or bf16 and the result in bf16. */
+/* silu_and_mul_row with gate_up in float32 or bf16 and the result in bf16: VW lanes at a
+ * time, then eight, then one, as silu_and_mul_row splits a row (expw is exp8's arithmetic),
+ * so each value is the float32 kernel's, rounded. */
 static inline void silu_and_mul_row_to_bf16(uint16_t *out, const void *gate_up, int in_bf16,
                                             int64_t d) {
     int64_t i = 0;
     if (in_bf16) {
         const uint16_t *gate = gate_up, *up = (const uint16_t *)gate_up + d;
+        for (; i + VW <= d; i += VW) {
+            const vwf g = load_bf16w(gate + i);
+            store_bf16w(out + i, g / (splatw(1.0f) + expw(-g)) * load_bf16w(up + i));
+        }
         for (; i + 8 <= d; i += 8) {
             const v8f g = load8_bf16(gate + i);
             store8_bf16(out + i, g / (splat8(1.0f) + exp8(-g)) * load8_bf16(up + i));
@@ -211,6 +231,10 @@ static inline void silu_and_mul_row_to_bf16(uint16_t *out, const void *gate_up, 
         }
     } else {
         const float *gate = gate_up, *up = (const float *)gate_up + d;
+        for (; i + VW <= d; i += VW) {
+            const vwf g = loadw(gate + i);
+            store_bf16w(out + i, g / (splatw(1.0f) + expw(-g)) * loadw(up + i));
+        }
         for (; i + 8 <= d; i += 8) {
             const v8f g = load8(gate + i);
             store8_bf16(out + i, g / (splat8(1.0f) + exp8(-g)) * load8(up + i));

@@ -1,0 +1,32 @@
+"""benchmarks/step_operators.py on a tiny model: it times the operators of real steps."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "step_operators.py"
+
+
+def test_step_operators_times_each_operator_inside_the_forward(tiny_model_dirs):
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", tiny_model_dirs["llama"], "--kv-cache-memory",
+         "64MiB", "--num-prompts", "3", "--input-len", "40", "--output-len", "2", "--skip", "0",
+         "--steps", "2"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^2 steps after 0: [\d.]+ ms of CPU time per step$", result.stdout,
+                     re.MULTILINE)
+    parts = {name: float(value) for name, value in
+             re.findall(r"^  (\S.*?)\s+(-?[\d.]+) ms", result.stdout, re.MULTILINE)}
+    operators = ("linear", "attention", "rms_norm", "silu_and_mul", "rotary", "embedding",
+                 "oneDNN product")
+    for name in (*operators, "model_forward", "rest of the forward", "linear minus oneDNN"):
+        assert name in parts, result.stdout
+    # Each operator ran, inside the forward pass; the product inside the linear method.
+    for name in operators:
+        assert 0 < parts[name] <= parts["model_forward"], (name, result.stdout)
+    assert parts["oneDNN product"] <= parts["linear"]
