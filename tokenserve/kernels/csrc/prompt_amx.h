@@ -22,6 +22,9 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
+#define AKT 64          /* keys per AMX key tile: four S tiles, two P tiles */
+#define LAZY_MAX 8.0f   /* how far a score may pass the running maximum before it moves */
+
 /* Linux hands out AMX state only on request, once per process (torch/oneDNN usually asked
  * already); 1 if granted. */
 static int amx_permitted(void) {
@@ -64,7 +67,7 @@ static inline void pack_keys(uint32_t *kp, const uint16_t *const *rows, int64_t 
         lo[s] = _mm512_loadu_si512(l);
         hi[s] = _mm512_loadu_si512(u);
     }
-    for (int j0 = 0; j0 < KT; j0 += 16)
+    for (int j0 = 0; j0 < AKT; j0 += 16)
         for (int64_t d0 = 0; d0 < pairs; d0 += 16) {
             __m512i r[16];
             for (int i = 0; i < 16; ++i)
@@ -78,7 +81,7 @@ static inline void pack_keys(uint32_t *kp, const uint16_t *const *rows, int64_t 
                         r[i + b] = _mm512_permutex2var_epi32(a, hi[s], c);
                     }
             }
-            for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kp + (d0 + i) * KT + j0, r[i]);
+            for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kp + (d0 + i) * AKT + j0, r[i]);
         }
 }
 
@@ -90,15 +93,64 @@ typedef struct {
 
 typedef struct {
     uint16_t q[MAX_QUERIES * MAX_DIM];  /* [queries][head_dim] bf16 */
-    uint32_t kp[MAX_DIM / 2 * KT];      /* [head_dim / 2][KT] key pairs */
-    uint32_t vp[KT / 2 * MAX_DIM];      /* [KT / 2][head_dim] value pairs */
-    float s[MAX_QUERIES * KT];          /* [queries][KT] scores */
-    uint16_t p[MAX_QUERIES * KT];       /* [queries][KT] bf16 probabilities */
+    uint32_t kp[MAX_DIM / 2 * AKT];     /* [head_dim / 2][AKT] key pairs */
+    uint32_t vp[AKT / 2 * MAX_DIM];     /* [AKT / 2][head_dim] value pairs */
+    float s[16 * AKT];                  /* one row block's [16][AKT] scores */
+    uint16_t p[16 * AKT];               /* its [16][AKT] bf16 probabilities */
     float o[MAX_QUERIES * MAX_DIM];     /* [queries][head_dim] */
-    float max[MAX_QUERIES], sum[MAX_QUERIES];
+    __m512 sum[MAX_QUERIES];            /* per query, lane-wise partial sums */
+    float max[MAX_QUERIES];
     int32_t limit[MAX_QUERIES];
-    const uint16_t *rows[KT];
+    const uint16_t *rows[AKT];
 } AmxScratch;
+
+/* The online softmax of one query row's AKT scores (s, unscaled) into bf16 probabilities
+ * (p). The running maximum moves lazily: only when a score passes it by more than
+ * LAZY_MAX, the one horizontal maximum per row and key tile (and the rescale of the row's
+ * output and sum) is skipped otherwise. Exact all the same: every probability and the sum
+ * are relative to the same stale maximum, so the final division cancels it, and they stay
+ * below e^LAZY_MAX (bf16 and float32 keep their relative precision). */
+static inline __attribute__((always_inline)) void softmax_row(
+    AmxScratch *w, int64_t m, const float *s, uint16_t *p, __m512 scales, int masked,
+    __m512i pos0, int64_t head_dim) {
+    __m512 x[AKT / 16];
+    __mmask16 keep[AKT / 16];
+    const __m512i limit = _mm512_set1_epi32(w->limit[m]);
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < AKT / 16; ++t) {
+        x[t] = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * t), scales);
+        keep[t] = 0xffff;
+        if (masked) {
+            keep[t] = _mm512_cmple_epi32_mask(
+                _mm512_add_epi32(pos0, _mm512_set1_epi32(16 * t)), limit);
+            x[t] = _mm512_mask_blend_ps(keep[t], _mm512_set1_ps(-INFINITY), x[t]);
+        }
+        top = _mm512_max_ps(top, x[t]);
+    }
+    float now = w->max[m];
+    /* -inf + LAZY_MAX stays -inf: the first tile always sets the maximum (key 0 is
+     * everyone's). */
+    if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(now + LAZY_MAX), _CMP_GT_OQ)) {
+        const float old = now;
+        now = _mm512_reduce_max_ps(top);
+        w->max[m] = now;
+        const __m512 alpha = _mm512_set1_ps(expf(old - now)); /* 0 on the first tile */
+        w->sum[m] = _mm512_mul_ps(w->sum[m], alpha);
+        float *o = w->o + m * head_dim;
+        for (int64_t d = 0; d < head_dim; d += 16)
+            _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), alpha));
+    }
+    const __m512 now_v = _mm512_set1_ps(now);
+    __m512 sum = w->sum[m];
+    for (int t = 0; t < AKT / 16; t += 2) {
+        const __m512 p0 = _mm512_maskz_mov_ps(keep[t], exp512(_mm512_sub_ps(x[t], now_v)));
+        const __m512 p1 =
+            _mm512_maskz_mov_ps(keep[t + 1], exp512(_mm512_sub_ps(x[t + 1], now_v)));
+        _mm512_storeu_si512(p + 16 * t, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+    }
+    w->sum[m] = sum;
+}
 
 static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
                             int64_t query_stride, const uint16_t *key_cache,
@@ -116,13 +168,16 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
         const int64_t row = m < queries ? m / group : count - 1;
         w->limit[m] = (int32_t)(context + first_row + row);
         w->max[m] = -INFINITY;
-        w->sum[m] = 0.0f;
+        w->sum[m] = _mm512_setzero_ps();
         const float *q = query + (start + first_row + row) * query_stride +
                          (h * group + m % group) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d)
             w->q[m * head_dim + d] = m < queries ? to_bf16(q[d]) : 0;
     }
     memset(w->o, 0, sizeof(float) * (size_t)(padded * head_dim));
+    /* Tiles 0-3: S (16 queries x 16 keys each); 4: Q (16 queries x 32 dims) or P (16
+     * queries x 32 keys); 5: K (16 dim pairs x 16 keys) or P; 6: V (16 key pairs x 16
+     * dims); 7: O (16 queries x 16 dims). */
     TileConfig config = {.palette = 1};
     for (int t = 0; t < 8; ++t) {
         config.colsb[t] = 64;
@@ -132,68 +187,51 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
     const __m512 scales = _mm512_set1_ps(scale);
     const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const int64_t last = context + first_row + count - 1;
-    for (int64_t k0 = 0; k0 <= last; k0 += KT) {
-        /* The tile's keys as pairs of dims, [pairs][KT]. */
-        for (int j = 0; j < KT; ++j)
+    for (int64_t k0 = 0; k0 <= last; k0 += AKT) {
+        /* The tile's keys as pairs of dims, [pairs][AKT]; values as pairs of keys. */
+        for (int j = 0; j < AKT; ++j)
             w->rows[j] = key_row(key_cache, table, k0 + j, seq_len, block_stride, block_size,
                                  kv_offset, head_dim);
         pack_keys(w->kp, w->rows, pairs);
-        for (int j = 0; j < KT; ++j)
+        for (int j = 0; j < AKT; ++j)
             w->rows[j] = key_row(value_cache, table, k0 + j, seq_len, block_stride, block_size,
                                  kv_offset, head_dim);
-        pack_values(w->vp, w->rows, head_dim);
+        pack_values(w->vp, w->rows, head_dim, AKT);
+        const int masked = k0 + AKT - 1 > context + first_row;
+        const __m512i pos0 = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)k0));
+        /* Per block of 16 queries: scores, softmax, output, while they are in L1. */
         for (int64_t r = 0; r < padded; r += 16) {
             _tile_zero(0);
             _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
             for (int64_t d = 0; d < head_dim; d += 32) {
-                _tile_loadd(2, w->q + r * head_dim + d, head_dim * 2);
-                _tile_loadd(3, w->kp + d / 2 * KT, KT * 4);
-                _tile_loadd(4, w->kp + d / 2 * KT + 16, KT * 4);
-                _tile_dpbf16ps(0, 2, 3);
-                _tile_dpbf16ps(1, 2, 4);
+                _tile_loadd(4, w->q + r * head_dim + d, head_dim * 2);
+                _tile_loadd(5, w->kp + d / 2 * AKT, AKT * 4);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(5, w->kp + d / 2 * AKT + 16, AKT * 4);
+                _tile_dpbf16ps(1, 4, 5);
+                _tile_loadd(5, w->kp + d / 2 * AKT + 32, AKT * 4);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(5, w->kp + d / 2 * AKT + 48, AKT * 4);
+                _tile_dpbf16ps(3, 4, 5);
             }
-            _tile_stored(0, w->s + r * KT, KT * 4);
-            _tile_stored(1, w->s + r * KT + 16, KT * 4);
-        }
-        const int masked = k0 + KT - 1 > context + first_row;
-        const __m512i pos0 = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)k0));
-        const __m512i pos1 = _mm512_add_epi32(pos0, _mm512_set1_epi32(16));
-        for (int64_t m = 0; m < padded; ++m) {
-            __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(w->s + m * KT), scales);
-            __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(w->s + m * KT + 16), scales);
-            __mmask16 keep0 = 0xffff, keep1 = 0xffff;
-            if (masked) {
-                const __m512i limit = _mm512_set1_epi32(w->limit[m]);
-                keep0 = _mm512_cmple_epi32_mask(pos0, limit);
-                keep1 = _mm512_cmple_epi32_mask(pos1, limit);
-                x0 = _mm512_mask_blend_ps(keep0, _mm512_set1_ps(-INFINITY), x0);
-                x1 = _mm512_mask_blend_ps(keep1, _mm512_set1_ps(-INFINITY), x1);
-            }
-            const float top = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
-            const float old = w->max[m];
-            const float now = top > old ? top : old; /* finite: every row sees key 0 */
-            const __m512 now_v = _mm512_set1_ps(now);
-            const __m512 p0 = _mm512_maskz_mov_ps(keep0, exp512(_mm512_sub_ps(x0, now_v)));
-            const __m512 p1 = _mm512_maskz_mov_ps(keep1, exp512(_mm512_sub_ps(x1, now_v)));
-            _mm512_storeu_si512(w->p + m * KT, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-            if (now != old) {
-                const float alpha = expf(old - now);
-                w->max[m] = now;
-                w->sum[m] *= alpha;
-                float *o = w->o + m * head_dim;
-                for (int64_t d = 0; d < head_dim; d += 16)
-                    _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d),
-                                                          _mm512_set1_ps(alpha)));
-            }
-            w->sum[m] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-        }
-        for (int64_t r = 0; r < padded; r += 16) {
-            _tile_loadd(6, w->p + r * KT, KT * 2);
+            _tile_stored(0, w->s, AKT * 4);
+            _tile_stored(1, w->s + 16, AKT * 4);
+            _tile_stored(2, w->s + 32, AKT * 4);
+            _tile_stored(3, w->s + 48, AKT * 4);
+            for (int i = 0; i < 16; ++i)
+                softmax_row(w, r + i, w->s + i * AKT, w->p + i * AKT, scales, masked, pos0,
+                            head_dim);
+            _tile_loadd(4, w->p, AKT * 2);
+            _tile_loadd(5, w->p + 32, AKT * 2);
             for (int64_t d = 0; d < head_dim; d += 16) {
-                _tile_loadd(5, w->o + r * head_dim + d, head_dim * 4);
-                _tile_loadd(7, w->vp + d, head_dim * 4);
-                _tile_dpbf16ps(5, 6, 7);
-                _tile_stored(5, w->o + r * head_dim + d, head_dim * 4);
+                _tile_loadd(7, w->o + r * head_dim + d, head_dim * 4);
+                _tile_loadd(6, w->vp + d, head_dim * 4);
+                _tile_dpbf16ps(7, 4, 6);
+                _tile_loadd(6, w->vp + 16 * head_dim + d, head_dim * 4);
+                _tile_dpbf16ps(7, 5, 6);
+                _tile_stored(7, w->o + r * head_dim + d, head_dim * 4);
             }
         }
     }
@@ -201,7 +239,7 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
     for (int64_t m = 0; m < queries; ++m) {
         float *row = out + (start + first_row + m / group) * out_stride +
                      (h * group + m % group) * head_dim;
-        const float inv = 1.0f / w->sum[m];
+        const float inv = 1.0f / _mm512_reduce_add_ps(w->sum[m]);
         for (int64_t d = 0; d < head_dim; ++d) row[d] = w->o[m * head_dim + d] * inv;
     }
 }
