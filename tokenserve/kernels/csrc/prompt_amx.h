@@ -34,10 +34,12 @@ static int amx_permitted(void) {
     return state == 1;
 }
 
-/* e^x to float32 accuracy (exp8's polynomial), AVX-512 instructions throughout: clamped,
- * n = round(x / ln 2), the remainder's polynomial times 2^n (vscalefps). */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+/* e^(s · scale - top) to float32 accuracy (exp8's polynomial, AVX-512 throughout): n =
+ * round(x / ln 2), the remainder's polynomial times 2^n (vscalefps). No clamps: for the
+ * lanes kept, x is at most LAZY_MAX and vscalefps flushes very negative ones to 0; the
+ * caller's mask drops the others whatever they hold. */
+static inline __m512 exp_shifted(__m512 s, __m512 scale, __m512 top) {
+    const __m512 x = _mm512_fmsub_ps(s, scale, top);
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -118,15 +120,13 @@ static inline __attribute__((always_inline)) void softmax_row(
     const __m512i limit = _mm512_set1_epi32(w->limit[m]);
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int t = 0; t < AKT / 16; ++t) {
-        x[t] = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * t), scales);
-        keep[t] = 0xffff;
-        if (masked) {
-            keep[t] = _mm512_cmple_epi32_mask(
-                _mm512_add_epi32(pos0, _mm512_set1_epi32(16 * t)), limit);
-            x[t] = _mm512_mask_blend_ps(keep[t], _mm512_set1_ps(-INFINITY), x[t]);
-        }
-        top = _mm512_max_ps(top, x[t]);
+        x[t] = _mm512_loadu_ps(s + 16 * t); /* unscaled: scale > 0 keeps the order */
+        keep[t] = masked ? _mm512_cmple_epi32_mask(
+                               _mm512_add_epi32(pos0, _mm512_set1_epi32(16 * t)), limit)
+                         : (__mmask16)0xffff;
+        top = _mm512_mask_max_ps(top, keep[t], top, x[t]);
     }
+    top = _mm512_mul_ps(top, scales);
     float now = w->max[m];
     /* -inf + LAZY_MAX stays -inf: the first tile always sets the maximum (key 0 is
      * everyone's). */
@@ -143,9 +143,8 @@ static inline __attribute__((always_inline)) void softmax_row(
     const __m512 now_v = _mm512_set1_ps(now);
     __m512 sum = w->sum[m];
     for (int t = 0; t < AKT / 16; t += 2) {
-        const __m512 p0 = _mm512_maskz_mov_ps(keep[t], exp512(_mm512_sub_ps(x[t], now_v)));
-        const __m512 p1 =
-            _mm512_maskz_mov_ps(keep[t + 1], exp512(_mm512_sub_ps(x[t + 1], now_v)));
+        const __m512 p0 = _mm512_maskz_mov_ps(keep[t], exp_shifted(x[t], scales, now_v));
+        const __m512 p1 = _mm512_maskz_mov_ps(keep[t + 1], exp_shifted(x[t + 1], scales, now_v));
         _mm512_storeu_si512(p + 16 * t, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
     }
@@ -201,6 +200,7 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
         const __m512i pos0 = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)k0));
         /* Per block of 16 queries: scores, softmax, output, while they are in L1. */
         for (int64_t r = 0; r < padded; r += 16) {
+            if (w->limit[r + 15] < k0) continue; /* every key past the block's rows */
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
