@@ -38,8 +38,8 @@ static int amx_permitted(void) {
  * fused multiply-add), to float32 accuracy (a degree-6 fit of 2^f on [-1/2, 1/2], relative
  * error ~1e-7): n = round(t), 2^(t - n) by the polynomial, times 2^n (vscalefps). No
  * clamps: for the lanes kept, t is at most LAZY_MAX · log2 e and vscalefps flushes very
- * negative ones to 0; the caller's mask drops the others whatever they hold. */
-static inline __m512 exp_shifted(__m512 s, __m512 scale_l2, __m512 top_l2) {
+ * negative ones to 0; the lanes not kept are 0 whatever they held. */
+static inline __m512 exp_shifted(__mmask16 keep, __m512 s, __m512 scale_l2, __m512 top_l2) {
     const __m512 t = _mm512_fmsub_ps(s, scale_l2, top_l2);
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
@@ -50,7 +50,7 @@ static inline __m512 exp_shifted(__m512 s, __m512 scale_l2, __m512 top_l2) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022646248e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718246e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_maskz_scalef_ps(keep, p, n); /* 0 where masked */
 }
 
 /* kp[d][j] = pair d of key j (rows[j]), for KT keys and `pairs` (a multiple of 16) pairs:
@@ -144,8 +144,8 @@ static inline __attribute__((always_inline)) void softmax_row(
     const __m512 now_v = _mm512_set1_ps(now * 1.44269504088896341f);
     __m512 sum = w->sum[m];
     for (int t = 0; t < AKT / 16; t += 2) {
-        const __m512 p0 = _mm512_maskz_mov_ps(keep[t], exp_shifted(x[t], scales_l2, now_v));
-        const __m512 p1 = _mm512_maskz_mov_ps(keep[t + 1], exp_shifted(x[t + 1], scales_l2, now_v));
+        const __m512 p0 = exp_shifted(keep[t], x[t], scales_l2, now_v);
+        const __m512 p1 = exp_shifted(keep[t + 1], x[t + 1], scales_l2, now_v);
         _mm512_storeu_si512(p + 16 * t, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
     }
