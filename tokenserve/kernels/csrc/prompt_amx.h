@@ -4,13 +4,16 @@
  * pairs) and the same numerics as the vdpbf16ps path and PyTorch's bf16 flash kernel:
  * queries and probabilities rounded to bf16, scores, softmax and output in float32.
  *
- * Scores S = Q Kᵀ per key tile: A = the item's queries row-major [16 rows x 32 dims] (bf16),
- * B = the tile's keys laid out as pairs of dims ([dims / 2][KT keys]: the VNNI layout),
- * C = S [16 queries x 16 keys]. The softmax runs along each query's row of S. Output
- * O += P V: A = P [16 queries x KT keys] row-major (bf16), B = values as pairs of keys
- * ([KT / 2][head_dim]: pack_values), C = O [16 queries x 16 dims], rescaled in memory
- * when a row's maximum moves. All eight tiles are configured 16 rows x 64 bytes; the
- * configuration is loaded per item (oneDNN, on the same threads, loads its own).
+ * Per key tile of AKT = 64 keys and block of 16 queries, back to back while S and P are in
+ * L1: scores S = Q Kᵀ: A = the queries row-major [16 rows x 32 dims] (bf16), B = the
+ * tile's keys laid out as pairs of dims ([dims / 2][AKT keys]: the VNNI layout), C = S
+ * [16 queries x 16 keys], four of them; the softmax along each query's row of S
+ * (softmax_row: a lazily moving maximum, lane-wise sums, 2^t exponentials); output
+ * O += P V: A = P [16 queries x 32 keys] row-major (bf16), two of them, B = values as
+ * pairs of keys ([AKT / 2][head_dim]: pack_values), C = O [16 queries x 16 dims], loaded
+ * and stored once per key tile, rescaled in memory when a row's maximum moves. All eight
+ * tiles are configured 16 rows x 64 bytes; the configuration is loaded per item (oneDNN,
+ * on the same threads, loads its own).
  * Needs head_dim % 32 == 0 (whole A tiles); other sizes take the vdpbf16ps path.
  */
 #ifndef TOKENSERVE_PROMPT_AMX_H
@@ -53,7 +56,7 @@ static inline __m512 exp_shifted(__mmask16 keep, __m512 s, __m512 scale_l2, __m5
     return _mm512_maskz_scalef_ps(keep, p, n); /* 0 where masked */
 }
 
-/* kp[d][j] = pair d of key j (rows[j]), for KT keys and `pairs` (a multiple of 16) pairs:
+/* kp[d][j] = pair d of key j (rows[j]), for AKT keys and `pairs` (a multiple of 16) pairs:
  * 16 x 16 transposes in registers, each four rounds of swapping off-diagonal blocks
  * (8, 4, 2, 1 wide) with vpermt2d. */
 static inline void pack_keys(uint32_t *kp, const uint16_t *const *rows, int64_t pairs) {
