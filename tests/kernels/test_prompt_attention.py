@@ -106,6 +106,30 @@ def test_prompt_attention_matches_float64_attention(kernel, cpu_isa_level, case,
                                    atol=2e-6)
 
 
+def test_a_running_maximum_that_keeps_moving(kernel, cpu_isa_level):
+    """Scores that grow along the context (the running maximum moves a little at many key
+    tiles: the AMX path then keeps a stale maximum, with probabilities above 1) and jump at
+    two keys (by far more: it moves), sharp enough that most weights underflow: still
+    float64 attention within the bf16 bound."""
+    chunks = [(70, 400), (33, 33), (1, 260)]
+    query, key_cache, value_cache, batch = _step(9, 3, 64, 16, chunks, torch.bfloat16)
+    block_size = key_cache.shape[2]
+    for (_, _, seq_len), table in zip(batch.chunks.tolist(), batch.block_tables):
+        positions = torch.arange(seq_len)
+        ramp = torch.linspace(0.2, 3.0, seq_len)
+        ramp[seq_len // 3] = ramp[-3] = 8.0  # jumps, also in the masked diagonal tiles
+        blocks, offsets = table[positions // block_size], positions % block_size
+        key_cache[blocks, :, offsets] = (key_cache[blocks, :, offsets].float()
+                                         * ramp[:, None, None]).to(torch.bfloat16)
+    out = torch.full_like(query, float("nan"))
+    kernel.attend(out, query, key_cache, value_cache, batch, 0.125)
+    native = kernel.native(torch.bfloat16, 9, 3, 64)
+    expected = _reference(query, key_cache, value_cache, batch, 0.125, bf16_queries=native)
+    inside = ~expected.isnan()
+    atol = 2**-8 * value_cache.abs().max().item() if native else 2e-5
+    torch.testing.assert_close(out[inside].double(), expected[inside], rtol=0, atol=atol)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_a_chunk_alone_equals_the_chunk_among_others(kernel, cache_dtype):
     """A chunk's rows are bit-identical whichever chunks share the call: work items never

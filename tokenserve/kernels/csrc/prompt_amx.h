@@ -4,13 +4,16 @@
  * pairs) and the same numerics as the vdpbf16ps path and PyTorch's bf16 flash kernel:
  * queries and probabilities rounded to bf16, scores, softmax and output in float32.
  *
- * Scores S = Q Kᵀ per key tile: A = the item's queries row-major [16 rows x 32 dims] (bf16),
- * B = the tile's keys laid out as pairs of dims ([dims / 2][KT keys]: the VNNI layout),
- * C = S [16 queries x 16 keys]. The softmax runs along each query's row of S. Output
- * O += P V: A = P [16 queries x KT keys] row-major (bf16), B = values as pairs of keys
- * ([KT / 2][head_dim]: pack_values), C = O [16 queries x 16 dims], rescaled in memory
- * when a row's maximum moves. All eight tiles are configured 16 rows x 64 bytes; the
- * configuration is loaded per item (oneDNN, on the same threads, loads its own).
+ * Per key tile of AKT = 64 keys and block of 16 queries, back to back while S and P are in
+ * L1: scores S = Q Kᵀ: A = the queries row-major [16 rows x 32 dims] (bf16), B = the
+ * tile's keys laid out as pairs of dims ([dims / 2][AKT keys]: the VNNI layout), C = S
+ * [16 queries x 16 keys], four of them; the softmax along each query's row of S
+ * (softmax_row: a lazily moving maximum, lane-wise sums, 2^t exponentials); output
+ * O += P V: A = P [16 queries x 32 keys] row-major (bf16), two of them, B = values as
+ * pairs of keys ([AKT / 2][head_dim]: pack_values), C = O [16 queries x 16 dims], loaded
+ * and stored once per key tile, rescaled in memory when a row's maximum moves. All eight
+ * tiles are configured 16 rows x 64 bytes; the configuration is loaded per item (oneDNN,
+ * on the same threads, loads its own).
  * Needs head_dim % 32 == 0 (whole A tiles); other sizes take the vdpbf16ps path.
  */
 #ifndef TOKENSERVE_PROMPT_AMX_H
@@ -22,6 +25,9 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
+#define AKT 64          /* keys per AMX key tile: four S tiles, two P tiles */
+#define LAZY_MAX 8.0f   /* how far a score may pass the running maximum before it moves */
+
 /* Linux hands out AMX state only on request, once per process (torch/oneDNN usually asked
  * already); 1 if granted. */
 static int amx_permitted(void) {
@@ -31,25 +37,26 @@ static int amx_permitted(void) {
     return state == 1;
 }
 
-/* e^x to float32 accuracy (exp8's polynomial), AVX-512 instructions throughout: clamped,
- * n = round(x / ln 2), the remainder's polynomial times 2^n (vscalefps). */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+/* e^(s · scale - top) as 2^t, t = s · scale_l2 - top_l2 (both scaled by log2 e: one
+ * fused multiply-add), to float32 accuracy (a degree-6 fit of 2^f on [-1/2, 1/2], relative
+ * error ~1e-7): n = round(t), 2^(t - n) by the polynomial, times 2^n (vscalefps). No
+ * clamps: for the lanes kept, t is at most LAZY_MAX · log2 e and vscalefps flushes very
+ * negative ones to 0; the lanes not kept are 0 whatever they held. */
+static inline __m512 exp_shifted(__mmask16 keep, __m512 s, __m512 scale_l2, __m512 top_l2) {
+    const __m512 t = _mm512_fmsub_ps(s, scale_l2, top_l2);
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.5337577497e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399859890e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6185198054e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503290147e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022646248e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718246e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(keep, p, n); /* 0 where masked */
 }
 
-/* kp[d][j] = pair d of key j (rows[j]), for KT keys and `pairs` (a multiple of 16) pairs:
+/* kp[d][j] = pair d of key j (rows[j]), for AKT keys and `pairs` (a multiple of 16) pairs:
  * 16 x 16 transposes in registers, each four rounds of swapping off-diagonal blocks
  * (8, 4, 2, 1 wide) with vpermt2d. */
 static inline void pack_keys(uint32_t *kp, const uint16_t *const *rows, int64_t pairs) {
@@ -64,7 +71,7 @@ static inline void pack_keys(uint32_t *kp, const uint16_t *const *rows, int64_t 
         lo[s] = _mm512_loadu_si512(l);
         hi[s] = _mm512_loadu_si512(u);
     }
-    for (int j0 = 0; j0 < KT; j0 += 16)
+    for (int j0 = 0; j0 < AKT; j0 += 16)
         for (int64_t d0 = 0; d0 < pairs; d0 += 16) {
             __m512i r[16];
             for (int i = 0; i < 16; ++i)
@@ -78,7 +85,7 @@ static inline void pack_keys(uint32_t *kp, const uint16_t *const *rows, int64_t 
                         r[i + b] = _mm512_permutex2var_epi32(a, hi[s], c);
                     }
             }
-            for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kp + (d0 + i) * KT + j0, r[i]);
+            for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kp + (d0 + i) * AKT + j0, r[i]);
         }
 }
 
@@ -90,15 +97,63 @@ typedef struct {
 
 typedef struct {
     uint16_t q[MAX_QUERIES * MAX_DIM];  /* [queries][head_dim] bf16 */
-    uint32_t kp[MAX_DIM / 2 * KT];      /* [head_dim / 2][KT] key pairs */
-    uint32_t vp[KT / 2 * MAX_DIM];      /* [KT / 2][head_dim] value pairs */
-    float s[MAX_QUERIES * KT];          /* [queries][KT] scores */
-    uint16_t p[MAX_QUERIES * KT];       /* [queries][KT] bf16 probabilities */
+    uint32_t kp[MAX_DIM / 2 * AKT];     /* [head_dim / 2][AKT] key pairs */
+    uint32_t vp[AKT / 2 * MAX_DIM];     /* [AKT / 2][head_dim] value pairs */
+    float s[16 * AKT];                  /* one row block's [16][AKT] scores */
+    uint16_t p[16 * AKT];               /* its [16][AKT] bf16 probabilities */
     float o[MAX_QUERIES * MAX_DIM];     /* [queries][head_dim] */
-    float max[MAX_QUERIES], sum[MAX_QUERIES];
+    __m512 sum[MAX_QUERIES];            /* per query, lane-wise partial sums */
+    float max[MAX_QUERIES];
     int32_t limit[MAX_QUERIES];
-    const uint16_t *rows[KT];
+    const uint16_t *rows[AKT];
 } AmxScratch;
+
+/* The online softmax of one query row's AKT scores (s, unscaled) into bf16 probabilities
+ * (p). The running maximum moves lazily: only when a score passes it by more than
+ * LAZY_MAX, the one horizontal maximum per row and key tile (and the rescale of the row's
+ * output and sum) is skipped otherwise. Exact all the same: every probability and the sum
+ * are relative to the same stale maximum, so the final division cancels it, and they stay
+ * below e^LAZY_MAX (bf16 and float32 keep their relative precision). */
+static inline __attribute__((always_inline)) void softmax_row(
+    AmxScratch *w, int64_t m, const float *s, uint16_t *p, __m512 scales, __m512 scales_l2,
+    int masked,
+    __m512i pos0, int64_t head_dim) {
+    __m512 x[AKT / 16];
+    __mmask16 keep[AKT / 16];
+    const __m512i limit = _mm512_set1_epi32(w->limit[m]);
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int t = 0; t < AKT / 16; ++t) {
+        x[t] = _mm512_loadu_ps(s + 16 * t); /* unscaled: scale > 0 keeps the order */
+        keep[t] = masked ? _mm512_cmple_epi32_mask(
+                               _mm512_add_epi32(pos0, _mm512_set1_epi32(16 * t)), limit)
+                         : (__mmask16)0xffff;
+        top = _mm512_mask_max_ps(top, keep[t], top, x[t]);
+    }
+    top = _mm512_mul_ps(top, scales);
+    float now = w->max[m];
+    /* -inf + LAZY_MAX stays -inf: the first tile always sets the maximum (key 0 is
+     * everyone's). */
+    if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(now + LAZY_MAX), _CMP_GT_OQ)) {
+        const float old = now;
+        now = _mm512_reduce_max_ps(top);
+        w->max[m] = now;
+        const __m512 alpha = _mm512_set1_ps(expf(old - now)); /* 0 on the first tile */
+        w->sum[m] = _mm512_mul_ps(w->sum[m], alpha);
+        float *o = w->o + m * head_dim;
+        for (int64_t d = 0; d < head_dim; d += 16)
+            _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), alpha));
+    }
+    /* The rounding of now · log2 e is common to the row: the final division cancels it. */
+    const __m512 now_v = _mm512_set1_ps(now * 1.44269504088896341f);
+    __m512 sum = w->sum[m];
+    for (int t = 0; t < AKT / 16; t += 2) {
+        const __m512 p0 = exp_shifted(keep[t], x[t], scales_l2, now_v);
+        const __m512 p1 = exp_shifted(keep[t + 1], x[t + 1], scales_l2, now_v);
+        _mm512_storeu_si512(p + 16 * t, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+    }
+    w->sum[m] = sum;
+}
 
 static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
                             int64_t query_stride, const uint16_t *key_cache,
@@ -116,13 +171,16 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
         const int64_t row = m < queries ? m / group : count - 1;
         w->limit[m] = (int32_t)(context + first_row + row);
         w->max[m] = -INFINITY;
-        w->sum[m] = 0.0f;
+        w->sum[m] = _mm512_setzero_ps();
         const float *q = query + (start + first_row + row) * query_stride +
                          (h * group + m % group) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d)
             w->q[m * head_dim + d] = m < queries ? to_bf16(q[d]) : 0;
     }
     memset(w->o, 0, sizeof(float) * (size_t)(padded * head_dim));
+    /* Tiles 0-3: S (16 queries x 16 keys each); 4: Q (16 queries x 32 dims) or P (16
+     * queries x 32 keys); 5: K (16 dim pairs x 16 keys) or P; 6: V (16 key pairs x 16
+     * dims); 7: O (16 queries x 16 dims). */
     TileConfig config = {.palette = 1};
     for (int t = 0; t < 8; ++t) {
         config.colsb[t] = 64;
@@ -130,70 +188,55 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
     }
     _tile_loadconfig(&config);
     const __m512 scales = _mm512_set1_ps(scale);
+    const __m512 scales_l2 = _mm512_set1_ps(scale * 1.44269504088896341f);
     const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     const int64_t last = context + first_row + count - 1;
-    for (int64_t k0 = 0; k0 <= last; k0 += KT) {
-        /* The tile's keys as pairs of dims, [pairs][KT]. */
-        for (int j = 0; j < KT; ++j)
+    for (int64_t k0 = 0; k0 <= last; k0 += AKT) {
+        /* The tile's keys as pairs of dims, [pairs][AKT]; values as pairs of keys. */
+        for (int j = 0; j < AKT; ++j)
             w->rows[j] = key_row(key_cache, table, k0 + j, seq_len, block_stride, block_size,
                                  kv_offset, head_dim);
         pack_keys(w->kp, w->rows, pairs);
-        for (int j = 0; j < KT; ++j)
+        for (int j = 0; j < AKT; ++j)
             w->rows[j] = key_row(value_cache, table, k0 + j, seq_len, block_stride, block_size,
                                  kv_offset, head_dim);
-        pack_values(w->vp, w->rows, head_dim);
+        pack_values(w->vp, w->rows, head_dim, AKT);
+        const int masked = k0 + AKT - 1 > context + first_row;
+        const __m512i pos0 = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)k0));
+        /* Per block of 16 queries: scores, softmax, output, while they are in L1. */
         for (int64_t r = 0; r < padded; r += 16) {
+            if (w->limit[r + 15] < k0) continue; /* every key past the block's rows */
             _tile_zero(0);
             _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
             for (int64_t d = 0; d < head_dim; d += 32) {
-                _tile_loadd(2, w->q + r * head_dim + d, head_dim * 2);
-                _tile_loadd(3, w->kp + d / 2 * KT, KT * 4);
-                _tile_loadd(4, w->kp + d / 2 * KT + 16, KT * 4);
-                _tile_dpbf16ps(0, 2, 3);
-                _tile_dpbf16ps(1, 2, 4);
+                _tile_loadd(4, w->q + r * head_dim + d, head_dim * 2);
+                _tile_loadd(5, w->kp + d / 2 * AKT, AKT * 4);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(5, w->kp + d / 2 * AKT + 16, AKT * 4);
+                _tile_dpbf16ps(1, 4, 5);
+                _tile_loadd(5, w->kp + d / 2 * AKT + 32, AKT * 4);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(5, w->kp + d / 2 * AKT + 48, AKT * 4);
+                _tile_dpbf16ps(3, 4, 5);
             }
-            _tile_stored(0, w->s + r * KT, KT * 4);
-            _tile_stored(1, w->s + r * KT + 16, KT * 4);
-        }
-        const int masked = k0 + KT - 1 > context + first_row;
-        const __m512i pos0 = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)k0));
-        const __m512i pos1 = _mm512_add_epi32(pos0, _mm512_set1_epi32(16));
-        for (int64_t m = 0; m < padded; ++m) {
-            __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(w->s + m * KT), scales);
-            __m512 x1 = _mm512_mul_ps(_mm512_loadu_ps(w->s + m * KT + 16), scales);
-            __mmask16 keep0 = 0xffff, keep1 = 0xffff;
-            if (masked) {
-                const __m512i limit = _mm512_set1_epi32(w->limit[m]);
-                keep0 = _mm512_cmple_epi32_mask(pos0, limit);
-                keep1 = _mm512_cmple_epi32_mask(pos1, limit);
-                x0 = _mm512_mask_blend_ps(keep0, _mm512_set1_ps(-INFINITY), x0);
-                x1 = _mm512_mask_blend_ps(keep1, _mm512_set1_ps(-INFINITY), x1);
-            }
-            const float top = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
-            const float old = w->max[m];
-            const float now = top > old ? top : old; /* finite: every row sees key 0 */
-            const __m512 now_v = _mm512_set1_ps(now);
-            const __m512 p0 = _mm512_maskz_mov_ps(keep0, exp512(_mm512_sub_ps(x0, now_v)));
-            const __m512 p1 = _mm512_maskz_mov_ps(keep1, exp512(_mm512_sub_ps(x1, now_v)));
-            _mm512_storeu_si512(w->p + m * KT, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-            if (now != old) {
-                const float alpha = expf(old - now);
-                w->max[m] = now;
-                w->sum[m] *= alpha;
-                float *o = w->o + m * head_dim;
-                for (int64_t d = 0; d < head_dim; d += 16)
-                    _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d),
-                                                          _mm512_set1_ps(alpha)));
-            }
-            w->sum[m] += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-        }
-        for (int64_t r = 0; r < padded; r += 16) {
-            _tile_loadd(6, w->p + r * KT, KT * 2);
+            _tile_stored(0, w->s, AKT * 4);
+            _tile_stored(1, w->s + 16, AKT * 4);
+            _tile_stored(2, w->s + 32, AKT * 4);
+            _tile_stored(3, w->s + 48, AKT * 4);
+            for (int i = 0; i < 16; ++i)
+                softmax_row(w, r + i, w->s + i * AKT, w->p + i * AKT, scales, scales_l2,
+                            masked, pos0, head_dim);
+            _tile_loadd(4, w->p, AKT * 2);
+            _tile_loadd(5, w->p + 32, AKT * 2);
             for (int64_t d = 0; d < head_dim; d += 16) {
-                _tile_loadd(5, w->o + r * head_dim + d, head_dim * 4);
-                _tile_loadd(7, w->vp + d, head_dim * 4);
-                _tile_dpbf16ps(5, 6, 7);
-                _tile_stored(5, w->o + r * head_dim + d, head_dim * 4);
+                _tile_loadd(7, w->o + r * head_dim + d, head_dim * 4);
+                _tile_loadd(6, w->vp + d, head_dim * 4);
+                _tile_dpbf16ps(7, 4, 6);
+                _tile_loadd(6, w->vp + 16 * head_dim + d, head_dim * 4);
+                _tile_dpbf16ps(7, 5, 6);
+                _tile_stored(7, w->o + r * head_dim + d, head_dim * 4);
             }
         }
     }
@@ -201,7 +244,7 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
     for (int64_t m = 0; m < queries; ++m) {
         float *row = out + (start + first_row + m / group) * out_stride +
                      (h * group + m % group) * head_dim;
-        const float inv = 1.0f / w->sum[m];
+        const float inv = 1.0f / _mm512_reduce_add_ps(w->sum[m]);
         for (int64_t d = 0; d < head_dim; ++d) row[d] = w->o[m * head_dim + d] * inv;
     }
 }

@@ -133,13 +133,15 @@ static inline void weigh_dims(__m512 *o, const __m512 *alpha, const __m512i *pp,
     }
 }
 
-/* Values of keys pos .. pos + KT as pairs of keys: vp[k][d] = (v[2k][d], v[2k + 1][d]). */
-static inline void pack_values(uint32_t *vp, const uint16_t *const *rows, int64_t head_dim) {
+/* Values of `keys` keys (rows, an even count) as pairs of keys:
+ * vp[k][d] = (v[2k][d], v[2k + 1][d]). */
+static inline void pack_values(uint32_t *vp, const uint16_t *const *rows, int64_t head_dim,
+                               int keys) {
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
                                         32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-    for (int k = 0; k < KT / 2; ++k) {
+    for (int k = 0; k < keys / 2; ++k) {
         const uint16_t *a = rows[2 * k], *b = rows[2 * k + 1];
         uint32_t *out = vp + k * head_dim;
         int64_t d = 0;
@@ -216,7 +218,7 @@ static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
         for (int j = 0; j < KT; ++j)
             w->rows[j] = key_row(value_cache, table, k0 + j, seq_len, block_stride, block_size,
                                  kv_offset, head_dim);
-        pack_values(w->vp, w->rows, head_dim);
+        pack_values(w->vp, w->rows, head_dim, KT);
         const int masked = k0 + KT - 1 > context + first_row;
         for (int v = 0; v < nq; ++v) {
             /* Scaled, masked scores; the tile's maximum per lane. */
