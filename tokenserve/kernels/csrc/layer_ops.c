@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "vec8.h"
 #include "vecw.h"
 
@@ -103,21 +104,7 @@ void ts_rotary_f32(float *query, float *key, int64_t token_stride, const int64_t
  * A product's input is rounded to bf16 and its sums come back in bf16; these variants read
  * or write bf16 directly, so no separate cast pass runs between the operators. The
  * arithmetic is the float32 one above; a bf16 result is that float32 value rounded to
- * nearest even, as torch's cast rounds it. */
-
-static inline float bf16_load(const uint16_t *p, int64_t i) {
-    const uint32_t bits = (uint32_t)p[i] << 16;
-    float value;
-    memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-static inline uint16_t bf16_round(float value) {
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN */
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
+ * nearest even, as torch's cast rounds it (bf16.h). */
 
 /* VW bf16 values as floats, and VW floats rounded into bf16 as bf16_round does each: the
  * widest vectors of the build (vecw.h). */

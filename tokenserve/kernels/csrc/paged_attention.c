@@ -36,22 +36,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "vecw.h"
 
 static inline float kv_load1(const void *cache, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)cache)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)cache)[i] << 16;
-    float out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
-/* float32 → bfloat16, rounding to nearest even (a NaN stays a quiet NaN). */
-static inline uint16_t to_bf16(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    return bf16 ? bf16_load((const uint16_t *)cache, i) : ((const float *)cache)[i];
 }
 
 /* Query heads scored per pass over a block's keys: each holds KEYS accumulators, and a
@@ -405,8 +394,8 @@ static inline void write_kv_token(void *key_cache, void *value_cache, const floa
         const int64_t at = base + h * head_stride;
         if (kv_bf16) {
             for (int64_t d = 0; d < head_dim; ++d) {
-                ((uint16_t *)key_cache)[at + d] = to_bf16(k[d]);
-                ((uint16_t *)value_cache)[at + d] = to_bf16(v[d]);
+                ((uint16_t *)key_cache)[at + d] = bf16_round(k[d]);
+                ((uint16_t *)value_cache)[at + d] = bf16_round(v[d]);
             }
         } else {
             memcpy((float *)key_cache + at, k, sizeof(float) * (size_t)head_dim);

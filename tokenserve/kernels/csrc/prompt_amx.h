@@ -175,7 +175,7 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
         const float *q = query + (start + first_row + row) * query_stride +
                          (h * group + m % group) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d)
-            w->q[m * head_dim + d] = m < queries ? to_bf16(q[d]) : 0;
+            w->q[m * head_dim + d] = m < queries ? bf16_round(q[d]) : 0;
     }
     memset(w->o, 0, sizeof(float) * (size_t)(padded * head_dim));
     /* Tiles 0-3: S (16 queries x 16 keys each); 4: Q (16 queries x 32 dims) or P (16

@@ -190,7 +190,7 @@ static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
                          (h * group + m % group) * head_dim;
         for (int64_t d = 0; d < pairs; ++d)
             qp[d * MAX_QUERIES + m] =
-                m < queries ? (uint32_t)to_bf16(q[2 * d]) | (uint32_t)to_bf16(q[2 * d + 1]) << 16
+                m < queries ? (uint32_t)bf16_round(q[2 * d]) | (uint32_t)bf16_round(q[2 * d + 1]) << 16
                             : 0;
     }
     for (int v = 0; v < nq; ++v) {
