@@ -19,42 +19,10 @@
 #ifndef TOKENSERVE_PROMPT_AMX_H
 #define TOKENSERVE_PROMPT_AMX_H
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx.h"
 
 #define AKT 64          /* keys per AMX key tile: four S tiles, two P tiles */
 #define LAZY_MAX 8.0f   /* how far a score may pass the running maximum before it moves */
-
-/* Linux hands out AMX state only on request, once per process (torch/oneDNN usually asked
- * already); 1 if granted. */
-static int amx_permitted(void) {
-    static int state = 0; /* 0 unknown, 1 granted, -1 refused */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
-                                == 0 ? 1 : -1;
-    return state == 1;
-}
-
-/* e^(s · scale - top) as 2^t, t = s · scale_l2 - top_l2 (both scaled by log2 e: one
- * fused multiply-add), to float32 accuracy (a degree-6 fit of 2^f on [-1/2, 1/2], relative
- * error ~1e-7): n = round(t), 2^(t - n) by the polynomial, times 2^n (vscalefps). No
- * clamps: for the lanes kept, t is at most LAZY_MAX · log2 e and vscalefps flushes very
- * negative ones to 0; the lanes not kept are 0 whatever they held. */
-static inline __m512 exp_shifted(__mmask16 keep, __m512 s, __m512 scale_l2, __m512 top_l2) {
-    const __m512 t = _mm512_fmsub_ps(s, scale_l2, top_l2);
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5337577497e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3399859890e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6185198054e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503290147e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022646248e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718246e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(keep, p, n); /* 0 where masked */
-}
 
 /* kp[d][j] = pair d of key j (rows[j]), for AKT keys and `pairs` (a multiple of 16) pairs:
  * 16 x 16 transposes in registers, each four rounds of swapping off-diagonal blocks
@@ -88,12 +56,6 @@ static inline void pack_keys(uint32_t *kp, const uint16_t *const *rows, int64_t 
             for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kp + (d0 + i) * AKT + j0, r[i]);
         }
 }
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
 
 typedef struct {
     uint16_t q[MAX_QUERIES * MAX_DIM];  /* [queries][head_dim] bf16 */
