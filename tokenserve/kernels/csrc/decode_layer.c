@@ -16,6 +16,7 @@
  * few-row or the many-row kernel as linear() would pick. Decode row r is token r of the
  * step: one new token per request.
  */
+#define _GNU_SOURCE /* syscall(), for the AMX permission (amx.h, via quant_linear.c) */
 #include "layer_ops.c"
 #include "paged_attention.c"
 #include "quant_linear.c"
