@@ -10,8 +10,8 @@
  * depends neither on M nor on the other rows (each C element is its own sum).
  *
  * Layout: A = a panel of 16 weight rows expanded once per call into bf16 [16][K] (row
- * major, one 32-weight block per tile row: the blocks' natural order), reused for every row
- * of x; B = x packed once per call as pairs of k ([M / 16][K / 2][16 rows][2]: the VNNI
+ * major, one 32-weight block per tile row: the blocks' natural order; expanded during the
+ * first pass over x's rows), reused for every row of x; B = x packed once per call as pairs of k ([M / 16][K / 2][16 rows][2]: the VNNI
  * layout, rows padded to 16 with zeros); C = [16 weight rows x 16 x rows], up to four of
  * them per pass (64 rows of x sharing each A load), transposed on their way to y. All
  * eight tiles are 16 rows x 64 bytes: 0-3 C, 4 A, 5-7 B.
@@ -60,37 +60,42 @@ static void amx_pack_rows(uint16_t *xp, const float *x, int64_t M, int64_t K) {
     }
 }
 
-/* A panel of AMX_PANEL weight rows (quant_linear.c's layouts, starting at the panel's first
- * row) → a [AMX_PANEL][K] bf16. The expansion is tile()'s: d * q (+ m) as two roundings
- * (mul then add: this file is ISO C, nothing is contracted). vcvtne2ps2bf16 rounds to
- * nearest even like torch; its zeroing of denormals never applies here: d and m are float16
- * (multiples of 2^-24) and q an integer, so a nonzero weight is at least 2^-48. */
-static inline __attribute__((always_inline)) void amx_expand_panel(
-    uint16_t *a, const uint8_t *qs, const float *scales, int64_t K, int q4_1) {
+/* Block b (32 weights) of AMX_PANEL weight rows (quant_linear.c's layouts, from the
+ * panel's first row) → a[j][b * 32 ..] bf16, for the panel's rows j. The expansion is
+ * tile()'s: d * q (+ m) as two roundings (mul then add: this file is ISO C, nothing is
+ * contracted), then to bf16. Q4_1 expands the block's 16 possible values (q = 0..15) once
+ * and looks its 32 weights up (vpermw): the same arithmetic on the same values, in fewer
+ * instructions. vcvtne(2)ps2bf16 rounds to nearest even like torch; its zeroing of
+ * denormals never applies here: d and m are float16 (multiples of 2^-24) and q an integer,
+ * so a nonzero weight is at least 2^-48 in magnitude. */
+static inline __attribute__((always_inline)) void amx_expand_block(
+    uint16_t *a, const uint8_t *qs, const float *scales, int64_t K, int64_t b, int q4_1) {
     const int64_t blocks = K / BLOCK;
     const __m128i low4 = _mm_set1_epi8(0x0f);
-    for (int j = 0; j < AMX_PANEL; ++j)
-        for (int64_t b = 0; b < blocks; ++b) {
-            __m512 w0, w1;
-            if (q4_1) {
-                const __m128i bytes = _mm_loadu_si128((const __m128i *)(qs + j * (K / 2) + b * 16));
-                const float *s = scales + (j * blocks + b) * 2;
-                const __m512 d = _mm512_set1_ps(s[0]), mn = _mm512_set1_ps(s[1]);
-                const __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(bytes, low4));
-                const __m512i hi =
-                    _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
-                w0 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), d), mn);
-                w1 = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), d), mn);
-            } else {
-                const int8_t *q = (const int8_t *)qs + j * K + b * BLOCK;
-                const __m512 d = _mm512_set1_ps(scales[j * blocks + b]);
-                w0 = _mm512_mul_ps(
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), d);
-                w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                       _mm_loadu_si128((const __m128i *)(q + 16)))), d);
-            }
-            _mm512_storeu_si512(a + j * K + b * BLOCK, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+    const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int j = 0; j < AMX_PANEL; ++j) {
+        __m512i w;
+        if (q4_1) {
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(qs + j * (K / 2) + b * 16));
+            const float *s = scales + (j * blocks + b) * 2;
+            const __m512 table = _mm512_add_ps(
+                _mm512_mul_ps(values, _mm512_set1_ps(s[0])), _mm512_set1_ps(s[1]));
+            const __m512i lookup = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(table));
+            /* Weights 0-15 are the bytes' low nibbles, 16-31 their high ones. */
+            const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4),
+                                               _mm_and_si128(bytes, low4));
+            w = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), lookup);
+        } else {
+            const int8_t *q = (const int8_t *)qs + j * K + b * BLOCK;
+            const __m512 d = _mm512_set1_ps(scales[j * blocks + b]);
+            const __m512 w0 = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), d);
+            const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                _mm_loadu_si128((const __m128i *)(q + 16)))), d);
+            w = (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
         }
+        _mm512_storeu_si512(a + j * K + b * BLOCK, w);
+    }
 }
 
 /* C tile `t` ([16 weight rows][16 x rows]) into y's rows m0.. (rows of them), columns n..n+15. */
@@ -102,10 +107,13 @@ static inline void amx_store_c(float *y, int64_t N, int64_t m0, int64_t rows, fl
         _mm512_storeu_ps(y + (m0 + m) * N, _mm512_i32gather_ps(apart, c + m, 4));
 }
 
-/* One panel (y's columns n.. n+15, its weight rows expanded in `a`) times every row of x
- * (packed in xp), up to AMX_C row tiles per pass. */
-static inline void amx_panel(float *y, const uint16_t *xp, const uint16_t *a, int64_t M,
-                             int64_t K, int64_t N, float *c) {
+/* One panel (y's columns n..n+15, its weight rows' blocks at qs and scales) times every
+ * row of x (packed in xp), up to AMX_C row tiles per pass. The first pass expands the
+ * weights into `a` block by block as it goes (the expansion then overlaps the tile
+ * products' latency), later passes reuse them. */
+static inline __attribute__((always_inline)) void amx_panel(
+    float *y, const uint16_t *xp, uint16_t *a, const uint8_t *qs, const float *scales,
+    int64_t M, int64_t K, int64_t N, float *c, int q4_1) {
     const int64_t tiles = (M + 15) / 16, tile_elems = K / 2 * 32; /* bf16 per packed x tile */
     for (int64_t t0 = 0; t0 < tiles; t0 += AMX_C) {
         const int64_t count = tiles - t0 < AMX_C ? tiles - t0 : AMX_C;
@@ -115,6 +123,7 @@ static inline void amx_panel(float *y, const uint16_t *xp, const uint16_t *a, in
         if (count > 2) _tile_zero(2);
         if (count > 3) _tile_zero(3);
         for (int64_t k = 0; k < K; k += 32) {
+            if (t0 == 0) amx_expand_block(a, qs, scales, K, k / BLOCK, q4_1);
             _tile_loadd(4, a + k, K * 2);
             _tile_loadd(5, b + k * 16, 64);
             _tile_dpbf16ps(0, 4, 5);
@@ -169,10 +178,9 @@ static void amx_columns(float *y, const uint16_t *xp, int64_t M, int64_t K, int6
         }
         /* The format a constant in each branch (OpenMP outlines a parallel body once). */
         if (q4_1)
-            amx_expand_panel(a, qs + n * row_bytes, scales + n * row_scales, K, 1);
+            amx_panel(y + n, xp, a, qs + n * row_bytes, scales + n * row_scales, M, K, N, c, 1);
         else
-            amx_expand_panel(a, qs + n * row_bytes, scales + n * row_scales, K, 0);
-        amx_panel(y + n, xp, a, M, K, N, c);
+            amx_panel(y + n, xp, a, qs + n * row_bytes, scales + n * row_scales, M, K, N, c, 0);
     }
     if (configured) _tile_release();
 }

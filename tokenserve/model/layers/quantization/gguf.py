@@ -12,6 +12,12 @@ panel and multiplies it into all rows (a GEMM micro-kernel); that needs the outp
 multiples of 16. Larger products stay on oneDNN's float32 GEMM, which is as fast once the
 weights are reused across enough rows (docs/benchmarks/cpu-hot-path.md). The row limits
 are `KernelConfig.quantized_max_rows` / `quantized_gemm_max_rows`.
+
+A bfloat16 model on the amx level sends its products of at most `amx_max_rows` rows
+(`KernelConfig.bf16_block_max_rows`) to the AMX kernel instead (csrc/quant_amx.h): the
+bf16 model's own numerics (each weight expanded as above, then rounded to bf16 as the dense
+bf16 weight is; x rounded to bf16; float32 sums), from the blocks, faster than oneDNN's
+bf16 GEMM on the dense weights up to ~128 rows (docs/PERFORMANCE_CPU.md).
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ class QuantizedWeight:
     # gemm_max_rows rows the many-row kernel.
     max_rows: int = DEFAULT_QUANTIZED_MAX_ROWS
     gemm_max_rows: int = DEFAULT_QUANTIZED_GEMM_MAX_ROWS
+    # A bfloat16 model on the amx level: products of at most this many rows take the AMX
+    # kernel, bf16 numerics (0: none; the limits above then apply).
+    amx_max_rows: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -121,9 +130,17 @@ class QuantizedWeight:
         return self.shape[0] % QuantLinearOps.PANEL == 0
 
     @property
+    def uses_amx(self) -> bool:
+        """Whether products take the AMX kernel (bf16 numerics; its panels are the many-row
+        kernel's)."""
+        return self.amx_max_rows > 0 and self._fits_panels
+
+    @property
     def row_limit(self) -> int:
-        """The most rows of a product sent here: the few-row kernel's limit, or the many-row
-        kernel's where the weight fits its panels."""
+        """The most rows of a product sent here: the AMX kernel's limit where it applies,
+        else the few-row kernel's, or the many-row kernel's where the weight fits its panels."""
+        if self.uses_amx:
+            return self.amx_max_rows
         return max(self.max_rows, self.gemm_max_rows if self._fits_panels else 0)
 
     def takes(self, rows: int) -> bool:
@@ -131,8 +148,11 @@ class QuantizedWeight:
         return rows <= self.row_limit
 
     def matmul(self, x: torch.Tensor, panels: bool | None = None) -> torch.Tensor:
-        """x [rows, in] float32 → x · Wᵀ [rows, out]. `panels` picks the kernel; by
-        default the many-row one for more than max_rows rows, where it applies."""
+        """x [rows, in] float32 → x · Wᵀ [rows, out] float32. The AMX kernel where it
+        applies (uses_amx); else `panels` picks the kernel, by default the many-row one for
+        more than max_rows rows, where it applies."""
+        if self.uses_amx:
+            return self._kernels(x.contiguous(), amx=True)
         if panels is None:
             panels = x.shape[0] > self.max_rows and self._fits_panels
         return self._kernels(x.contiguous(), panels)
@@ -154,9 +174,10 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
     dense weight alone."""
 
     def __init__(self, max_rows: int, gemm_max_rows: int, use_onednn: bool = True,
-                 weight_dtype: torch.dtype | None = None) -> None:
+                 weight_dtype: torch.dtype | None = None, amx_max_rows: int = 0) -> None:
         super().__init__(use_onednn, weight_dtype)
         self.max_rows, self.gemm_max_rows = max_rows, gemm_max_rows
+        self.amx_max_rows = amx_max_rows  # QuantizedWeight.amx_max_rows
         self.num_block_weights = 0  # how many layers got their blocks, for the log
 
     def create_weights(
@@ -199,7 +220,8 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         covered = firsts == [0, *itertools.accumulate(part.shape[0] for part in ordered)][:-1]
         if joined is None or not covered or joined.shape != shape:
             return None
-        return replace(joined, max_rows=self.max_rows, gemm_max_rows=self.gemm_max_rows)
+        return replace(joined, max_rows=self.max_rows, gemm_max_rows=self.gemm_max_rows,
+                       amx_max_rows=self.amx_max_rows)
 
     def input_dtype(self, layer: nn.Module, rows: int) -> torch.dtype | None:
         """The blocks' kernels read float32; the dense products as the base method says."""
@@ -217,7 +239,7 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         return super().apply(layer, x, bias)
 
     def __str__(self) -> str:
-        return (
-            f"{self.num_block_weights} weights also in their GGUF blocks for products of up to "
-            f"{max(self.max_rows, self.gemm_max_rows)} rows; " + super().__str__()
-        )
+        kernels = (f"{self.amx_max_rows} rows (AMX, bf16)" if self.amx_max_rows
+                   else f"{max(self.max_rows, self.gemm_max_rows)} rows")
+        return (f"{self.num_block_weights} weights also in their GGUF blocks for products of up "
+                f"to {kernels}; " + super().__str__())
