@@ -147,11 +147,13 @@ class QuantizedWeight:
         """Whether a product of `rows` rows is sent here (else to the float weight)."""
         return rows <= self.row_limit
 
-    def matmul(self, x: torch.Tensor, panels: bool | None = None) -> torch.Tensor:
-        """x [rows, in] float32 → x · Wᵀ [rows, out] float32. The AMX kernel where it
-        applies (uses_amx); else `panels` picks the kernel, by default the many-row one for
-        more than max_rows rows, where it applies."""
-        if self.uses_amx:
+    def matmul(self, x: torch.Tensor, panels: bool | None = None,
+               amx: bool | None = None) -> torch.Tensor:
+        """x [rows, in] float32 → x · Wᵀ [rows, out] float32. By default the AMX kernel
+        where it applies (uses_amx), else the many-row kernel for more than max_rows rows
+        where it applies, else the few-row one; `amx` or `panels` pick one (benchmarks,
+        tests)."""
+        if amx or (amx is None and panels is None and self.uses_amx):
             return self._kernels(x.contiguous(), amx=True)
         if panels is None:
             panels = x.shape[0] > self.max_rows and self._fits_panels
