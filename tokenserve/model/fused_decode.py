@@ -24,7 +24,11 @@ from tokenserve.attention.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
 from tokenserve.config import KernelConfig
 from tokenserve.kernels import decode_layer
 from tokenserve.model.layers.layer_stack import LayerStack
-from tokenserve.model.layers.quantization.gguf import GGUFLinearMethod, QuantizedWeight
+from tokenserve.model.layers.quantization.gguf import (
+    AMX_MIN_ROWS,
+    GGUFLinearMethod,
+    QuantizedWeight,
+)
 
 
 def _blocks(linear: nn.Module) -> QuantizedWeight | None:
@@ -139,9 +143,10 @@ class FusedDecodeLayerStack(LayerStack):
             assert blocks is not None
             # Above max_rows the many-row kernel, as the GGUF method picks (the weight fits
             # its panels when the step's rows passed takes()); a bf16 model's on the amx
-            # level the AMX kernel throughout (QuantizedWeight.matmul).
-            projections[part] = (blocks.kind, blocks.qs, blocks.scales, linear.bias,
-                                 blocks.max_rows, blocks.uses_amx)
+            # level the AMX kernel above AMX_MIN_ROWS - 1 (QuantizedWeight.matmul).
+            few_rows = AMX_MIN_ROWS - 1 if blocks.uses_amx else blocks.max_rows
+            projections[part] = (blocks.kind, blocks.qs, blocks.scales, linear.bias, few_rows,
+                                 blocks.uses_amx)
         key_cache, value_cache = TorchSDPABackend.split_kv_cache(kv_cache)
         bound, keep = self.ops.layer(
             projections, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,

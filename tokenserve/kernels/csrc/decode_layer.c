@@ -24,7 +24,7 @@
 
 /* A projection: [out, in] in Q4_1 (q4_1 = 1) or Q8_0 blocks, and an optional bias [out].
  * Products of more than few_rows rows take the many-row (panel) kernel, as linear() sends
- * them (out a multiple of PANEL there); with amx = 1 every product takes the AMX kernel
+ * them (out a multiple of PANEL there); with amx = 1 those take the AMX kernel instead
  * (out a multiple of AMX_PANEL; the amx level only). */
 typedef struct {
     const uint8_t *qs;
@@ -61,7 +61,7 @@ typedef struct {
 static void project(float *y, const float *x, int64_t M, const ts_projection *w, float *panel,
                     float *sums, uint16_t *xp, uint16_t *a) {
 #if QUANT_AMX
-    if (w->amx) {
+    if (w->amx && M > w->few_rows) {
         amx_pack_rows(xp, x, M, w->in);
         amx_columns(y, xp, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1, a);
     } else
@@ -93,8 +93,8 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                                           &layer->down};
     int64_t amx = 0, widest = 0;
     for (int i = 0; i < 4; ++i) {
-        if (projections[i]->in % BLOCK || ((projections[i]->amx || M > projections[i]->few_rows)
-                                           && projections[i]->out % PANEL))
+        if (projections[i]->in % BLOCK || (M > projections[i]->few_rows &&
+                                           projections[i]->out % PANEL))
             return 1;
         amx |= projections[i]->amx;
         widest = projections[i]->in > widest ? projections[i]->in : widest;

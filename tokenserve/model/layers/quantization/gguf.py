@@ -13,11 +13,14 @@ multiples of 16. Larger products stay on oneDNN's float32 GEMM, which is as fast
 weights are reused across enough rows (docs/benchmarks/cpu-hot-path.md). The row limits
 are `KernelConfig.quantized_max_rows` / `quantized_gemm_max_rows`.
 
-A bfloat16 model on the amx level sends its products of at most `amx_max_rows` rows
-(`KernelConfig.bf16_block_max_rows`) to the AMX kernel instead (csrc/quant_amx.h): the
+A bfloat16 model on the amx level sends its products of AMX_MIN_ROWS (5) to `amx_max_rows`
+rows (`KernelConfig.bf16_block_max_rows`) to the AMX kernel instead (csrc/quant_amx.h): the
 bf16 model's own numerics (each weight expanded as above, then rounded to bf16 as the dense
 bf16 weight is; x rounded to bf16; float32 sums), from the blocks, faster than oneDNN's
-bf16 GEMM on the dense weights up to ~128 rows (docs/PERFORMANCE_CPU.md).
+bf16 GEMM on the dense weights up to ~128 rows (docs/PERFORMANCE_CPU.md). Its products of
+1-4 rows keep the float32 few-row kernel (float32 weights and inputs, as without AMX):
+there the weights' bytes, not the arithmetic, set the time, and the AMX kernel's expansion
+to bf16 costs more than it saves.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ from tokenserve.kernels import quant_linear
 from tokenserve.kernels.quant_linear import BLOCK, BoundQuantLinear, QuantLinearOps
 from tokenserve.model.layers.quantization.unquantized import UnquantizedLinearMethod
 from tokenserve.model.layers.weight_loading import Rows
+
+# A bf16 model on amx: products of fewer rows keep the float32 few-row kernel, which streams
+# the blocks faster than the AMX kernel expands them to bf16 (1 row: ~13 vs ~20 ms of CPU
+# per pass over the default model's projections, 4 rows: even; docs/PERFORMANCE_CPU.md).
+AMX_MIN_ROWS = 5
 
 # GGML type names → the bytes of one 32-weight block.
 _BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
@@ -149,11 +157,14 @@ class QuantizedWeight:
 
     def matmul(self, x: torch.Tensor, panels: bool | None = None,
                amx: bool | None = None) -> torch.Tensor:
-        """x [rows, in] float32 → x · Wᵀ [rows, out] float32. By default the AMX kernel
-        where it applies (uses_amx), else the many-row kernel for more than max_rows rows
-        where it applies, else the few-row one; `amx` or `panels` pick one (benchmarks,
-        tests)."""
-        if amx or (amx is None and panels is None and self.uses_amx):
+        """x [rows, in] float32 → x · Wᵀ [rows, out] float32. By default where the AMX
+        kernel applies (uses_amx) it for AMX_MIN_ROWS rows or more and the few-row kernel
+        below; elsewhere the many-row kernel for more than max_rows rows where it applies,
+        else the few-row one. `amx` or `panels` pick one (benchmarks, tests)."""
+        if amx is None and panels is None and self.uses_amx:
+            # (The few-row kernel below AMX_MIN_ROWS whatever max_rows: as the fused layer.)
+            amx, panels = x.shape[0] >= AMX_MIN_ROWS, False
+        if amx:
             return self._kernels(x.contiguous(), amx=True)
         if panels is None:
             panels = x.shape[0] > self.max_rows and self._fits_panels
