@@ -121,3 +121,24 @@ def test_other_levels_have_no_amx_kernel():
     bound = ops.bind(weight.kind, weight.qs, weight.scales)
     with pytest.raises(RuntimeError, match="AMX quantized kernel is not available"):
         bound(torch.randn(2, 64), amx=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bf16_weight_routes_by_rows(kind):
+    # A bf16 model's weight on amx (amx_max_rows set): 1-4 rows on the float32 few-row
+    # kernel (whatever max_rows says, as the fused layer), AMX_MIN_ROWS and up on AMX.
+    from dataclasses import replace
+
+    from tokenserve.model.layers.quantization.gguf import AMX_MIN_ROWS
+
+    weight, _ = random_quantized(kind, 32, 64, seed=5)
+    bf16 = replace(weight, amx_max_rows=128, max_rows=2)
+    assert bf16.uses_amx and bf16.row_limit == 128 and bf16.takes(128) and not bf16.takes(129)
+    x = torch.randn(AMX_MIN_ROWS, 64, generator=torch.Generator().manual_seed(6))
+    small = x[: AMX_MIN_ROWS - 1].contiguous()
+    assert torch.equal(bf16.matmul(small), weight.matmul(small, panels=False))
+    assert not torch.equal(bf16.matmul(small), _amx(weight, small))
+    assert torch.equal(bf16.matmul(x), _amx(weight, x))
+    # Off the 16-row panels the float32 kernels keep their routing.
+    odd, _ = random_quantized(kind, 24, 64)
+    assert not replace(odd, amx_max_rows=128).uses_amx

@@ -1,8 +1,8 @@
 """A bfloat16 GGUF model on the amx level: its products of at most `bf16_quantized_max_rows`
-rows (128 there by default) read the GGUF blocks through the AMX kernel (bf16 numerics,
-kernels/csrc/quant_amx.h), decode steps up to that many rows run fused (one C call per
-layer) with the same results as operator by operator, and other levels keep the float32
-block kernels up to 16 rows."""
+rows (128 there by default) read the GGUF blocks, from 5 rows through the AMX kernel (bf16
+numerics, kernels/csrc/quant_amx.h), decode steps up to that many rows run fused (one C
+call per layer) with the same results as operator by operator, and other levels keep the
+float32 block kernels up to 16 rows."""
 
 from __future__ import annotations
 
