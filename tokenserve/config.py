@@ -178,6 +178,8 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
+            if value is None and name == "bf16_quantized_max_rows":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         if self.distributed_executor_backend is None:
@@ -244,9 +246,12 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
 # shapes (benchmarks/quantized_linear.py).
 DEFAULT_QUANTIZED_MAX_ROWS = 10
 DEFAULT_QUANTIZED_GEMM_MAX_ROWS = 192
-# bfloat16 models: the most rows of a product that still reads the GGUF blocks; oneDNN's bf16
-# GEMM (AMX, AVX512_BF16) takes more rows faster (docs/PERFORMANCE_CPU.md).
-DEFAULT_BF16_QUANTIZED_MAX_ROWS = 16
+# bfloat16 models: the most rows of a product that still reads the GGUF blocks, oneDNN's bf16
+# GEMM above (docs/PERFORMANCE_CPU.md). By level: on amx the blocks' AMX kernel (bf16
+# numerics) leads oneDNN's bf16 GEMM up to ~this many rows; elsewhere the float32 block
+# kernels lead it only in the smallest decode steps (KernelConfig.bf16_block_max_rows).
+DEFAULT_BF16_QUANTIZED_MAX_ROWS = 128
+BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX = 16
 # --cpu-isa: the instruction-set levels the C kernels build for (kernels/cpu_isa.py).
 CPU_ISAS = ("auto", "avx2", "avx512", "avx512_bf16", "amx", "native")
 
@@ -270,8 +275,8 @@ class KernelConfig:
     quantized_max_rows: int = DEFAULT_QUANTIZED_MAX_ROWS
     quantized_gemm_max_rows: int = DEFAULT_QUANTIZED_GEMM_MAX_ROWS
     # A bfloat16 model's products of more rows than this go to oneDNN's bf16 GEMM whatever
-    # the two limits above say (block_row_limits).
-    bf16_quantized_max_rows: int = DEFAULT_BF16_QUANTIZED_MAX_ROWS
+    # the two limits above say (block_row_limits); None: by level (bf16_block_max_rows).
+    bf16_quantized_max_rows: int | None = None
     # The instruction set the C kernels are built for (kernels/cpu_isa.py): "auto", the
     # best the CPU has, or a lower level forced; --dtype auto takes bfloat16 only where the
     # level computes it natively (avx512_bf16, amx).
@@ -283,15 +288,25 @@ class KernelConfig:
         for name in ("quantized_max_rows", "quantized_gemm_max_rows",
                      "bf16_quantized_max_rows"):
             value = getattr(self, name)
+            if value is None and name == "bf16_quantized_max_rows":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
 
+    def bf16_block_max_rows(self, amx: bool) -> int:
+        """The most rows of a bfloat16 model's product on the GGUF blocks: the setting, or
+        by default DEFAULT_BF16_QUANTIZED_MAX_ROWS where the blocks' AMX kernel runs (amx),
+        BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX elsewhere."""
+        if self.bf16_quantized_max_rows is not None:
+            return self.bf16_quantized_max_rows
+        return DEFAULT_BF16_QUANTIZED_MAX_ROWS if amx else BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX
+
     def block_row_limits(self, bf16_products: bool) -> tuple[int, int]:
-        """The most rows of a product on the GGUF few-row and many-row kernels, for a model
-        whose dense products are float32 or (bf16_products) bfloat16."""
+        """The most rows of a product on the GGUF float32 few-row and many-row kernels, for a
+        model whose dense products are float32 or (bf16_products) bfloat16 without AMX."""
         if not bf16_products:
             return self.quantized_max_rows, self.quantized_gemm_max_rows
-        cap = self.bf16_quantized_max_rows
+        cap = self.bf16_block_max_rows(amx=False)
         return min(self.quantized_max_rows, cap), min(self.quantized_gemm_max_rows, cap)
 
 
@@ -337,6 +352,8 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
             value = getattr(self, name)
+            if value is None and name == "bf16_quantized_max_rows":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         if self.max_cpu_loras < self.max_loras:

@@ -15,7 +15,6 @@ from dataclasses import dataclass, fields
 import torch
 
 from tokenserve.config import (
-    DEFAULT_BF16_QUANTIZED_MAX_ROWS,
     DEFAULT_LOOKAHEAD_TOKENS,
     DEFAULT_QUANTIZED_GEMM_MAX_ROWS,
     DEFAULT_QUANTIZED_MAX_ROWS,
@@ -140,7 +139,7 @@ class EngineArgs:
     disable_fused_decode: bool = False
     quantized_max_rows: int = DEFAULT_QUANTIZED_MAX_ROWS
     quantized_gemm_max_rows: int = DEFAULT_QUANTIZED_GEMM_MAX_ROWS
-    bf16_quantized_max_rows: int = DEFAULT_BF16_QUANTIZED_MAX_ROWS
+    bf16_quantized_max_rows: int | None = None  # None: by level (KernelConfig)
     # The C kernels' instruction set (kernels/cpu_isa.py): "auto" or a lower level forced.
     cpu_isa: str = "auto"
     # vLLM's --runner: "generate", "pooling" (embeddings, scores, classes) or "auto" (by

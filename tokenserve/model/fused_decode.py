@@ -4,9 +4,10 @@ A decode step of a few requests does little work per operator, so the ten calls 
 (two norms, four projections, rotary, the cache write, attention, SwiGLU), each checked in
 Python and each forking and joining the OpenMP threads, cost about as much as the work
 (docs/benchmarks/cpu-hot-path.md). When a step is decode only on the CPU attention backend's
-C kernels, has at most as many rows as the GGUF block kernels take (192 by default), and
-every layer's projections keep GGUF blocks, the layer stack runs each layer as one call
-instead. decode_layer.c is the llama decoder layer (model/llama.py) written in C: it calls
+C kernels, has at most as many rows as the GGUF block kernels take (192 by default; for a
+bfloat16 model `bf16_quantized_max_rows`: 128 on amx, where its products take the AMX block
+kernel, 16 elsewhere), and every layer's projections keep GGUF blocks, the layer stack runs
+each layer as one call instead. decode_layer.c is the llama decoder layer (model/llama.py) written in C: it calls
 the same operators in the same order, so the results are identical
 (tests/model/test_fused_decode.py). It reads what the layers and the backend expose: the
 GGUF method's blocks, the norms' weights, the rotary tables, the backend's typed decode
@@ -23,7 +24,11 @@ from tokenserve.attention.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
 from tokenserve.config import KernelConfig
 from tokenserve.kernels import decode_layer
 from tokenserve.model.layers.layer_stack import LayerStack
-from tokenserve.model.layers.quantization.gguf import GGUFLinearMethod, QuantizedWeight
+from tokenserve.model.layers.quantization.gguf import (
+    AMX_MIN_ROWS,
+    GGUFLinearMethod,
+    QuantizedWeight,
+)
 
 
 def _blocks(linear: nn.Module) -> QuantizedWeight | None:
@@ -137,9 +142,11 @@ class FusedDecodeLayerStack(LayerStack):
             blocks = _blocks(linear)
             assert blocks is not None
             # Above max_rows the many-row kernel, as the GGUF method picks (the weight fits
-            # its panels when the step's rows passed takes()).
-            projections[part] = (blocks.kind, blocks.qs, blocks.scales, linear.bias,
-                                 blocks.max_rows)
+            # its panels when the step's rows passed takes()); a bf16 model's on the amx
+            # level the AMX kernel above AMX_MIN_ROWS - 1 (QuantizedWeight.matmul).
+            few_rows = AMX_MIN_ROWS - 1 if blocks.uses_amx else blocks.max_rows
+            projections[part] = (blocks.kind, blocks.qs, blocks.scales, linear.bias, few_rows,
+                                 blocks.uses_amx)
         key_cache, value_cache = TorchSDPABackend.split_kv_cache(kv_cache)
         bound, keep = self.ops.layer(
             projections, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,

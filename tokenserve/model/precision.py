@@ -13,9 +13,15 @@ Between them the values a product reads or writes pass in bf16: a norm or SwiGLU
 its result rounded to bf16 for the product after it (the rounding the product would do),
 a product's sums stay bf16 until the next operator reads them, and the LM head's logits
 stay bf16 for the sampler (kernels/csrc/layer_ops.c; `QuantizationMethod.input_dtype`).
-A GGUF model's decode steps of at most `bf16_quantized_max_rows` rows
-still read its blocks in float32 (model/layers/quantization/__init__.py); larger steps and
-prefill take the bf16 products. float16 stays float16 throughout (the pure-torch path).
+A GGUF model's products of at most `bf16_quantized_max_rows` rows read its blocks
+(model/layers/quantization/__init__.py): on the amx level (128 rows by default) through
+the AMX block kernel with these same bf16 numerics (each weight expanded from its block as
+gguf dequantizes it, then rounded to bf16 exactly as the dense bf16 weight is; x rounded to
+bf16; float32 sums, handed on in float32), fused decode steps included, except products
+of 1-4 rows, which stream the blocks faster in float32 (as below); on other levels
+(16 rows) through the float32 block kernels, i.e. float32 weights and inputs. Larger
+products, prefill's chunks among them, take oneDNN's bf16 products. float16 stays float16
+throughout (the pure-torch path).
 """
 
 from __future__ import annotations

@@ -13,21 +13,24 @@
  * k; k and v into their cache slots; paged decode attention; o = attn · Woᵀ;
  * x = rms_norm(o + residual); gate_up = x · Wguᵀ; out = silu_and_mul(gate_up) · Wdownᵀ.
  * The four projections are in GGUF blocks (quant_linear.c's layouts), each product on the
- * few-row or the many-row kernel as linear() would pick. Decode row r is token r of the
+ * few-row or the many-row kernel as linear() would pick, or for a bfloat16 model on the amx
+ * level on the AMX kernel (quant_amx.h, bf16 numerics). Decode row r is token r of the
  * step: one new token per request.
  */
+#define _GNU_SOURCE /* syscall(), for the AMX permission (amx.h, via quant_linear.c) */
 #include "layer_ops.c"
 #include "paged_attention.c"
 #include "quant_linear.c"
 
 /* A projection: [out, in] in Q4_1 (q4_1 = 1) or Q8_0 blocks, and an optional bias [out].
  * Products of more than few_rows rows take the many-row (panel) kernel, as linear() sends
- * them (out a multiple of PANEL there). */
+ * them (out a multiple of PANEL there); with amx = 1 those take the AMX kernel instead
+ * (out a multiple of AMX_PANEL; the amx level only). */
 typedef struct {
     const uint8_t *qs;
     const float *scales;
     const float *bias;
-    int64_t out, in, q4_1, few_rows;
+    int64_t out, in, q4_1, few_rows, amx;
 } ts_projection;
 
 /* What a layer holds. */
@@ -53,9 +56,18 @@ typedef struct {
     float *act;     /* [rows, intermediate] */
 } ts_decode_step;
 
-/* `panel` and `sums` (M * PANEL floats) are the calling thread's, for the many-row kernel. */
+/* `panel` and `sums` (M * PANEL floats) are the calling thread's, for the many-row kernel;
+ * `xp` (x packed, shared) and `a` (the thread's expanded panel) the AMX kernel's. */
 static void project(float *y, const float *x, int64_t M, const ts_projection *w, float *panel,
-                    float *sums) {
+                    float *sums, uint16_t *xp, uint16_t *a) {
+#if QUANT_AMX
+    if (w->amx && M > w->few_rows) {
+        amx_pack_rows(xp, x, M, w->in);
+        amx_columns(y, xp, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1, a);
+    } else
+#else
+    (void)xp, (void)a;
+#endif
     if (M > w->few_rows)
         gemm_columns(y, x, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1, panel, sums);
     else
@@ -79,20 +91,34 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
     const int64_t group = step->num_heads / step->num_kv_heads;
     const ts_projection *projections[] = {&layer->qkv, &layer->o, &layer->gate_up,
                                           &layer->down};
-    for (int i = 0; i < 4; ++i)
+    int64_t amx = 0, widest = 0;
+    for (int i = 0; i < 4; ++i) {
         if (projections[i]->in % BLOCK || (M > projections[i]->few_rows &&
                                            projections[i]->out % PANEL))
             return 1;
+        amx |= projections[i]->amx;
+        widest = projections[i]->in > widest ? projections[i]->in : widest;
+    }
+#if QUANT_AMX
+    if (amx && !amx_permitted()) return 1;
+#else
+    if (amx) return 1;
+#endif
     if (layer->qkv.out != qkv_width || layer->o.out != H ||
         layer->gate_up.out != 2 * step->intermediate || layer->down.out != H)
         return 1;
+    /* The AMX kernel's x, packed once per product for all threads. */
+    uint16_t *xp = amx ? (uint16_t *)aligned_alloc(64, (size_t)((M + 15) / 16 * 16 * widest * 2))
+                       : NULL;
+    if (amx && xp == NULL) return -1;
     int failed = 0;
 #pragma omp parallel
     {
         _Alignas(64) float panel[PANEL_K * PANEL];
         float *scores = (float *)malloc(sizeof(float) * (size_t)(group * step->max_seq_len));
         float *sums = (float *)malloc(sizeof(float) * (size_t)(M * PANEL));
-        if (scores == NULL || sums == NULL) {
+        uint16_t *a = amx ? (uint16_t *)aligned_alloc(64, (size_t)(16 * widest * 2)) : NULL;
+        if (scores == NULL || sums == NULL || (amx && a == NULL)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -100,7 +126,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
         for (int64_t r = 0; r < M; ++r)
             rms_norm_row(step->normed + r * H, add_input ? hidden + r * H : residual + r * H,
                          add_input ? residual + r * H : NULL, layer->input_norm, H, step->eps);
-        project(step->qkv, step->normed, M, &layer->qkv, panel, sums);
+        project(step->qkv, step->normed, M, &layer->qkv, panel, sums, xp, a);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r) {
             float *q = step->qkv + r * qkv_width;
@@ -121,19 +147,21 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                             step->num_kv_heads, D, step->block_size, step->scale, scores,
                             step->kv_bf16);
         }
-        project(step->o, step->attn, M, &layer->o, panel, sums);
+        project(step->o, step->attn, M, &layer->o, panel, sums, xp, a);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r)
             rms_norm_row(step->normed + r * H, step->o + r * H, residual + r * H,
                          layer->post_norm, H, step->eps);
-        project(step->gate_up, step->normed, M, &layer->gate_up, panel, sums);
+        project(step->gate_up, step->normed, M, &layer->gate_up, panel, sums, xp, a);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r)
             silu_and_mul_row(step->act + r * step->intermediate,
                              step->gate_up + r * 2 * step->intermediate, step->intermediate);
-        project(out, step->act, M, &layer->down, panel, sums);
+        project(out, step->act, M, &layer->down, panel, sums, xp, a);
         free(scores);
         free(sums);
+        free(a);
     }
+    free(xp);
     return failed ? -1 : 0;
 }

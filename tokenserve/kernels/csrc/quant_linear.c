@@ -23,12 +23,25 @@
  * multiple of PANEL) expands a panel of weight rows once into a float32 buffer and runs a
  * GEMM micro-kernel over it for all rows of x. Both return 0, or 1 for shapes they refuse;
  * the many-row one 2 if its scratch buffer could not be allocated.
+ *
+ * On the amx level a third kernel (ts_*_gemm_amx, quant_amx.h) multiplies with a bfloat16
+ * model's numerics instead: weights and x rounded to bf16, float32 sums on AMX tiles. It
+ * returns 3 where AMX is not built or not granted (ts_quant_amx_available says which).
  */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* syscall(), for the AMX permission (amx.h) */
+#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "vec8.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define QUANT_AMX 1
+#else
+#define QUANT_AMX 0
+#endif
 
 #define BLOCK 32
 /* The few-row kernel's tile: up to ROWS rows of x times one weight row (see tile()). */
@@ -344,4 +357,56 @@ int ts_q4_1_gemm_f32(float *y, const float *x, int64_t M, int64_t K, int64_t N,
 int ts_q8_0_gemm_f32(float *y, const float *x, int64_t M, int64_t K, int64_t N,
                      const int8_t *qs, const float *d) {
     return quant_gemm(y, x, M, K, N, (const uint8_t *)qs, d, 0);
+}
+
+#if QUANT_AMX
+#include "quant_amx.h"
+#endif
+
+/* 1 where the AMX kernel runs: built for the amx level and the tiles granted. */
+int ts_quant_amx_available(void) {
+#if QUANT_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+/* y = x · Wᵀ with bf16 numerics on AMX tiles, split over panels of AMX_PANEL weight rows. */
+static int quant_gemm_amx(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                          const uint8_t *qs, const float *scales, int q4_1) {
+#if QUANT_AMX
+    if (K % BLOCK != 0 || N % AMX_PANEL != 0) return 1;
+    if (!amx_permitted()) return 3;
+    if (M == 0) return 0;
+    uint16_t *xp = (uint16_t *)aligned_alloc(64, (size_t)((M + 15) / 16 * 16 * K * 2));
+    if (xp == NULL) return 2;
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint16_t *a = (uint16_t *)aligned_alloc(64, (size_t)(AMX_PANEL * K * 2));
+        if (a == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        amx_pack_rows(xp, x, M, K);
+        amx_columns(y, xp, M, K, N, qs, scales, q4_1, a);
+        free(a);
+    }
+    free(xp);
+    return failed ? 2 : 0;
+#else
+    (void)y, (void)x, (void)M, (void)K, (void)N, (void)qs, (void)scales, (void)q4_1;
+    return 3;
+#endif
+}
+
+int ts_q4_1_gemm_amx(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                     const uint8_t *qs, const float *dm) {
+    return quant_gemm_amx(y, x, M, K, N, qs, dm, 1);
+}
+
+int ts_q8_0_gemm_amx(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                     const int8_t *qs, const float *d) {
+    return quant_gemm_amx(y, x, M, K, N, (const uint8_t *)qs, d, 0);
 }

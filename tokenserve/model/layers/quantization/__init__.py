@@ -20,19 +20,25 @@ def get_linear_method(
 ) -> QuantizationMethod:
     """GGUF blocks beside the dense weights for a float32 or bfloat16 GGUF model whose block
     kernels are built and wanted; dense weights otherwise. A bfloat16 model keeps its dense
-    weights in bf16 beside float32 activations (model/precision.py): the products above
-    the blocks' row limits (for bf16 the lower `bf16_quantized_max_rows`: prefill and all
-    but the smallest decode steps) run on oneDNN's bf16 GEMM (docs/PERFORMANCE_CPU.md)."""
+    weights in bf16 beside float32 activations (model/precision.py): its products of at
+    most `bf16_quantized_max_rows` rows read the blocks (on the amx level through the AMX
+    kernel with bf16 numerics, elsewhere the float32 kernels), larger ones run on oneDNN's
+    bf16 GEMM (docs/PERFORMANCE_CPU.md)."""
     use_onednn = not kernel_config.disable_onednn
     weight_dtype = dtype if activation_dtype(dtype) != dtype else None
     max_rows, gemm_max_rows = kernel_config.block_row_limits(weight_dtype is not None)
+    ops = None if kernel_config.disable_c_kernels else quant_linear.load()
+    # The AMX kernel for a bf16 model where it runs (both float32 limits 0 turn the blocks off).
+    blocks_wanted = kernel_config.quantized_max_rows or kernel_config.quantized_gemm_max_rows
+    amx_max_rows = (kernel_config.bf16_block_max_rows(amx=True)
+                    if weight_dtype is not None and blocks_wanted and ops is not None and ops.amx
+                    else 0)
     if (
         model_format == "gguf"
         and activation_dtype(dtype) == torch.float32
-        and not kernel_config.disable_c_kernels
-        and max(max_rows, gemm_max_rows) > 0
-        and quant_linear.load() is not None
+        and ops is not None
+        and max(max_rows, gemm_max_rows, amx_max_rows) > 0
     ):
         return GGUFLinearMethod(max_rows, gemm_max_rows, use_onednn=use_onednn,
-                                weight_dtype=weight_dtype)
+                                weight_dtype=weight_dtype, amx_max_rows=amx_max_rows)
     return UnquantizedLinearMethod(use_onednn=use_onednn, weight_dtype=weight_dtype)

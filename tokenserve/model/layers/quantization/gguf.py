@@ -12,6 +12,15 @@ panel and multiplies it into all rows (a GEMM micro-kernel); that needs the outp
 multiples of 16. Larger products stay on oneDNN's float32 GEMM, which is as fast once the
 weights are reused across enough rows (docs/benchmarks/cpu-hot-path.md). The row limits
 are `KernelConfig.quantized_max_rows` / `quantized_gemm_max_rows`.
+
+A bfloat16 model on the amx level sends its products of AMX_MIN_ROWS (5) to `amx_max_rows`
+rows (`KernelConfig.bf16_block_max_rows`) to the AMX kernel instead (csrc/quant_amx.h): the
+bf16 model's own numerics (each weight expanded as above, then rounded to bf16 as the dense
+bf16 weight is; x rounded to bf16; float32 sums), from the blocks, faster than oneDNN's
+bf16 GEMM on the dense weights up to ~128 rows (docs/PERFORMANCE_CPU.md). Its products of
+1-4 rows keep the float32 few-row kernel (float32 weights and inputs, as without AMX):
+there the weights' bytes, not the arithmetic, set the time, and the AMX kernel's expansion
+to bf16 costs more than it saves.
 """
 
 from __future__ import annotations
@@ -29,6 +38,11 @@ from tokenserve.kernels import quant_linear
 from tokenserve.kernels.quant_linear import BLOCK, BoundQuantLinear, QuantLinearOps
 from tokenserve.model.layers.quantization.unquantized import UnquantizedLinearMethod
 from tokenserve.model.layers.weight_loading import Rows
+
+# A bf16 model on amx: products of fewer rows keep the float32 few-row kernel, which streams
+# the blocks faster than the AMX kernel expands them to bf16 (1 row: ~13 vs ~20 ms of CPU
+# per pass over the default model's projections, 4 rows: even; docs/PERFORMANCE_CPU.md).
+AMX_MIN_ROWS = 5
 
 # GGML type names → the bytes of one 32-weight block.
 _BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
@@ -48,6 +62,9 @@ class QuantizedWeight:
     # gemm_max_rows rows the many-row kernel.
     max_rows: int = DEFAULT_QUANTIZED_MAX_ROWS
     gemm_max_rows: int = DEFAULT_QUANTIZED_GEMM_MAX_ROWS
+    # A bfloat16 model on the amx level: products of at most this many rows take the AMX
+    # kernel, bf16 numerics (0: none; the limits above then apply).
+    amx_max_rows: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -121,18 +138,34 @@ class QuantizedWeight:
         return self.shape[0] % QuantLinearOps.PANEL == 0
 
     @property
+    def uses_amx(self) -> bool:
+        """Whether products take the AMX kernel (bf16 numerics; its panels are the many-row
+        kernel's)."""
+        return self.amx_max_rows > 0 and self._fits_panels
+
+    @property
     def row_limit(self) -> int:
-        """The most rows of a product sent here: the few-row kernel's limit, or the many-row
-        kernel's where the weight fits its panels."""
+        """The most rows of a product sent here: the AMX kernel's limit where it applies,
+        else the few-row kernel's, or the many-row kernel's where the weight fits its panels."""
+        if self.uses_amx:
+            return self.amx_max_rows
         return max(self.max_rows, self.gemm_max_rows if self._fits_panels else 0)
 
     def takes(self, rows: int) -> bool:
         """Whether a product of `rows` rows is sent here (else to the float weight)."""
         return rows <= self.row_limit
 
-    def matmul(self, x: torch.Tensor, panels: bool | None = None) -> torch.Tensor:
-        """x [rows, in] float32 → x · Wᵀ [rows, out]. `panels` picks the kernel; by
-        default the many-row one for more than max_rows rows, where it applies."""
+    def matmul(self, x: torch.Tensor, panels: bool | None = None,
+               amx: bool | None = None) -> torch.Tensor:
+        """x [rows, in] float32 → x · Wᵀ [rows, out] float32. By default where the AMX
+        kernel applies (uses_amx) it for AMX_MIN_ROWS rows or more and the few-row kernel
+        below; elsewhere the many-row kernel for more than max_rows rows where it applies,
+        else the few-row one. `amx` or `panels` pick one (benchmarks, tests)."""
+        if amx is None and panels is None and self.uses_amx:
+            # (The few-row kernel below AMX_MIN_ROWS whatever max_rows: as the fused layer.)
+            amx, panels = x.shape[0] >= AMX_MIN_ROWS, False
+        if amx:
+            return self._kernels(x.contiguous(), amx=True)
         if panels is None:
             panels = x.shape[0] > self.max_rows and self._fits_panels
         return self._kernels(x.contiguous(), panels)
@@ -154,9 +187,10 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
     dense weight alone."""
 
     def __init__(self, max_rows: int, gemm_max_rows: int, use_onednn: bool = True,
-                 weight_dtype: torch.dtype | None = None) -> None:
+                 weight_dtype: torch.dtype | None = None, amx_max_rows: int = 0) -> None:
         super().__init__(use_onednn, weight_dtype)
         self.max_rows, self.gemm_max_rows = max_rows, gemm_max_rows
+        self.amx_max_rows = amx_max_rows  # QuantizedWeight.amx_max_rows
         self.num_block_weights = 0  # how many layers got their blocks, for the log
 
     def create_weights(
@@ -199,7 +233,8 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         covered = firsts == [0, *itertools.accumulate(part.shape[0] for part in ordered)][:-1]
         if joined is None or not covered or joined.shape != shape:
             return None
-        return replace(joined, max_rows=self.max_rows, gemm_max_rows=self.gemm_max_rows)
+        return replace(joined, max_rows=self.max_rows, gemm_max_rows=self.gemm_max_rows,
+                       amx_max_rows=self.amx_max_rows)
 
     def input_dtype(self, layer: nn.Module, rows: int) -> torch.dtype | None:
         """The blocks' kernels read float32; the dense products as the base method says."""
@@ -217,7 +252,7 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         return super().apply(layer, x, bias)
 
     def __str__(self) -> str:
-        return (
-            f"{self.num_block_weights} weights also in their GGUF blocks for products of up to "
-            f"{max(self.max_rows, self.gemm_max_rows)} rows; " + super().__str__()
-        )
+        kernels = (f"{self.amx_max_rows} rows (AMX, bf16)" if self.amx_max_rows
+                   else f"{max(self.max_rows, self.gemm_max_rows)} rows")
+        return (f"{self.num_block_weights} weights also in their GGUF blocks for products of up "
+                f"to {kernels}; " + super().__str__())

@@ -1,0 +1,144 @@
+"""The AMX kernel on GGUF blocks (kernels/csrc/quant_amx.h): a bfloat16 model's products with
+its numerics (each weight expanded as gguf dequantizes it, then rounded to bf16; x rounded
+to bf16; float32 sums), on a CPU with AMX. How a bf16 model routes its products to it:
+tests/model/test_bf16_amx.py.
+
+Tolerance of the sums. Every product of two bf16 values is exact in float32 (8 + 8
+significant bits), so the only error left is the float32 summation of K terms: at most
+(K - 1) · 2^-24 · Σ|w·x| in any order. The tests hold the kernel to K · 2^-24 · Σ|w·x| against
+a float64 sum of the same bf16 operands (and twice that against torch's own bf16 product,
+two such sums): ~1e-4 relative at K = 1536, ~40x tighter than one bf16 rounding (2^-9), so a
+weight or input rounded any other way shows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gguf_blocks import random_quantized
+from tokenserve.kernels import build, cpu_isa, quant_linear
+from tokenserve.model.layers.quantization.gguf import QuantizedWeight
+
+KINDS = ("Q4_1", "Q8_0")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def amx_level():
+    missing = sorted(set(cpu_isa.ISA_LEVELS["amx"][0]) - cpu_isa.cpu_flags())
+    if missing:
+        pytest.skip(f"this CPU lacks amx (no {', '.join(missing)} in /proc/cpuinfo)")
+    previous = build.selected_isa()
+    build.select_isa("amx")
+    ops = quant_linear.load()
+    assert ops is not None and ops.amx, "the amx build of quant_linear.c did not run AMX"
+    yield
+    build.select_isa(previous)
+
+
+def _amx(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+    return weight._kernels(x, amx=True)
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """K · 2^-24 · Σ|w·x| per output, for the bf16 operands x [M, K], w [N, K]."""
+    return x.shape[1] * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("num_rows", [1, 3, 16, 17, 64, 65, 130])
+@pytest.mark.parametrize("out_features,in_features", [(16, 32), (48, 576), (32, 1536)])
+def test_amx_kernel_sums_the_bf16_operands(kind, num_rows, out_features, in_features):
+    weight, reference = random_quantized(kind, out_features, in_features, seed=num_rows)
+    x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(1))
+    xb, wb = x.bfloat16(), reference.bfloat16()
+    out = _amx(weight, x)
+    assert out.dtype == torch.float32 and out.shape == (num_rows, out_features)
+    bound = _bound(xb, wb)
+    exact = xb.double() @ wb.double().T
+    assert bool(((out.double() - exact).abs() <= bound).all())
+    # torch's product of the same bf16 operands in float32 (its own order of the sums).
+    torch_bf16 = xb.float() @ wb.float().T
+    assert bool(((out.double() - torch_bf16.double()).abs() <= 2 * bound).all())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_amx_kernel_expands_weights_to_the_bf16_of_gguf_dequantization(kind):
+    # x = I picks W's columns exactly (1 · w plus exact zeros): the kernel's weights must be
+    # bit for bit gguf's float32 dequantization rounded to bf16 as torch rounds it.
+    weight, reference = random_quantized(kind, 48, 576, seed=7)
+    out = _amx(weight, torch.eye(576))
+    assert torch.equal(out, reference.bfloat16().float().T)
+
+
+def test_amx_kernel_rounds_x_to_nearest_even_as_torch():
+    # W = I (Q4_1 blocks with d = 1, m = 0: weight k of row k is 1) picks x's columns: they
+    # must be x rounded to bf16 as torch rounds, ties to even included.
+    qs = torch.zeros(64, 32, dtype=torch.uint8)
+    for k in range(64):
+        block, position = divmod(k, 32)
+        qs[k, block * 16 + position % 16] = 1 if position < 16 else 16
+    scales = torch.zeros(64, 2, 2)
+    scales[:, :, 0] = 1.0
+    identity = QuantizedWeight("Q4_1", qs, scales)
+    assert torch.equal(identity.dequantize(), torch.eye(64))
+    ulp = 2.0**-7  # bf16's spacing at 1
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    x[0, :8] = torch.tensor([1 + ulp / 2, 1 + 3 * ulp / 2, -(1 + ulp / 2), 1 + ulp / 2 + 2**-20,
+                             3.0e38, -2.5e38, 1e-30, 65504.0])  # finite in bf16
+    assert torch.equal(_amx(identity, x), x.bfloat16().float())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_result_does_not_depend_on_the_other_rows(kind):
+    # Each output is its own sum over k in a fixed order: the same bits whatever M is and
+    # whichever rows come along (decode steps of any size give a request the same logits).
+    weight, _ = random_quantized(kind, 64, 1536, seed=2)
+    x = torch.randn(200, 1536, generator=torch.Generator().manual_seed(4))
+    full = _amx(weight, x)
+    for rows in (slice(0, 1), slice(5, 6), slice(0, 16), slice(3, 20), slice(64, 129),
+                 slice(199, 200)):
+        assert torch.equal(_amx(weight, x[rows].contiguous()), full[rows])
+
+
+def test_amx_kernel_refuses_shapes_off_its_tiles():
+    weight, _ = random_quantized("Q8_0", 24, 64)  # 24 output rows: not whole 16-row panels
+    with pytest.raises(ValueError, match="multiple of 16 output rows"):
+        _amx(weight, torch.randn(3, 64))
+    # K off the 32-weight blocks: the C entry point's refusal code (the bindings never get
+    # that far: a weight's width is whole blocks).
+    kernel = quant_linear.load()._kernels["Q8_0", "amx"]
+    y, x = torch.empty(1, 16), torch.randn(1, 48)
+    qs, d = torch.zeros(16, 48, dtype=torch.int8), torch.ones(16, 2)
+    assert kernel(y.data_ptr(), x.data_ptr(), 1, 48, 16, qs.data_ptr(), d.data_ptr()) == 1
+
+
+def test_other_levels_have_no_amx_kernel():
+    ops = quant_linear.load("avx512_bf16" if "avx512_bf16" in cpu_isa.supported_levels()
+                            else "avx2")
+    assert ops is not None and not ops.amx
+    weight, _ = random_quantized("Q4_1", 16, 64)
+    bound = ops.bind(weight.kind, weight.qs, weight.scales)
+    with pytest.raises(RuntimeError, match="AMX quantized kernel is not available"):
+        bound(torch.randn(2, 64), amx=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bf16_weight_routes_by_rows(kind):
+    # A bf16 model's weight on amx (amx_max_rows set): 1-4 rows on the float32 few-row
+    # kernel (whatever max_rows says, as the fused layer), AMX_MIN_ROWS and up on AMX.
+    from dataclasses import replace
+
+    from tokenserve.model.layers.quantization.gguf import AMX_MIN_ROWS
+
+    weight, _ = random_quantized(kind, 32, 64, seed=5)
+    bf16 = replace(weight, amx_max_rows=128, max_rows=2)
+    assert bf16.uses_amx and bf16.row_limit == 128 and bf16.takes(128) and not bf16.takes(129)
+    x = torch.randn(AMX_MIN_ROWS, 64, generator=torch.Generator().manual_seed(6))
+    small = x[: AMX_MIN_ROWS - 1].contiguous()
+    assert torch.equal(bf16.matmul(small), weight.matmul(small, panels=False))
+    assert not torch.equal(bf16.matmul(small), _amx(weight, small))
+    assert torch.equal(bf16.matmul(x), _amx(weight, x))
+    # Off the 16-row panels the float32 kernels keep their routing.
+    odd, _ = random_quantized(kind, 24, 64)
+    assert not replace(odd, amx_max_rows=128).uses_amx

@@ -1,0 +1,122 @@
+"""A bfloat16 GGUF model on the amx level: its products of at most `bf16_quantized_max_rows`
+rows (128 there by default) read the GGUF blocks, from 5 rows through the AMX kernel (bf16
+numerics, kernels/csrc/quant_amx.h), decode steps up to that many rows run fused (one C
+call per layer) with the same results as operator by operator, and other levels keep the
+float32 block kernels up to 16 rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenserve import LLM, SamplingParams
+from tokenserve.benchmarks.datasets import random_token_prompts
+from tokenserve.config import BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX, DEFAULT_BF16_QUANTIZED_MAX_ROWS
+from tokenserve.kernels import cpu_isa
+from tokenserve.model.fused_decode import FusedDecodeLayerStack
+from tokenserve.model.layers.quantization.gguf import QuantizedWeight
+
+pytestmark = pytest.mark.skipif(
+    not set(cpu_isa.ISA_LEVELS["amx"][0]) <= cpu_isa.cpu_flags(), reason="no AMX on this CPU"
+)
+
+
+def _model(llm: LLM):
+    (model,) = llm.llm_engine.collective_rpc(lambda worker: worker.model_runner.model)
+    return model
+
+
+def _blocks(model) -> list[QuantizedWeight]:
+    return [module.blocks for module in model.modules()
+            if getattr(module, "blocks", None) is not None]
+
+
+@pytest.fixture
+def amx_rows(monkeypatch) -> list[int]:
+    """The rows of every product on the AMX block kernel."""
+    rows: list[int] = []
+    original = QuantizedWeight.matmul
+
+    def counting(self, x, panels=None):
+        if self.uses_amx:
+            rows.append(x.shape[0])
+        return original(self, x, panels)
+
+    monkeypatch.setattr(QuantizedWeight, "matmul", counting)
+    return rows
+
+
+@pytest.fixture
+def fused_calls(monkeypatch) -> list[int]:
+    """The rows of each step the fused path took."""
+    calls: list[int] = []
+    original = FusedDecodeLayerStack.__call__
+
+    def counting(self, positions, hidden_states, kv_caches, metadata, residual=None):
+        if residual is None and self.takes(hidden_states.shape[0], metadata):
+            calls.append(hidden_states.shape[0])
+        return original(self, positions, hidden_states, kv_caches, metadata, residual)
+
+    monkeypatch.setattr(FusedDecodeLayerStack, "__call__", counting)
+    return calls
+
+
+def _generate(llm: LLM, prompts: list[list[int]], fused: bool):
+    _model(llm).model.layer_stack.enabled = fused
+    outputs = llm.generate(
+        [{"prompt_token_ids": prompt} for prompt in prompts],
+        [SamplingParams(temperature=0.0, max_tokens=3 + index % 4, ignore_eos=True, logprobs=2)
+         for index in range(len(prompts))],
+        use_tqdm=False,
+    )
+    return [(list(out.outputs[0].token_ids),
+             [sorted((k, v.logprob) for k, v in step.items()) for step in out.outputs[0].logprobs])
+            for out in outputs]
+
+
+def test_bf16_products_take_the_amx_kernel_up_to_the_limit_fused_or_not(amx_rows, fused_calls):
+    llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=False)
+    model = _model(llm)
+    blocks = _blocks(model)
+    assert blocks and all(b.uses_amx and b.amx_max_rows == DEFAULT_BF16_QUANTIZED_MAX_ROWS
+                          for b in blocks)
+    assert model.model.layer_stack.max_rows == DEFAULT_BF16_QUANTIZED_MAX_ROWS
+    # 20 requests of different lengths: decode steps of 20 rows down to 1 (two row tiles of
+    # the AMX kernel above 16), past the float32 kernels' 16.
+    prompts = [prompt[: 10 + 3 * index]
+               for index, prompt in enumerate(random_token_prompts(20, 80, 49152, seed=11))]
+    expected = _generate(llm, prompts, fused=False)
+    # Operator by operator: the decode steps' products (and the prompts' logits rows) on
+    # the AMX kernel; the prompt chunks above the limit (the whole first step) on oneDNN.
+    assert 20 in amx_rows and max(amx_rows) <= DEFAULT_BF16_QUANTIZED_MAX_ROWS
+    assert fused_calls == []
+    assert _generate(llm, prompts, fused=True) == expected
+    assert max(fused_calls) == 20 and min(fused_calls) < 16
+
+
+def test_the_bf16_limit_sends_larger_products_to_onednn(amx_rows):
+    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False,
+              bf16_quantized_max_rows=2)
+    assert _model(llm).model.layer_stack.max_rows == 2
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for count in (4, 1):  # decode steps of 4 rows (oneDNN), then of 1 (the blocks)
+        prompts = random_token_prompts(count, 12, 49152, seed=count)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert amx_rows and max(amx_rows) <= 2
+
+
+def test_levels_without_amx_keep_the_float32_block_kernels():
+    llm = LLM(dtype="bfloat16", cpu_isa="avx512_bf16", kv_cache_memory="64MiB")
+    model = _model(llm)
+    assert not any(b.uses_amx for b in _blocks(model))
+    assert model.model.layer_stack.max_rows == BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX
+
+
+def test_the_amx_weights_are_the_bf16_models_dense_weights():
+    # The AMX kernel's weights (x = I picks them) are the dense bf16 weights the model
+    # loads: gguf's float32 dequantization rounded to bf16 (kept dense here: no oneDNN).
+    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", disable_onednn=True)
+    layer = _model(llm).model.layers[0].mlp.down_proj
+    assert layer.weight.dtype == torch.bfloat16 and layer.blocks.uses_amx
+    width = layer.weight.shape[1]
+    assert torch.equal(layer.blocks.matmul(torch.eye(width)), layer.weight.float().T)

@@ -1,0 +1,196 @@
+/*
+ * The amx level of quant_linear.c: y = x · Wᵀ on GGUF blocks with a bfloat16 model's
+ * numerics, on AMX tiles (tdpbf16ps: 16 x 16 float32 sums of bf16 pairs).
+ *
+ * Numerics, those of the model's dense bf16 products: each weight is expanded exactly as
+ * the float32 kernels expand it (Q4_1 d * q + m, Q8_0 d * q, unfused float32) and then
+ * rounded to bf16 to nearest even, as `tensor.to(torch.bfloat16)` rounds the dequantized
+ * weight the model loads; x is rounded to bf16 the same way; the sums are float32 on the
+ * tiles, over k in a fixed order (32 k per instruction, blocks in order), so a row's result
+ * depends neither on M nor on the other rows (each C element is its own sum).
+ *
+ * Layout: A = a panel of 16 weight rows expanded once per call into bf16 [16][K] (row
+ * major, one 32-weight block per tile row: the blocks' natural order; expanded during the
+ * first pass over x's rows), reused for every row of x; B = x packed once per call as pairs of k ([M / 16][K / 2][16 rows][2]: the VNNI
+ * layout, rows padded to 16 with zeros); C = [16 weight rows x 16 x rows], up to four of
+ * them per pass (64 rows of x sharing each A load), transposed on their way to y. All
+ * eight tiles are 16 rows x 64 bytes: 0-3 C, 4 A, 5-7 B.
+ */
+#ifndef TOKENSERVE_QUANT_AMX_H
+#define TOKENSERVE_QUANT_AMX_H
+
+#include "amx.h"
+
+#define AMX_PANEL 16 /* weight rows per A tile: N must be a multiple */
+#define AMX_C 4      /* C tiles: row tiles of x per pass over a panel */
+
+/* 16 float32 → bf16 bits, rounded to nearest even as torch rounds (a NaN to 0x7fc0). In
+ * integer arithmetic: vcvtneps2bf16 reads denormal inputs as zero, and activations may be
+ * denormal. */
+static inline __m256i amx_bf16_round(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                              _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* x [M, K] float32 → xp [padded / 16][K / 2][16][2] bf16 pairs (rows M..padded-1 zero),
+ * shared out over the threads of the enclosing region (an orphaned `omp for`, ending in a
+ * barrier). Row r's 32 k of a block are 16 pairs, scattered 16 pairs (64 bytes) apart. */
+static void amx_pack_rows(uint16_t *xp, const float *x, int64_t M, int64_t K) {
+    const int64_t padded = (M + 15) / 16 * 16;
+    const __m512i apart = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(16));
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < padded; ++m) {
+        uint32_t *tile = (uint32_t *)xp + (m / 16) * (K / 2) * 16 + m % 16;
+        for (int64_t k = 0; k < K; k += 32) {
+            __m512i pairs = _mm512_setzero_si512();
+            if (m < M) {
+                const __m256i lo = amx_bf16_round(_mm512_loadu_ps(x + m * K + k));
+                const __m256i hi = amx_bf16_round(_mm512_loadu_ps(x + m * K + k + 16));
+                pairs = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            }
+            _mm512_i32scatter_epi32(tile + k / 2 * 16, apart, pairs, 4);
+        }
+    }
+}
+
+/* Block b (32 weights) of AMX_PANEL weight rows (quant_linear.c's layouts, from the
+ * panel's first row) → a[j][b * 32 ..] bf16, for the panel's rows j. The expansion is
+ * tile()'s: d * q (+ m) as two roundings (mul then add: this file is ISO C, nothing is
+ * contracted), then to bf16. Q4_1 expands the block's 16 possible values (q = 0..15) once
+ * and looks its 32 weights up (vpermw): the same arithmetic on the same values, in fewer
+ * instructions. vcvtne(2)ps2bf16 rounds to nearest even like torch; its zeroing of
+ * denormals never applies here: d and m are float16 (multiples of 2^-24) and q an integer,
+ * so a nonzero weight is at least 2^-48 in magnitude. */
+static inline __attribute__((always_inline)) void amx_expand_block(
+    uint16_t *a, const uint8_t *qs, const float *scales, int64_t K, int64_t b, int q4_1) {
+    const int64_t blocks = K / BLOCK;
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int j = 0; j < AMX_PANEL; ++j) {
+        __m512i w;
+        if (q4_1) {
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(qs + j * (K / 2) + b * 16));
+            const float *s = scales + (j * blocks + b) * 2;
+            const __m512 table = _mm512_add_ps(
+                _mm512_mul_ps(values, _mm512_set1_ps(s[0])), _mm512_set1_ps(s[1]));
+            const __m512i lookup = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(table));
+            /* Weights 0-15 are the bytes' low nibbles, 16-31 their high ones. */
+            const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4),
+                                               _mm_and_si128(bytes, low4));
+            w = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), lookup);
+        } else {
+            const int8_t *q = (const int8_t *)qs + j * K + b * BLOCK;
+            const __m512 d = _mm512_set1_ps(scales[j * blocks + b]);
+            const __m512 w0 = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), d);
+            const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                _mm_loadu_si128((const __m128i *)(q + 16)))), d);
+            w = (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
+        }
+        _mm512_storeu_si512(a + j * K + b * BLOCK, w);
+    }
+}
+
+/* C tile `t` ([16 weight rows][16 x rows]) into y's rows m0.. (rows of them), columns n..n+15. */
+static inline void amx_store_c(float *y, int64_t N, int64_t m0, int64_t rows, float *c) {
+    const __m512i apart = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(16));
+    for (int64_t m = 0; m < rows; ++m)
+        _mm512_storeu_ps(y + (m0 + m) * N, _mm512_i32gather_ps(apart, c + m, 4));
+}
+
+/* One panel (y's columns n..n+15, its weight rows' blocks at qs and scales) times every
+ * row of x (packed in xp), up to AMX_C row tiles per pass. The first pass expands the
+ * weights into `a` block by block as it goes (the expansion then overlaps the tile
+ * products' latency), later passes reuse them. */
+static inline __attribute__((always_inline)) void amx_panel(
+    float *y, const uint16_t *xp, uint16_t *a, const uint8_t *qs, const float *scales,
+    int64_t M, int64_t K, int64_t N, float *c, int q4_1) {
+    const int64_t tiles = (M + 15) / 16, tile_elems = K / 2 * 32; /* bf16 per packed x tile */
+    /* The expansion reads a block of each of 16 rows in turn, which the hardware prefetcher
+     * does not follow: fetch the next panel's blocks into L2 meanwhile (as gemm_panel does;
+     * past the end of the weight this is harmless, prefetches do not fault). */
+    const int64_t qs_bytes = AMX_PANEL * (q4_1 ? K / 2 : K);
+    const int64_t scale_bytes = AMX_PANEL * (q4_1 ? K / BLOCK * 2 : K / BLOCK) * 4;
+    for (int64_t i = 0; i < qs_bytes; i += 64) __builtin_prefetch(qs + qs_bytes + i, 0, 2);
+    for (int64_t i = 0; i < scale_bytes; i += 64)
+        __builtin_prefetch((const char *)scales + scale_bytes + i, 0, 2);
+    for (int64_t t0 = 0; t0 < tiles; t0 += AMX_C) {
+        const int64_t count = tiles - t0 < AMX_C ? tiles - t0 : AMX_C;
+        const uint16_t *b = xp + t0 * tile_elems;
+        _tile_zero(0);
+        if (count > 1) _tile_zero(1);
+        if (count > 2) _tile_zero(2);
+        if (count > 3) _tile_zero(3);
+        for (int64_t k = 0; k < K; k += 32) {
+            if (t0 == 0) amx_expand_block(a, qs, scales, K, k / BLOCK, q4_1);
+            _tile_loadd(4, a + k, K * 2);
+            _tile_loadd(5, b + k * 16, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (count > 1) {
+                _tile_loadd(6, b + tile_elems + k * 16, 64);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if (count > 2) {
+                _tile_loadd(7, b + 2 * tile_elems + k * 16, 64);
+                _tile_dpbf16ps(2, 4, 7);
+            }
+            if (count > 3) {
+                _tile_loadd(5, b + 3 * tile_elems + k * 16, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        for (int64_t t = 0; t < count; ++t) {
+            switch (t) {
+            case 0: _tile_stored(0, c, 64); break;
+            case 1: _tile_stored(1, c, 64); break;
+            case 2: _tile_stored(2, c, 64); break;
+            default: _tile_stored(3, c, 64); break;
+            }
+            const int64_t m0 = (t0 + t) * 16;
+            amx_store_c(y, N, m0, M - m0 < 16 ? M - m0 : 16, c);
+        }
+    }
+}
+
+/* The panels of y = x · Wᵀ (x packed by amx_pack_rows) shared out over the threads of the
+ * enclosing region (an orphaned `omp for`, ending in a barrier). `a` (AMX_PANEL * K bf16)
+ * is the calling thread's; N a multiple of AMX_PANEL, AMX permitted (amx_permitted()). */
+static void amx_columns(float *y, const uint16_t *xp, int64_t M, int64_t K, int64_t N,
+                        const uint8_t *qs, const float *scales, int q4_1, uint16_t *a) {
+    const int64_t row_bytes = q4_1 ? K / 2 : K;
+    const int64_t row_scales = q4_1 ? K / BLOCK * 2 : K / BLOCK;
+    TileConfig config = {.palette = 1};
+    for (int t = 0; t < 8; ++t) {
+        config.colsb[t] = 64;
+        config.rows[t] = 16;
+    }
+    _Alignas(64) float c[16 * 16];
+    int configured = 0;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < N / AMX_PANEL; ++p) {
+        const int64_t n = p * AMX_PANEL;
+        if (a == NULL) continue;
+        if (!configured) {
+            /* Per call: oneDNN loads its own configuration on these threads in between. */
+            _tile_loadconfig(&config);
+            configured = 1;
+        }
+        /* The format a constant in each branch (OpenMP outlines a parallel body once). */
+        if (q4_1)
+            amx_panel(y + n, xp, a, qs + n * row_bytes, scales + n * row_scales, M, K, N, c, 1);
+        else
+            amx_panel(y + n, xp, a, qs + n * row_bytes, scales + n * row_scales, M, K, N, c, 0);
+    }
+    if (configured) _tile_release();
+}
+
+#endif
