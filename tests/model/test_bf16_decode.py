@@ -17,10 +17,12 @@ import torch
 
 from tokenserve import LLM, SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
-from tokenserve.config import DEFAULT_BF16_QUANTIZED_MAX_ROWS
 from tokenserve.model.layers.quantization.gguf import QuantizedWeight
 
-NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = DEFAULT_BF16_QUANTIZED_MAX_ROWS + 4, 16, 4
+# The limit set low (its default depends on the CPU: 128 on amx, 16 elsewhere), so that
+# the decode steps of NUM_PROMPTS rows are above it on every host.
+MAX_BLOCK_ROWS = 12
+NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = MAX_BLOCK_ROWS + 4, 16, 4
 
 
 @pytest.fixture
@@ -45,9 +47,10 @@ def _logprobs(output, tokens: list[int]) -> torch.Tensor:
 
 def test_bf16_decode_steps_above_the_limit_take_the_bf16_products(block_rows):
     prompts = random_token_prompts(NUM_PROMPTS, PROMPT_LEN, 49152, seed=5)
-    bf16 = LLM(dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False)
+    bf16 = LLM(dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False,
+               bf16_quantized_max_rows=MAX_BLOCK_ROWS)
     (model,) = bf16.llm_engine.collective_rpc(lambda worker: worker.model_runner.model)
-    assert model.model.layer_stack.max_rows == DEFAULT_BF16_QUANTIZED_MAX_ROWS
+    assert model.model.layer_stack.max_rows == MAX_BLOCK_ROWS
     outputs = bf16.generate(
         [{"prompt_token_ids": prompt} for prompt in prompts],
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1,
@@ -56,7 +59,7 @@ def test_bf16_decode_steps_above_the_limit_take_the_bf16_products(block_rows):
     )
     # Only products within the limit read the blocks (the prompt logprobs' logits, request by
     # request), none of the decode steps' rows.
-    assert max(block_rows, default=0) <= DEFAULT_BF16_QUANTIZED_MAX_ROWS
+    assert max(block_rows, default=0) <= MAX_BLOCK_ROWS
     sequences = [prompt + list(out.outputs[0].token_ids) for prompt, out in zip(prompts, outputs)]
 
     fp32 = LLM(dtype="float32", kv_cache_memory="64MiB", enable_prefix_caching=False)

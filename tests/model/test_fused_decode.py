@@ -8,8 +8,8 @@ import torch
 
 from tokenserve import LLM, SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
-from tokenserve.config import DEFAULT_BF16_QUANTIZED_MAX_ROWS, KernelConfig
-from tokenserve.kernels import build
+from tokenserve.config import KernelConfig
+from tokenserve.kernels import build, quant_linear
 from tokenserve.model.fused_decode import FusedDecodeLayerStack
 
 
@@ -75,7 +75,11 @@ def test_bf16_model_fuses_the_decode_steps_with_the_same_results(fused_calls):
     # (bf16_quantized_max_rows): those steps are fused, on the same float32 operators as one
     # by one.
     llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=False)
-    assert _model(llm).model.layer_stack.max_rows == DEFAULT_BF16_QUANTIZED_MAX_ROWS
+    # The level's default limit: the AMX block kernel's where it runs (amx), else the
+    # float32 kernels'.
+    ops = quant_linear.load()
+    limit = KernelConfig().bf16_block_max_rows(amx=ops is not None and ops.amx)
+    assert _model(llm).model.layer_stack.max_rows == limit
     expected = _generate(llm, fused=False, num_prompts=5)
     assert _generate(llm, fused=True, num_prompts=5) == expected
     assert fused_calls and set(fused_calls) <= {1, 2, 3, 4, 5}
