@@ -117,6 +117,22 @@ def test_the_default_models_configuration_and_code_skip_torch_distributed_tensor
     assert found(modules, DISTRIBUTED_TENSOR + other_models) == []
 
 
+def test_the_engine_process_of_a_gguf_model_configures_itself_without_transformers():
+    # transformers' base is ~0.5 s of the engine process's start: a GGUF model's config is a
+    # GGUFLlamaConfig (model/gguf_config.py), hf_loader comes with a Hugging Face directory.
+    modules = imported_after(
+        "from tokenserve.executor.backends import import_executor_class\n"
+        "import tokenserve.core.engine_core_proc\n"
+        "import_executor_class('uni')\n"
+        "from tokenserve.engine.core_client import _configuration\n"
+        "from tokenserve.engine.engine_args import EngineArgs\n"
+        "config, load_tokenizer = _configuration(EngineArgs())\n"
+        "assert config.model_config.files.format == 'gguf'\n"
+    )
+    assert "tokenserve.model.gguf_loader" in modules
+    assert found(modules, ["transformers", "tokenserve.model.hf_loader"]) == []
+
+
 def test_api_process_of_a_running_server(tiny_model_dirs: dict[str, str]):
     # A real `tokenserve serve` in a fresh interpreter; once /health answers 200, the API
     # process lists what it has imported and stops itself (SIGTERM, as a supervisor would).

@@ -23,15 +23,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import transformers
 from gguf import ReaderTensor
 from gguf.quants import dequantize
 
 from tokenserve.cache_dir import cache_root
+from tokenserve.model.gguf_config import GGUFLlamaConfig
 from tokenserve.model.gguf_file import GGUFFile, GGUFTensor
 from tokenserve.model.layers.quantization.gguf import QUANTIZED_KINDS, QuantizedWeight
 
 if TYPE_CHECKING:
+    import transformers
+
     from tokenserve.model.weight_cache import WeightDtypes
 
 logger = logging.getLogger(__name__)
@@ -65,22 +67,6 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-# What LlamaConfig sets that a GGUF file does not say: its defaults (tests/model/
-# test_loader.py checks GGUFLlamaConfig against LlamaConfig attribute by attribute).
-LLAMA_CONFIG_DEFAULTS: dict[str, Any] = {
-    "hidden_act": "silu", "initializer_range": 0.02, "use_cache": True, "pretraining_tp": 1,
-    "attention_dropout": 0.0, "mlp_bias": False,
-}
-
-
-class GGUFLlamaConfig(transformers.PretrainedConfig):
-    """A GGUF file's LlamaConfig, attribute for attribute, without importing LlamaConfig:
-    transformers' configuration_llama imports its type validators, which import
-    torch.distributed.tensor and sympy, most of a second of every start (docs/STARTUP.md)."""
-
-    model_type = "llama"
-
 
 def load_gguf_config(path: str) -> GGUFLlamaConfig:
     """The config transformers derives from the GGUF metadata (a LlamaConfig's attributes)."""
@@ -129,14 +115,12 @@ def load_gguf_config(path: str) -> GGUFLlamaConfig:
         eos_token_id=_optional_int(_metadata(reader, "tokenizer.ggml.eos_token_id")),
         pad_token_id=_optional_int(_metadata(reader, "tokenizer.ggml.padding_token_id")),
     )
-    for key, value in LLAMA_CONFIG_DEFAULTS.items():
-        setattr(config, key, value)  # after: the constructor drops generation keys (use_cache)
     config.name_or_path = path
     return config
 
 
 def iterate_gguf_weights(
-    path: str, config: transformers.PretrainedConfig
+    path: str, config: GGUFLlamaConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every weight as a float32 tensor in PyTorch [out, in] layout with its HF name."""
     reader = _open_reader(path)
@@ -154,7 +138,7 @@ def iterate_gguf_weights(
 
 
 def iterate_cached_gguf_weights(
-    path: str, config: transformers.PretrainedConfig, dtypes: WeightDtypes | None = None
+    path: str, config: GGUFLlamaConfig, dtypes: WeightDtypes | None = None
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """`iterate_gguf_weights`, then `iterate_gguf_quantized_weights`, through the weight cache
     (model/weight_cache.py): expanded once, memory-mapped at every later load; each dense
@@ -169,7 +153,7 @@ def iterate_cached_gguf_weights(
 
 
 def iterate_gguf_quantized_weights(
-    path: str, config: transformers.PretrainedConfig
+    path: str, config: GGUFLlamaConfig
 ) -> Iterator[tuple[str, QuantizedWeight]]:
     """Yield the Q4_1 and Q8_0 weights in their block form (model/layers/quantization/gguf.py),
     rows in the same order as iterate_gguf_weights gives them."""
@@ -184,7 +168,7 @@ def iterate_gguf_quantized_weights(
         yield hf_name, QuantizedWeight.from_blocks(kind, tensor.data).map_rows(permute)
 
 
-def _row_order(hf_name: str, config: transformers.PretrainedConfig):
+def _row_order(hf_name: str, config: GGUFLlamaConfig):
     """llama.cpp reorders q/k rows for its interleaved RoPE; we use the HF half-split RoPE."""
     if ".self_attn.q_proj." in hf_name:
         return functools.partial(_undo_rope_permutation, num_heads=config.num_attention_heads)
@@ -195,6 +179,8 @@ def _row_order(hf_name: str, config: transformers.PretrainedConfig):
 
 def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
     """The tokenizer and chat template stored in the GGUF metadata, via an on-disk cache."""
+    import transformers  # here: the engine process of a GGUF model imports no transformers
+
     cache_dir = tokenizer_cache_dir(path)
     if os.path.isdir(cache_dir):
         return load_cached_tokenizer(cache_dir)
@@ -221,6 +207,8 @@ def load_cached_tokenizer(cache_dir: str) -> transformers.PreTrainedTokenizerBas
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
         return TokenizersBackend.from_pretrained(cache_dir, local_files_only=True)
+    import transformers
+
     return transformers.AutoTokenizer.from_pretrained(cache_dir, local_files_only=True)
 
 
@@ -230,6 +218,8 @@ def tokenizer_cache_dir(path: str) -> str:
     The key covers the file's identity (path, size, mtime) and the transformers version that
     did the conversion, so a replaced file or an upgraded converter gets a fresh entry.
     """
+    import transformers
+
     stat = os.stat(path)
     identity = f"{os.path.realpath(path)}|{stat.st_size}|{stat.st_mtime_ns}"
     identity += f"|{transformers.__version__}"
