@@ -73,3 +73,31 @@ def test_reading_a_gguf_config_imports_no_transformers(default_model_path: str):
         "assert config.to_dict()['transformers_version'] and config.num_labels == 2\n"
     )
     assert sorted(m for m in modules if m.split(".")[0] == "transformers") == []
+
+
+def test_scaled_rope_initialises_as_with_a_llama_config():
+    # Scaled RoPE goes through transformers' initialisers, which call the config's rope methods.
+    from tokenserve.model.layers.rotary_embedding import compute_inv_freq
+
+    sizes = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+             "architectures": ["LlamaForCausalLM"]}
+    for rope in (
+        {"rope_type": "default", "rope_theta": 10000.0},
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+         "high_freq_factor": 4.0, "original_max_position_embeddings": 2048},
+        {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+         "original_max_position_embeddings": 1024, "beta_fast": 16.0, "beta_slow": 2.0},
+        {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+         "long_factor": [2.0] * 8, "original_max_position_embeddings": 1024},
+    ):
+        ours = GGUFLlamaConfig(**sizes, rope_parameters=dict(rope))
+        expected = transformers.LlamaConfig.from_dict(ours.to_dict())
+        assert_answers_as(ours, expected)
+        inv_freq, scaling = compute_inv_freq(ours, 16)
+        expected_inv_freq, expected_scaling = compute_inv_freq(expected, 16)
+        assert inv_freq.tolist() == expected_inv_freq.tolist(), rope
+        assert scaling == expected_scaling, rope
+        assert ours.rope_parameters == expected.rope_parameters, rope  # standardized alike

@@ -17,10 +17,12 @@ import copy
 import importlib.metadata
 from typing import Any, ClassVar
 
-# What LlamaConfig sets that a GGUF file does not say: its defaults.
+# What LlamaConfig sets that a GGUF file does not say: its defaults (the loader gives the
+# rest, the last five included, from the file).
 LLAMA_CONFIG_DEFAULTS: dict[str, Any] = {
     "hidden_act": "silu", "initializer_range": 0.02, "use_cache": True, "pretraining_tp": 1,
-    "attention_dropout": 0.0, "mlp_bias": False,
+    "attention_dropout": 0.0, "mlp_bias": False, "attention_bias": False,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None,
 }
 # What transformers' PretrainedConfig.__init__ sets on every config it builds (transformers
 # 5); id2label / label2id are built per instance (mutable).
@@ -44,6 +46,12 @@ def _transformers_version() -> str | None:
         return None
 
 
+def _rope_config_mixin() -> Any:
+    from transformers.modeling_rope_utils import RotaryEmbeddingConfigMixin
+
+    return RotaryEmbeddingConfigMixin
+
+
 class GGUFLlamaConfig:
     """A GGUF file's LlamaConfig, attribute for attribute, without importing transformers."""
 
@@ -51,6 +59,9 @@ class GGUFLlamaConfig:
     attribute_map: ClassVar[dict[str, str]] = {}  # LlamaConfig renames nothing
     sub_configs: ClassVar[dict[str, Any]] = {}
     is_composition = False
+    # RotaryEmbeddingConfigMixin's class attributes (transformers' RoPE initialisers read them).
+    default_theta = 10000.0
+    default_rope_type = "default"
 
     def __init__(self, **kwargs: Any) -> None:
         self.__dict__.update(PRETRAINED_CONFIG_DEFAULTS)
@@ -113,6 +124,15 @@ class GGUFLlamaConfig:
     @property
     def serialize_explicit_per_layer_config(self) -> bool:
         return False
+
+    # transformers' RoPE initialisers for scaled RoPE (linear, llama3, yarn: they import
+    # transformers anyway) standardize the config's rope_parameters in place first, with
+    # RotaryEmbeddingConfigMixin's methods: the same functions, on this config.
+    def standardize_rope_params(self) -> None:
+        _rope_config_mixin().standardize_rope_params(self)
+
+    def nested_rope_parameter_keys(self, rope_parameters: dict[str, Any]) -> list[str]:
+        return _rope_config_mixin().nested_rope_parameter_keys(self, rope_parameters)
 
     def get_text_config(self, decoder: bool | None = None, encoder: bool | None = None):
         """A decoder-only model's text config is itself (as transformers answers)."""
