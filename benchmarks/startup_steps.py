@@ -8,7 +8,12 @@ tokens. Each gets its wall seconds and its CPU seconds (user + system, every thr
 process): on a shared machine the CPU seconds say more about the work than the wall seconds.
 Runs start from an empty directory so that PYTHONPATH alone picks the tree.
 
-usage: python benchmarks/startup_steps.py [--pairs N] [--output F] TREE_A TREE_B
+`--process api` times the API process's pieces instead: parse the `serve` flags (the
+engine arguments), build the configuration, import the HTTP stack (`api_server`), load the
+tokenizer; the engine's pieces (the default) and the API process's run side by side in a
+`tokenserve serve`, and the later of the two is the start's critical path.
+
+usage: python benchmarks/startup_steps.py [--process engine|api] [--pairs N] [--output F] TREE_A TREE_B
 """
 
 from __future__ import annotations
@@ -53,9 +58,25 @@ print("ROWS " + json.dumps(rows))
 '''
 
 
-def run_steps(tree: str) -> dict:
+# The API process's pieces, timed with the same preamble (`mark`).
+API_STEPS = STEPS[:STEPS.index("from tokenserve.executor")] + r'''
+from tokenserve.entrypoints.cli import build_parser
+from tokenserve.engine.cli_args import engine_args_from
+engine_args = engine_args_from(build_parser(serve_only=True).parse_args(["serve"]))
+mark("parse flags")
+config = engine_args.create_engine_config(); mark("config")
+import tokenserve.entrypoints.openai.api_server
+mark("http stack")
+from tokenserve.model.loader import load_tokenizer
+load_tokenizer(config.model_config.files, config.model_config.tokenizer); mark("tokenizer")
+rows["total"] = {k: sum(row[k] for row in rows.values()) for k in ("cpu", "wall")}
+print("ROWS " + json.dumps(rows))
+'''
+
+
+def run_steps(tree: str, script: str = STEPS) -> dict:
     env = {**os.environ, "PYTHONPATH": tree}
-    result = subprocess.run([sys.executable, "-c", STEPS], env=env, capture_output=True,
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                             text=True, check=False)
     lines = [line for line in result.stdout.splitlines() if line.startswith("ROWS ")]
     if result.returncode != 0 or not lines:
@@ -67,6 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("tree_a")
     parser.add_argument("tree_b")
+    parser.add_argument("--process", choices=("engine", "api"), default="engine")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--output", default="startup_steps.json")
     args = parser.parse_args()
@@ -78,7 +100,7 @@ def main() -> None:
         for name, tree in trees:
             load = os.getloadavg()[0]
             records.append({"tree": name, "path": tree, "pair": pair, "load1": load,
-                            "steps": run_steps(tree)})
+                            "steps": run_steps(tree, API_STEPS if args.process == "api" else STEPS)})
             print(json.dumps(records[-1]), flush=True)
             with open(output, "w") as file:
                 json.dump(records, file, indent=1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +103,26 @@ def test_an_entry_naming_another_class_goes_through_autotokenizer(
     calls = spy_autotokenizer(monkeypatch)
     assert_same_tokenizer(gguf_loader.load_cached_tokenizer(entry), auto)
     assert calls == [entry]
+
+
+def test_the_entry_records_the_added_tokens_and_reads_as_without_them(
+    default_entry: str, tmp_path: Path
+):
+    # tokenizer_config.json carries tokenizer.json's added tokens, so that transformers does
+    # not parse the whole tokenizer.json in Python for them; the tokenizer is the one the
+    # entry without them gives (the previous format, read the other way).
+    with open(os.path.join(default_entry, "tokenizer.json"), encoding="utf-8") as file:
+        added_tokens = json.load(file)["added_tokens"]
+    with open(os.path.join(default_entry, "tokenizer_config.json"), encoding="utf-8") as file:
+        recorded = json.load(file)["added_tokens_decoder"]
+    assert added_tokens and recorded == {
+        str(token["id"]): {k: v for k, v in token.items() if k != "id"} for token in added_tokens
+    }
+    entry = tmp_path / "entry"  # one path for both: it is the tokenizer's name_or_path
+    shutil.copytree(default_entry, entry)
+    ours = gguf_loader.load_cached_tokenizer(str(entry))
+    config_path = entry / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    del config["added_tokens_decoder"]
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    assert_same_tokenizer(ours, gguf_loader.load_cached_tokenizer(str(entry)))

@@ -16,8 +16,10 @@ import torch
 import transformers
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from tests.model.test_gguf_config import assert_answers_as
 from tokenserve.cache_dir import CACHE_DIR_ENV
 from tokenserve.model import gguf_loader
+from tokenserve.model.gguf_config import LLAMA_CONFIG_DEFAULTS, GGUFLlamaConfig
 from tokenserve.model.loader import (
     SUPPORTED_ARCHITECTURES,
     LoadedModelFiles,
@@ -93,17 +95,16 @@ def test_gguf_config_matches_transformers(
         assert getattr(ours, key) == getattr(expected, key), key
 
 
-def assert_reads_as_a_llama_config(ours: transformers.PretrainedConfig) -> None:
-    # GGUFLlamaConfig spares the start LlamaConfig's imports; it must read as one.
-    expected = transformers.LlamaConfig.from_dict(ours.to_dict())
-    assert ours.to_dict() == expected.to_dict()
-    assert ours.model_type == "llama"
+def assert_reads_as_a_llama_config(ours: GGUFLlamaConfig) -> None:
+    # GGUFLlamaConfig spares the engine process transformers' imports; it must read as a
+    # LlamaConfig wherever a config is read (tests/model/test_gguf_config.py).
+    assert_answers_as(ours, transformers.LlamaConfig.from_dict(ours.to_dict()))
 
 
 def test_gguf_config_is_a_llama_config_attribute_for_attribute(default_files: LoadedModelFiles):
     assert_reads_as_a_llama_config(default_files.hf_config)
     defaults = transformers.LlamaConfig()
-    for key, value in gguf_loader.LLAMA_CONFIG_DEFAULTS.items():
+    for key, value in LLAMA_CONFIG_DEFAULTS.items():
         assert getattr(defaults, key) == value, key
 
 

@@ -23,15 +23,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import transformers
 from gguf import ReaderTensor
 from gguf.quants import dequantize
 
 from tokenserve.cache_dir import cache_root
+from tokenserve.model.gguf_config import GGUFLlamaConfig
 from tokenserve.model.gguf_file import GGUFFile, GGUFTensor
 from tokenserve.model.layers.quantization.gguf import QUANTIZED_KINDS, QuantizedWeight
 
 if TYPE_CHECKING:
+    import transformers
+
     from tokenserve.model.weight_cache import WeightDtypes
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,9 @@ logger = logging.getLogger(__name__)
 # llama-architecture GGUF files (Llama, Mistral, SmolLM, ...) all load as this HF class.
 GGUF_ARCHITECTURE = "LlamaForCausalLM"
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
+# The converted tokenizer's entry format (in its key): 2 = tokenizer_config.json carries the
+# added tokens (`_record_added_tokens`).
+TOKENIZER_ENTRY_FORMAT = 2
 
 # llama.cpp only writes a rope_freqs tensor for Llama 3.x long-context RoPE; Meta released
 # every such model with these parameters, so we check the tensor against them.
@@ -65,22 +70,6 @@ _BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-# What LlamaConfig sets that a GGUF file does not say: its defaults (tests/model/
-# test_loader.py checks GGUFLlamaConfig against LlamaConfig attribute by attribute).
-LLAMA_CONFIG_DEFAULTS: dict[str, Any] = {
-    "hidden_act": "silu", "initializer_range": 0.02, "use_cache": True, "pretraining_tp": 1,
-    "attention_dropout": 0.0, "mlp_bias": False,
-}
-
-
-class GGUFLlamaConfig(transformers.PretrainedConfig):
-    """A GGUF file's LlamaConfig, attribute for attribute, without importing LlamaConfig:
-    transformers' configuration_llama imports its type validators, which import
-    torch.distributed.tensor and sympy, most of a second of every start (docs/STARTUP.md)."""
-
-    model_type = "llama"
-
 
 def load_gguf_config(path: str) -> GGUFLlamaConfig:
     """The config transformers derives from the GGUF metadata (a LlamaConfig's attributes)."""
@@ -129,14 +118,12 @@ def load_gguf_config(path: str) -> GGUFLlamaConfig:
         eos_token_id=_optional_int(_metadata(reader, "tokenizer.ggml.eos_token_id")),
         pad_token_id=_optional_int(_metadata(reader, "tokenizer.ggml.padding_token_id")),
     )
-    for key, value in LLAMA_CONFIG_DEFAULTS.items():
-        setattr(config, key, value)  # after: the constructor drops generation keys (use_cache)
     config.name_or_path = path
     return config
 
 
 def iterate_gguf_weights(
-    path: str, config: transformers.PretrainedConfig
+    path: str, config: GGUFLlamaConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every weight as a float32 tensor in PyTorch [out, in] layout with its HF name."""
     reader = _open_reader(path)
@@ -154,7 +141,7 @@ def iterate_gguf_weights(
 
 
 def iterate_cached_gguf_weights(
-    path: str, config: transformers.PretrainedConfig, dtypes: WeightDtypes | None = None
+    path: str, config: GGUFLlamaConfig, dtypes: WeightDtypes | None = None
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """`iterate_gguf_weights`, then `iterate_gguf_quantized_weights`, through the weight cache
     (model/weight_cache.py): expanded once, memory-mapped at every later load; each dense
@@ -169,7 +156,7 @@ def iterate_cached_gguf_weights(
 
 
 def iterate_gguf_quantized_weights(
-    path: str, config: transformers.PretrainedConfig
+    path: str, config: GGUFLlamaConfig
 ) -> Iterator[tuple[str, QuantizedWeight]]:
     """Yield the Q4_1 and Q8_0 weights in their block form (model/layers/quantization/gguf.py),
     rows in the same order as iterate_gguf_weights gives them."""
@@ -184,7 +171,7 @@ def iterate_gguf_quantized_weights(
         yield hf_name, QuantizedWeight.from_blocks(kind, tensor.data).map_rows(permute)
 
 
-def _row_order(hf_name: str, config: transformers.PretrainedConfig):
+def _row_order(hf_name: str, config: GGUFLlamaConfig):
     """llama.cpp reorders q/k rows for its interleaved RoPE; we use the HF half-split RoPE."""
     if ".self_attn.q_proj." in hf_name:
         return functools.partial(_undo_rope_permutation, num_heads=config.num_attention_heads)
@@ -195,6 +182,8 @@ def _row_order(hf_name: str, config: transformers.PretrainedConfig):
 
 def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
     """The tokenizer and chat template stored in the GGUF metadata, via an on-disk cache."""
+    import transformers  # here: the engine process of a GGUF model imports no transformers
+
     cache_dir = tokenizer_cache_dir(path)
     if os.path.isdir(cache_dir):
         return load_cached_tokenizer(cache_dir)
@@ -221,6 +210,8 @@ def load_cached_tokenizer(cache_dir: str) -> transformers.PreTrainedTokenizerBas
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
         return TokenizersBackend.from_pretrained(cache_dir, local_files_only=True)
+    import transformers
+
     return transformers.AutoTokenizer.from_pretrained(cache_dir, local_files_only=True)
 
 
@@ -230,9 +221,11 @@ def tokenizer_cache_dir(path: str) -> str:
     The key covers the file's identity (path, size, mtime) and the transformers version that
     did the conversion, so a replaced file or an upgraded converter gets a fresh entry.
     """
+    import transformers
+
     stat = os.stat(path)
     identity = f"{os.path.realpath(path)}|{stat.st_size}|{stat.st_mtime_ns}"
-    identity += f"|{transformers.__version__}"
+    identity += f"|{transformers.__version__}|{TOKENIZER_ENTRY_FORMAT}"
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(path))[0]
     return os.path.join(cache_root(), "tokenizers", f"{stem}-{digest}")
@@ -250,11 +243,37 @@ def _write_tokenizer_cache(tokenizer: transformers.PreTrainedTokenizerBase, cach
         return
     try:
         tokenizer.save_pretrained(partial_dir)
+        _record_added_tokens(partial_dir)
         os.rename(partial_dir, cache_dir)
     except OSError as error:
         if not os.path.isdir(cache_dir):
             logger.warning("Not caching the GGUF tokenizer in %s: %s", cache_dir, error)
         shutil.rmtree(partial_dir, ignore_errors=True)
+
+
+def _record_added_tokens(entry_dir: str) -> None:
+    """Copy tokenizer.json's added tokens into tokenizer_config.json as `added_tokens_decoder`.
+    Without it, transformers' from_pretrained parses the whole tokenizer.json in Python (3.5 MB
+    for the default model, about half of the cached tokenizer's load, on the API process's
+    path) only to read them; with it, it builds the same AddedTokens from the config. Only
+    where that is the sole difference: no special_tokens_map.json or added_tokens.json, which
+    the other path would also read."""
+    if any(os.path.exists(os.path.join(entry_dir, name))
+           for name in ("special_tokens_map.json", "added_tokens.json")):
+        return
+    config_path = os.path.join(entry_dir, "tokenizer_config.json")
+    try:
+        with open(os.path.join(entry_dir, "tokenizer.json"), encoding="utf-8") as file:
+            added_tokens = json.load(file).get("added_tokens") or []
+        with open(config_path, encoding="utf-8") as file:
+            config = json.load(file)
+    except (OSError, ValueError):
+        return  # the entry stays as saved: still read correctly, the slower way
+    if "added_tokens_decoder" in config:
+        return
+    config["added_tokens_decoder"] = {str(token.pop("id")): token for token in added_tokens}
+    with open(config_path, "w", encoding="utf-8") as file:
+        json.dump(config, file, indent=2, ensure_ascii=False)
 
 
 def _open_reader(path: str) -> GGUFFile:

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
-import transformers
 
-from tokenserve.model import gguf_loader, hf_loader
+from tokenserve.model import gguf_loader
 from tokenserve.model.layers.quantization.gguf import QuantizedWeight
 
 if TYPE_CHECKING:
+    import transformers
+
+    from tokenserve.model.gguf_config import GGUFLlamaConfig
     from tokenserve.model.weight_cache import WeightDtypes
 
 # The architectures tokenserve implements (model/registry.py maps them to classes).
@@ -48,7 +50,8 @@ class LoadedModelFiles:
 
     path: str  # the Hugging Face directory or the .gguf file, absolute
     format: ModelFormat
-    hf_config: transformers.PretrainedConfig  # `.architectures` is always set
+    # `.architectures` is always set; a GGUF file's is a GGUFLlamaConfig (no transformers).
+    hf_config: transformers.PretrainedConfig | GGUFLlamaConfig
     architecture: str  # one of SUPPORTED_ARCHITECTURES
 
 
@@ -79,9 +82,9 @@ def resolve_model(model: str | None) -> LoadedModelFiles:
             "directories and .gguf files; it does not download from the Hub)."
         )
     if os.path.isdir(path):
-        architecture = hf_loader.read_architecture(path)
+        architecture = _hf_loader().read_architecture(path)
         _check_supported(architecture, path)
-        return LoadedModelFiles(path, "hf", hf_loader.load_hf_config(path), architecture)
+        return LoadedModelFiles(path, "hf", _hf_loader().load_hf_config(path), architecture)
     if path.endswith(".gguf"):
         config = gguf_loader.load_gguf_config(path)
         return LoadedModelFiles(path, "gguf", config, gguf_loader.GGUF_ARCHITECTURE)
@@ -104,7 +107,7 @@ def load_tokenizer(
         is_gguf = os.path.isfile(source) and source.endswith(".gguf")
     if is_gguf:
         return gguf_loader.load_gguf_tokenizer(source)
-    return hf_loader.load_hf_tokenizer(source)
+    return _hf_loader().load_hf_tokenizer(source)
 
 
 def iterate_weights(files: LoadedModelFiles) -> Iterator[tuple[str, torch.Tensor]]:
@@ -114,7 +117,7 @@ def iterate_weights(files: LoadedModelFiles) -> Iterator[tuple[str, torch.Tensor
     float32. `lm_head.weight` is absent when the embeddings are tied.
     """
     if files.format == "hf":
-        return hf_loader.iterate_hf_weights(files.path)
+        return _hf_loader().iterate_hf_weights(files.path)
     if files.format == "gguf":
         return gguf_loader.iterate_gguf_weights(files.path, files.hf_config)
     raise ValueError(f"Unknown model format {files.format!r}; expected 'hf' or 'gguf'.")
@@ -137,6 +140,14 @@ def iterate_model_weights(
     if files.format == "gguf":
         return gguf_loader.iterate_cached_gguf_weights(files.path, files.hf_config, dtypes)
     return iterate_weights(files)
+
+
+def _hf_loader():
+    """model/hf_loader.py, imported when a Hugging Face directory is loaded: it imports
+    transformers, which the engine process of a GGUF model never needs (docs/STARTUP.md)."""
+    from tokenserve.model import hf_loader
+
+    return hf_loader
 
 
 def _check_supported(architecture: str, path: str) -> None:
