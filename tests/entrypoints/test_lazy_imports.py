@@ -135,12 +135,6 @@ def test_the_engine_process_of_a_gguf_model_configures_itself_without_transforme
     assert found(modules, ["transformers", "tokenserve.model.hf_loader"]) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="model/layers/rotary_embedding.py imports transformers.modeling_rope_utils at module "
-    "level (needed for scaled RoPE only); once that import moves into compute_inv_freq this "
-    "passes and the marker goes (docs/STARTUP.md)",
-)
 def test_the_engine_process_of_a_gguf_model_builds_it_without_transformers():
     # The whole engine path of the default model, up to its model class's module.
     modules = imported_after(

@@ -1,13 +1,14 @@
 """Rotary position embeddings: a cos/sin table indexed by position.
 
 Inverse frequencies come from transformers' own RoPE initialisers for scaled variants
-(linear, llama3, yarn, ...), so every rope_type means what it means there.
+(linear, llama3, yarn, ...), so every rope_type means what it means there. They are imported
+only for those: the default RoPE needs no transformers, so the engine process of a GGUF
+model never imports it (docs/STARTUP.md).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from tokenserve.kernels import layer_ops
 
@@ -26,6 +27,8 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type == "default":
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     if rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(
             f"rope_type {rope_type!r} is not supported; supported: default, "
