@@ -30,6 +30,10 @@ def export(model: str | None, out_dir: str, tokenizer: str | None, dtype: str) -
     os.makedirs(out_dir, exist_ok=True)
 
     config = files.hf_config
+    if not isinstance(config, transformers.PretrainedConfig):
+        # A GGUF model's config (model/gguf_config.py), as transformers' own class.
+        values = config.to_dict()
+        config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
     config.architectures = [files.architecture]  # vLLM needs the *ForCausalLM class named
     config.dtype = dtype
     config.save_pretrained(out_dir)

@@ -72,8 +72,11 @@ def test_simulate_and_tune_commands(tiny_model_dirs, tmp_path, capsys):
 def test_calibrate_fits_the_served_steps(tiny_model_dirs, tmp_path, capsys):
     """`tokenserve calibrate` runs the engine as a server does and writes a fit simulate reads."""
     cost = tmp_path / "cost.json"
+    # A budget of 512 splits the decode rounds' prompts over several steps: at the default
+    # (2048) the quick rounds' steps are fewer, some runs under 20.
     assert main(["calibrate", tiny_model_dirs["llama"], "--quick", "--max-model-len", "512",
-                 "--max-num-seqs", "16", "-o", str(cost)]) == 0
+                 "--max-num-seqs", "16", "--max-num-batched-tokens", "512",
+                 "-o", str(cost)]) == 0
     fit = json.loads(cost.read_text())
     assert fit["num_samples"] >= 20 and fit["calibration"]["num_steps"] >= 20
     coefficients = [fit["intercept_ms"], fit["ms_per_1k_tokens"], fit["ms_per_1m_attention_pairs"]]

@@ -79,9 +79,11 @@ def parse_limit_mm_per_prompt(value: dict | str | None) -> dict[str, int]:
     return limits
 
 
-# A step's token budget on CPU: no less W1 throughput than 2048, and a shorter step, which
-# every running decode waits for (docs/benchmarks/cpu-hot-path.md, "Defaults").
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+# A step's token budget on CPU, vLLM's for its CPU server: with bf16 products on AMX and the
+# GGUF blocks' AMX kernel, W1 and W3 ran 10-17 % faster at 2048 than at 512, and faster than
+# at 4096 or 8192 (docs/benchmarks/cpu-hot-path.md, "Defaults"). Lower it (or set
+# --target-step-ms) to bound the step every running decode waits for.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 # Tokens per KV block on CPU, as vLLM's CPU backend defaults to: a decode row's context is
 # read in runs of block_size tokens per kv head, and longer runs stream faster from memory
