@@ -16,8 +16,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 # Never imported by `import tokenserve.entrypoints.cli` (nor `import tokenserve`).
 HEAVY = ["torch", "transformers", "numpy", "fastapi", "uvicorn", "zmq", "gguf"]
 # Imported by no process of a server on the default path until a request uses them (the
