@@ -6,8 +6,11 @@ For each prompt length, `--repeats` requests run alone, one after another (rando
 greedy, EOS ignored); each one's first step (its whole prompt) and second step (one decode
 row) are timed, and the fastest of the repeats after the first is printed.
 
+`--cpu-time` times the calling thread's CPU (`time.thread_time`) instead of the wall clock
+(with `OMP_NUM_THREADS=1`: what a step costs, whatever else the machine runs).
+
 usage: python benchmarks/prompt_step_cost.py [--lengths 8,16,32,64,256] [--repeats 4]
-           [engine flags as for bench throughput, e.g. --quantized-max-rows 0]
+           [--cpu-time] [engine flags as for bench throughput, e.g. --quantized-max-rows 0]
 """
 
 from __future__ import annotations
@@ -25,11 +28,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", default="8,16,32,64,256")
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="The calling thread's CPU time, not wall-clock time.")
     add_engine_arguments(parser, positional_model=False)
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     if args.repeats < 2:
         raise SystemExit("--repeats must be at least 2 (the first run of each length is warm-up).")
+
+    clock = time.thread_time if args.cpu_time else time.perf_counter
 
     engine = LLMEngine.from_engine_args(engine_args_from(args))
     vocab_size = engine.config.model_config.vocab_size
@@ -40,11 +47,11 @@ def main() -> None:
         times = []
         for index, prompt in enumerate(prompts):
             engine.add_request(f"{length}-{index}", {"prompt_token_ids": prompt}, params)
-            started = time.perf_counter()
+            started = clock()
             engine.step()
-            prompted = time.perf_counter()
+            prompted = clock()
             engine.step()
-            times.append((prompted - started, time.perf_counter() - prompted))
+            times.append((prompted - started, clock() - prompted))
             while engine.has_unfinished_requests():
                 engine.step()
         prompt_s = min(prompt for prompt, _ in times[1:])

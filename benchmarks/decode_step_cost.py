@@ -1,0 +1,64 @@
+"""What a decode step of B rows costs, by B: the steps of W1, W2 and W5 once their prompts are
+in, where each running request adds one row.
+
+For each batch size B, B requests of `--input-len` random tokens (greedy, EOS ignored) are
+added at once and stepped until every one has its first token; then `--steps` decode steps
+of all B rows are timed (none finishes before them) and their median printed, with the
+fastest. `--cpu-time` times the calling thread's CPU (`time.thread_time`) instead of the
+wall clock: run it with `OMP_NUM_THREADS=1` and the figure is what a step costs, whatever
+else the machine runs.
+
+usage: python benchmarks/decode_step_cost.py [--batches 1,4,8,16,32,64] [--input-len 256]
+           [--steps 20] [--cpu-time] [engine flags as for bench throughput]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from tokenserve import SamplingParams
+from tokenserve.benchmarks.datasets import random_token_prompts
+from tokenserve.engine.cli_args import add_engine_arguments, engine_args_from
+from tokenserve.engine.llm_engine import LLMEngine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,4,8,16,32,64")
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=20, help="Decode steps timed per batch.")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="The calling thread's CPU time, not wall-clock time.")
+    add_engine_arguments(parser, positional_model=False)
+    args = parser.parse_args()
+    batches = [int(n) for n in args.batches.split(",")]
+    if args.steps < 1 or any(b < 1 for b in batches):
+        raise SystemExit("--steps and every batch size must be at least 1.")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+
+    engine = LLMEngine.from_engine_args(engine_args_from(args))
+    vocab_size = engine.config.model_config.vocab_size
+    # Two steps more than timed: the first decode step of the last prompt may share its step.
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 3, ignore_eos=True)
+    print("decode rows   median ms   fastest ms")
+    for batch in batches:
+        prompts = random_token_prompts(batch, args.input_len, vocab_size, seed=batch)
+        for index, prompt in enumerate(prompts):
+            engine.add_request(f"{batch}-{index}", {"prompt_token_ids": prompt}, params)
+        started: set[str] = set()
+        while len(started) < batch:  # until every request has its first token
+            started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
+        times = []
+        for _ in range(args.steps):
+            begin = clock()
+            engine.step()
+            times.append(clock() - begin)
+        while engine.has_unfinished_requests():
+            engine.step()
+        print(f"{batch:11d}   {statistics.median(times) * 1e3:9.1f}   {min(times) * 1e3:10.1f}")
+
+
+if __name__ == "__main__":
+    main()
