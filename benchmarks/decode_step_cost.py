@@ -3,8 +3,9 @@ in, where each running request adds one row.
 
 For each batch size B, B requests of `--input-len` random tokens (greedy, EOS ignored) are
 added at once and stepped until every one has its first token; then `--steps` decode steps
-of all B rows are timed (none finishes before them) and their median printed, with the
-fastest. `--cpu-time` times the calling thread's CPU (`time.thread_time`) instead of the
+of all B rows are timed and their median printed, with the fastest. No request finishes
+before the timed steps are over (their max_tokens leave room for the prompts' chunked
+steps, in which the first ones already decode); the rest of each is then aborted. `--cpu-time` times the calling thread's CPU (`time.thread_time`) instead of the
 wall clock: run it with `OMP_NUM_THREADS=1` and the figure is what a step costs, whatever
 else the machine runs.
 
@@ -40,8 +41,10 @@ def main() -> None:
 
     engine = LLMEngine.from_engine_args(engine_args_from(args))
     vocab_size = engine.config.model_config.vocab_size
-    # Two steps more than timed: the first decode step of the last prompt may share its step.
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 3, ignore_eos=True)
+    # Room for every step until the last prompt is in (at least a token each) and the timed
+    # ones: the first requests decode while the later prompts' chunks are computed.
+    max_tokens = args.steps + 2 + max(batches) * args.input_len
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     print("decode rows   median ms   fastest ms")
     for batch in batches:
         prompts = random_token_prompts(batch, args.input_len, vocab_size, seed=batch)
@@ -55,6 +58,7 @@ def main() -> None:
             begin = clock()
             engine.step()
             times.append(clock() - begin)
+        engine.abort_request([f"{batch}-{index}" for index in range(batch)])
         while engine.has_unfinished_requests():
             engine.step()
         print(f"{batch:11d}   {statistics.median(times) * 1e3:9.1f}   {min(times) * 1e3:10.1f}")
