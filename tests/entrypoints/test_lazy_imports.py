@@ -102,8 +102,10 @@ def test_engine_core_process_imports_no_http_and_no_features():
     assert found(modules, HTTP_SIDE + FEATURES + MODEL_CODE) == []
 
 
-def test_the_default_models_configuration_and_code_skip_torch_distributed_tensor():
-    # The engine-core process's path on the default model (the API process's is a part).
+def test_the_default_models_configuration_and_code_skip_transformers():
+    # The engine-core process's path on the default model (the API process's is a part),
+    # up to its model class's module: no transformers (GGUFLlamaConfig, and the scaled-RoPE
+    # initialisers only for a scaled rope_type), hence no torch.distributed.tensor either.
     modules = imported_after(
         "from tokenserve.executor.backends import import_executor_class\n"
         "import_executor_class('uni')\n"
@@ -114,7 +116,7 @@ def test_the_default_models_configuration_and_code_skip_torch_distributed_tensor
     )
     assert "tokenserve.model.llama" in modules
     other_models = [name for name in MODEL_CODE if name != "tokenserve.model.llama"]
-    assert found(modules, DISTRIBUTED_TENSOR + other_models) == []
+    assert found(modules, ["transformers", *DISTRIBUTED_TENSOR, *other_models]) == []
 
 
 def test_the_engine_process_of_a_gguf_model_configures_itself_without_transformers():
@@ -131,20 +133,6 @@ def test_the_engine_process_of_a_gguf_model_configures_itself_without_transforme
     )
     assert "tokenserve.model.gguf_loader" in modules
     assert found(modules, ["transformers", "tokenserve.model.hf_loader"]) == []
-
-
-def test_the_engine_process_of_a_gguf_model_builds_it_without_transformers():
-    # The whole engine path of the default model, up to its model class's module.
-    modules = imported_after(
-        "from tokenserve.executor.backends import import_executor_class\n"
-        "import_executor_class('uni')\n"
-        "from tokenserve.engine.engine_args import EngineArgs\n"
-        "from tokenserve.model.registry import model_class_for\n"
-        "model_config = EngineArgs().create_engine_config().model_config\n"
-        "model_class_for(model_config.architecture, model_config.runner)\n"
-    )
-    assert "tokenserve.model.llama" in modules
-    assert found(modules, ["transformers"]) == []
 
 
 def test_api_process_of_a_running_server(tiny_model_dirs: dict[str, str]):

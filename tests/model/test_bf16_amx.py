@@ -13,7 +13,6 @@ from tokenserve import LLM, SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
 from tokenserve.config import BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX, DEFAULT_BF16_QUANTIZED_MAX_ROWS
 from tokenserve.kernels import cpu_isa
-from tokenserve.model.fused_decode import FusedDecodeLayerStack
 from tokenserve.model.layers.quantization.gguf import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(
@@ -44,21 +43,6 @@ def amx_rows(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(QuantizedWeight, "matmul", counting)
     return rows
-
-
-@pytest.fixture
-def fused_calls(monkeypatch) -> list[int]:
-    """The rows of each step the fused path took."""
-    calls: list[int] = []
-    original = FusedDecodeLayerStack.__call__
-
-    def counting(self, positions, hidden_states, kv_caches, metadata, residual=None):
-        if residual is None and self.takes(hidden_states.shape[0], metadata):
-            calls.append(hidden_states.shape[0])
-        return original(self, positions, hidden_states, kv_caches, metadata, residual)
-
-    monkeypatch.setattr(FusedDecodeLayerStack, "__call__", counting)
-    return calls
 
 
 def _generate(llm: LLM, prompts: list[list[int]], fused: bool):

@@ -45,21 +45,6 @@ def _generate(llm: LLM, fused: bool, num_prompts: int):
     ]
 
 
-@pytest.fixture
-def fused_calls(monkeypatch) -> list[int]:
-    """The rows of each step the fused path took."""
-    calls: list[int] = []
-    original = FusedDecodeLayerStack.__call__
-
-    def counting(self, positions, hidden_states, kv_caches, metadata, residual=None):
-        if residual is None and self.takes(hidden_states.shape[0], metadata):
-            calls.append(hidden_states.shape[0])
-        return original(self, positions, hidden_states, kv_caches, metadata, residual)
-
-    monkeypatch.setattr(FusedDecodeLayerStack, "__call__", counting)
-    return calls
-
-
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
 def test_fused_layers_equal_operators_one_by_one(kv_cache_dtype, fused_calls):
     llm = LLM(kv_cache_memory="128MiB", kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)

@@ -115,14 +115,7 @@ static inline __attribute__((always_inline)) void amx_panel(
     float *y, const uint16_t *xp, uint16_t *a, const uint8_t *qs, const float *scales,
     int64_t M, int64_t K, int64_t N, float *c, int q4_1) {
     const int64_t tiles = (M + 15) / 16, tile_elems = K / 2 * 32; /* bf16 per packed x tile */
-    /* The expansion reads a block of each of 16 rows in turn, which the hardware prefetcher
-     * does not follow: fetch the next panel's blocks into L2 meanwhile (as gemm_panel does;
-     * past the end of the weight this is harmless, prefetches do not fault). */
-    const int64_t qs_bytes = AMX_PANEL * (q4_1 ? K / 2 : K);
-    const int64_t scale_bytes = AMX_PANEL * (q4_1 ? K / BLOCK * 2 : K / BLOCK) * 4;
-    for (int64_t i = 0; i < qs_bytes; i += 64) __builtin_prefetch(qs + qs_bytes + i, 0, 2);
-    for (int64_t i = 0; i < scale_bytes; i += 64)
-        __builtin_prefetch((const char *)scales + scale_bytes + i, 0, 2);
+    prefetch_next_panel(qs, scales, AMX_PANEL, K, q4_1);
     for (int64_t t0 = 0; t0 < tiles; t0 += AMX_C) {
         const int64_t count = tiles - t0 < AMX_C ? tiles - t0 : AMX_C;
         const uint16_t *b = xp + t0 * tile_elems;

@@ -265,6 +265,18 @@ static inline __attribute__((always_inline)) void panel_tile(
         for (int j = 0; j < PANEL / 8; ++j) store8(y + i * y_stride + j * 8, acc[i][j]);
 }
 
+/* The `rows` weight rows after these (the next panel's) fetched into L2 meanwhile: a panel's
+ * expansion reads a block of each of its rows in turn, which the hardware prefetcher does not
+ * follow (past the end of the weight this is harmless, prefetches do not fault). */
+static inline void prefetch_next_panel(const uint8_t *qs, const float *scales, int64_t rows,
+                                       int64_t K, int q4_1) {
+    const int64_t qs_bytes = rows * (q4_1 ? K / 2 : K);
+    const int64_t scale_bytes = rows * (q4_1 ? K / BLOCK * 2 : K / BLOCK) * 4;
+    for (int64_t i = 0; i < qs_bytes; i += 64) __builtin_prefetch(qs + qs_bytes + i, 0, 2);
+    for (int64_t i = 0; i < scale_bytes; i += 64)
+        __builtin_prefetch((const char *)scales + scale_bytes + i, 0, 2);
+}
+
 /* One panel of PANEL weight rows times all M rows of x; K in slices of `slice`. The sums
  * build up in sums [M][PANEL] (contiguous, cache-resident) and go to y's PANEL columns at
  * the end: y's rows are N floats apart (for the wide outputs a multiple of 4 KiB, so the
@@ -273,14 +285,7 @@ static inline __attribute__((always_inline)) void panel_tile(
 static inline __attribute__((always_inline)) void gemm_panel(
     float *y, const float *x, int64_t M, int64_t K, int64_t N, const uint8_t *qs,
     const float *scales, int64_t slice, float *panel, float *sums, int q4_1) {
-    /* The expansion reads a block of each of PANEL rows in turn, which the hardware
-     * prefetcher does not follow: fetch the next panel's blocks into L2 meanwhile (past the
-     * end of the weight this is harmless, prefetches do not fault). */
-    const int64_t qs_bytes = PANEL * (q4_1 ? K / 2 : K);
-    const int64_t scale_bytes = PANEL * (q4_1 ? K / BLOCK * 2 : K / BLOCK) * 4;
-    for (int64_t i = 0; i < qs_bytes; i += 64) __builtin_prefetch(qs + qs_bytes + i, 0, 2);
-    for (int64_t i = 0; i < scale_bytes; i += 64)
-        __builtin_prefetch((const char *)scales + scale_bytes + i, 0, 2);
+    prefetch_next_panel(qs, scales, PANEL, K, q4_1);
     for (int64_t k0 = 0; k0 < K; k0 += slice) {
         const int64_t kc = K - k0 < slice ? K - k0 : slice;
         expand_panel(panel, qs, scales, K, k0, kc, q4_1);
