@@ -178,8 +178,6 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
-            if value is None and name == "bf16_quantized_max_rows":
-                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         if self.distributed_executor_backend is None:
@@ -352,8 +350,6 @@ class LoRAConfig:
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
             value = getattr(self, name)
-            if value is None and name == "bf16_quantized_max_rows":
-                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         if self.max_cpu_loras < self.max_loras:

@@ -58,8 +58,9 @@ class DecodeLayerOps:
     ) -> tuple[_Layer, tuple]:
         """projections: "qkv", "o", "gate_up", "down" → (GGUF kind, qs, scales, bias or
         None, few_rows: the most rows for the few-row kernel, the many-row one above, amx:
-        the AMX kernel above instead, bf16 numerics), in quant_linear.c's layouts. Returns the bound layer and the tensors it points into
-        (keep them alive as long as the layer)."""
+        the AMX kernel above instead, bf16 numerics), in quant_linear.c's layouts. Returns
+        the bound layer and the tensors it points into (keep them alive as long as the
+        layer)."""
         check_caches(key_cache, value_cache)
         check_f32(input_norm, post_norm)
         parts = {}
