@@ -200,7 +200,8 @@ void ts_rms_norm_mixed(void *out, int out_bf16, const void *x, int x_bf16, float
 
 /* silu_and_mul_row with gate_up in float32 or bf16 and the result in bf16: VW lanes at a
  * time, then eight, then one, as silu_and_mul_row splits a row (expw is exp8's arithmetic),
- * so each value is the float32 kernel's, rounded. */
+ * so each value is the float32 kernel's, rounded; bf16 gates take silu from the table of
+ * silu_table.h, which holds those very values. */
 static inline void silu_and_mul_row_to_bf16(uint16_t *out, const void *gate_up, int in_bf16,
                                             int64_t d) {
     int64_t i = 0;
