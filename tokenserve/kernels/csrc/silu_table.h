@@ -17,6 +17,7 @@
 
 /* Gathers need AVX2 (every x86 level); elsewhere ("native") the operator computes silu. */
 #if defined(__AVX2__)
+#include <immintrin.h>
 #define TS_SILU_TABLE 1
 
 static float silu_of_bf16[1 << 16];
