@@ -143,3 +143,21 @@ def test_silu_and_mul_to_bf16_every_lane_width_and_special_values(ops, d, in_dty
     # Bit for bit, a NaN where it gives one (the kernel's NaN is the quiet one, as bf16_round).
     torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
     assert torch.isnan(out).any()
+
+
+# Every bf16 gate (its 65536 bit patterns) through the table (silu_table.h), the rest of a row
+# (8 lanes, then single values: 13 more) included; the width rotated so each gate meets
+# each lane position.
+@pytest.mark.parametrize("shift", [0, 5])
+def test_silu_and_mul_table_is_the_computed_silu_for_every_bf16_gate(ops, shift):
+    generator = torch.Generator().manual_seed(shift)
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(BF16)
+    gates = torch.cat([every, every[:13]]).roll(shift)
+    ups = (torch.randn(len(gates), generator=generator) * 3).to(BF16)
+    gate_up = torch.cat([gates, ups]).unsqueeze(0)
+
+    out = ops.silu_and_mul(gate_up, BF16)
+
+    expected = ops.silu_and_mul(gate_up.float()).to(BF16)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(out).sum() == torch.isnan(expected).sum() > 0

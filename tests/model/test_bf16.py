@@ -112,3 +112,46 @@ def test_o_proj_hands_its_bf16_sums_to_the_norm_unchanged(tiny_model_dirs, famil
     widened = attention.o_proj(attn_output.reshape(37, attention.q_size))  # float32 in and out
     assert handed.dtype == torch.bfloat16 and widened.dtype == torch.float32
     assert torch.equal(handed.float(), widened)
+
+
+@pytest.mark.parametrize("cpu_isa", ["avx2", "avx512", "auto"])
+def test_the_swiglu_table_leaves_the_engines_outputs_unchanged(tiny_model_dirs, monkeypatch,
+                                                                cpu_isa):
+    """SwiGLU of bf16 gates from the silu table (kernels/csrc/silu_table.h) against the same
+    kernel computing silu (gate_up widened to float32 first): the same logprobs, bit for bit,
+    over a prompt step and decode steps, at each level."""
+    from tokenserve.kernels import build
+    from tokenserve.kernels import cpu_isa as levels
+    from tokenserve.model.layers.activation import SiluAndMul
+
+    if cpu_isa != "auto" and not set(levels.ISA_LEVELS[cpu_isa][0]) <= levels.cpu_flags():
+        pytest.skip(f"this CPU lacks {cpu_isa}")
+    prompt = [random.Random(11).randrange(3, 500) for _ in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=2)
+    previous, table_calls = build.selected_isa(), []
+    forward = SiluAndMul.forward
+
+    def counted(self, gate_up, out_dtype=None):
+        table_calls.append(gate_up.dtype == torch.bfloat16)
+        return forward(self, gate_up, out_dtype)
+
+    def computed(self, gate_up, out_dtype=None):
+        return forward(self, gate_up.float(), out_dtype)
+
+    def run() -> list:
+        llm = LLM(tiny_model_dirs["llama"], dtype="bfloat16", cpu_isa=cpu_isa,
+                  kv_cache_memory="8MiB")
+        [output] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        entries = list(output.prompt_logprobs[1:]) + list(output.outputs[0].logprobs)
+        return [sorted((t, lp.logprob) for t, lp in entry.items()) for entry in entries]
+
+    try:
+        monkeypatch.setattr(SiluAndMul, "forward", counted)
+        with_table = run()
+        monkeypatch.setattr(SiluAndMul, "forward", computed)
+        without = run()
+    finally:
+        build.select_isa(previous)
+    assert any(table_calls)  # the prompt step's gates were bf16: the table was read
+    assert with_table == without

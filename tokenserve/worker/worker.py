@@ -15,6 +15,7 @@ from tokenserve.config import EngineConfig
 from tokenserve.distributed.parallel_state import destroy_model_parallel, init_model_parallel
 from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.messages.scheduler_output import SchedulerOutput
+from tokenserve.worker.cpu_memory import keep_freed_memory
 from tokenserve.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -32,6 +33,8 @@ class Worker:
         self.config = config
         self.rank = rank
         self.device = device or torch.device("cpu")
+        if self.device.type == "cpu":
+            keep_freed_memory()  # activations reuse freed memory, not fresh pages
         self.parallel = init_model_parallel(
             config.parallel_config, rank, distributed_init_method, self.device
         )

@@ -143,6 +143,8 @@ static inline void store8_bf16(uint16_t *p, v8f v) {
     memcpy(p, &h, sizeof h);
 }
 
+#include "silu_table.h" /* after the bf16 vector helpers it uses */
+
 /* rms_norm_row with x in float32 or bf16 (x_bf16) and the result in float32 or bf16. */
 static inline void rms_norm_row_mixed(void *out, int out_bf16, const void *x, int x_bf16,
                                       float *residual, const float *weight, int64_t hidden,
@@ -198,12 +200,19 @@ void ts_rms_norm_mixed(void *out, int out_bf16, const void *x, int x_bf16, float
 
 /* silu_and_mul_row with gate_up in float32 or bf16 and the result in bf16: VW lanes at a
  * time, then eight, then one, as silu_and_mul_row splits a row (expw is exp8's arithmetic),
- * so each value is the float32 kernel's, rounded. */
+ * so each value is the float32 kernel's, rounded; bf16 gates take silu from the table of
+ * silu_table.h, which holds those very values. */
 static inline void silu_and_mul_row_to_bf16(uint16_t *out, const void *gate_up, int in_bf16,
                                             int64_t d) {
     int64_t i = 0;
     if (in_bf16) {
         const uint16_t *gate = gate_up, *up = (const uint16_t *)gate_up + d;
+#if TS_SILU_TABLE
+        for (; i + VW <= d; i += VW)
+            store_bf16w(out + i, silu_bf16w(gate + i) * load_bf16w(up + i));
+        for (; i + 8 <= d; i += 8)
+            store8_bf16(out + i, silu_bf16_8(gate + i) * load8_bf16(up + i));
+#else
         for (; i + VW <= d; i += VW) {
             const vwf g = load_bf16w(gate + i);
             store_bf16w(out + i, g / (splatw(1.0f) + expw(-g)) * load_bf16w(up + i));
@@ -212,6 +221,7 @@ static inline void silu_and_mul_row_to_bf16(uint16_t *out, const void *gate_up, 
             const v8f g = load8_bf16(gate + i);
             store8_bf16(out + i, g / (splat8(1.0f) + exp8(-g)) * load8_bf16(up + i));
         }
+#endif
         for (; i < d; ++i) {
             const float g = bf16_load(gate, i);
             out[i] = bf16_round(g / (1.0f + expf(-g)) * bf16_load(up, i));
