@@ -23,10 +23,10 @@ import dataclasses
 import json
 import logging
 import signal
+import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import torch
 import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -321,8 +321,10 @@ async def run_server(
 ) -> int:
     """Start the engine, serve until SIGINT/SIGTERM (exit 0) or the engine dies (exit 1).
     `engine_process`: an engine-core process started (and maybe configured) earlier."""
-    # The API process only tokenizes and detokenizes; the engine core gets the cores.
-    torch.set_num_threads(1)
+    # The API process only tokenizes and detokenizes; the engine core gets the cores. It
+    # imports torch only for a model whose inputs need it (a vision model's processor).
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}.")
     api_keys = load_api_keys(args.api_key, args.api_key_file)
