@@ -32,6 +32,7 @@ def test_a_dtype_without_a_name_is_refused(given):
         dtype_names.resolve_dtype_name(given)
 
 
+@pytest.mark.auto_dtype  # the CPU's own "auto", not the tests' float32 (tests/conftest.py)
 def test_auto_is_the_cpus_native_dtype(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(dtype_names.cpu_isa, "native_bf16", lambda isa=None: True)
     assert dtype_names.resolve_dtype_name("auto") == "bfloat16"
