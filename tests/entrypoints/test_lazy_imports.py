@@ -187,4 +187,5 @@ def test_the_api_process_of_a_default_model_serve_imports_no_torch():
     load_tokenizer(resolve_model(None))  # warm caches, as `tokenserve bench startup` measures
     modules = api_process_modules(["--max-model-len", "512", "--num-kv-blocks", "8"])
     assert "fastapi" in modules and "tokenserve.model.gguf_loader" in modules  # it did serve
-    assert found(modules, ["torch", "tokenserve.model.layers", "tokenserve.multimodal.processing"]) == []
+    unwanted = ["torch", "tokenserve.model.layers", "tokenserve.multimodal.processing"]
+    assert found(modules, unwanted) == []

@@ -41,7 +41,9 @@ def build_model(
         dtype=activation_dtype(model_config.dtype),
         attention=attention,
         max_position=model_config.max_model_len,
-        linear_method=get_linear_method(model_config.format, model_config.torch_dtype, kernel_config),
+        linear_method=get_linear_method(
+            model_config.format, model_config.torch_dtype, kernel_config
+        ),
         kernel_config=kernel_config,
         **extra,
     )
