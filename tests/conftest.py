@@ -17,7 +17,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tokenserve.model import loader, precision
+from tokenserve.model import dtype_names, loader
 
 # The LoRA fixtures (peft adapters of the tiny llama), for tests/lora/ and the server tests.
 pytest_plugins = ["tests.lora.peft_adapters"]
@@ -39,18 +39,18 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-_NATIVE_AUTO_DTYPE = precision.auto_dtype
+_NATIVE_AUTO_DTYPE = dtype_names.auto_dtype_name
 
 
 @pytest.fixture(scope="session", autouse=True)
 def float32_auto_dtype() -> Iterator[None]:
     """dtype='auto' resolves to float32 in tests, as on a CPU without native bf16
-    (model/precision.py): most tests compare with transformers in float32 token for token.
+    (model/dtype_names.py): most tests compare with transformers in float32 token for token.
     Session-wide, so that module- and session-scoped fixtures building engines see it too.
     The bf16 path's tests ask for dtype='bfloat16', or for this CPU's own 'auto' with the
     `auto_dtype` marker (tests/model/test_bf16.py)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(precision, "auto_dtype", lambda isa=None: torch.float32)
+        patch.setattr(dtype_names, "auto_dtype_name", lambda isa=None: "float32")
         yield
 
 
@@ -58,7 +58,7 @@ def float32_auto_dtype() -> Iterator[None]:
 def native_auto_dtype(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """A test marked `auto_dtype` sees what 'auto' resolves to on this CPU."""
     if request.node.get_closest_marker("auto_dtype") is not None:
-        monkeypatch.setattr(precision, "auto_dtype", _NATIVE_AUTO_DTYPE)
+        monkeypatch.setattr(dtype_names, "auto_dtype_name", _NATIVE_AUTO_DTYPE)
 
 
 # build(family, directory, max_shard_size=None) -> directory

@@ -8,9 +8,10 @@ value here is validated and final.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # The runners a model can run under (vLLM's --runner): sampling tokens, or pooling a prompt.
 RUNNERS = ("auto", "generate", "pooling")
@@ -27,6 +28,18 @@ class PoolerConfig:
 
     pooling_type: str = "LAST"
     normalize: bool = True
+
+
+# The dtypes a model or KV cache may have, by name, and their bytes per element: configurations
+# hold names, so that the API process, which builds one too, imports no torch.
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype named `name` (a key of DTYPE_SIZES); imports torch (engine side)."""
+    import torch
+
+    return getattr(torch, name)
 
 
 # Items of a modality a prompt may hold unless --limit-mm-per-prompt says (vLLM V1's default).
@@ -50,7 +63,7 @@ class ModelConfig:
     format: str  # "hf" or "gguf"
     architecture: str
     hf_config: Any  # transformers.PretrainedConfig
-    dtype: torch.dtype
+    dtype: str  # a name of DTYPE_SIZES; `torch_dtype` is the torch dtype
     max_model_len: int
     files: Any  # model.loader.LoadedModelFiles: where the weights and tokenizer come from
     tokenizer: str | None = None
@@ -77,6 +90,10 @@ class ModelConfig:
         return getattr(self.hf_config, "text_config", None) or self.hf_config
 
     @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+    @property
     def num_layers(self) -> int:
         return self.text_config.num_hidden_layers
 
@@ -95,11 +112,11 @@ class ModelConfig:
         return self.text_config.vocab_size
 
     def kv_bytes_per_token(
-        self, cache_dtype: torch.dtype | None = None, parallel: ParallelConfig | None = None
+        self, cache_dtype: str | None = None, parallel: ParallelConfig | None = None
     ) -> int:
-        """Bytes of K and V per token over all layers, in `cache_dtype` (default: the
-        model's dtype); with `parallel`, over one rank's layers and KV heads."""
-        element_size = torch.empty((), dtype=cache_dtype or self.dtype).element_size()
+        """Bytes of K and V per token over all layers, in `cache_dtype` (a name; default:
+        the model's dtype); with `parallel`, over one rank's layers and KV heads."""
+        element_size = DTYPE_SIZES[cache_dtype or self.dtype]
         layers, kv_heads = self.num_layers, self.num_kv_heads
         if parallel is not None:
             layers = len(parallel.stage_layers(layers, 0))
@@ -113,8 +130,12 @@ class CacheConfig:
     num_blocks: int
     enable_prefix_caching: bool
     prefix_caching_hash_algo: str
-    # What the KV cache stores: the model's dtype, or bfloat16 (--kv-cache-dtype).
-    dtype: torch.dtype = torch.float32
+    # What the KV cache stores, by name: the model's dtype, or bfloat16 (--kv-cache-dtype).
+    dtype: str = "float32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
 
     @property
     def num_token_slots(self) -> int:

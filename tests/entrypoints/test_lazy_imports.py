@@ -16,6 +16,8 @@ import subprocess
 import sys
 import textwrap
 
+from tokenserve.model.loader import load_tokenizer, resolve_model
+
 # Never imported by `import tokenserve.entrypoints.cli` (nor `import tokenserve`).
 HEAVY = ["torch", "transformers", "numpy", "fastapi", "uvicorn", "zmq", "gguf"]
 # Imported by no process of a server on the default path until a request uses them (the
@@ -31,7 +33,7 @@ MODEL_SIDE = ["tokenserve.worker", "tokenserve.executor", "tokenserve.core.engin
 OTHER_COMMANDS = ["tokenserve.simulator", "tokenserve.benchmarks"]
 # The engine-core process serves no HTTP.
 HTTP_SIDE = ["fastapi", "uvicorn", "starlette", "tokenserve.entrypoints.openai"]
-# Model classes: imported when a model is built, the one it needs only (model/registry.py).
+# Model classes: imported when a model is built, the one it needs only (model/architectures.py).
 MODEL_CODE = [
     "tokenserve.model.llama", "tokenserve.model.qwen3", "tokenserve.model.llava",
     "tokenserve.model.idefics3", "tokenserve.model.bert", "tokenserve.model.decoder_pooling",
@@ -110,7 +112,7 @@ def test_the_default_models_configuration_and_code_skip_transformers():
         "from tokenserve.executor.backends import import_executor_class\n"
         "import_executor_class('uni')\n"
         "from tokenserve.engine.engine_args import EngineArgs\n"
-        "from tokenserve.model.registry import model_class_for\n"
+        "from tokenserve.model.architectures import model_class_for\n"
         "model_config = EngineArgs().create_engine_config().model_config\n"
         "model_class_for(model_config.architecture, model_config.runner)\n"
     )
@@ -135,9 +137,9 @@ def test_the_engine_process_of_a_gguf_model_configures_itself_without_transforme
     assert found(modules, ["transformers", "tokenserve.model.hf_loader"]) == []
 
 
-def test_api_process_of_a_running_server(tiny_model_dirs: dict[str, str]):
-    # A real `tokenserve serve` in a fresh interpreter; once /health answers 200, the API
-    # process lists what it has imported and stops itself (SIGTERM, as a supervisor would).
+def api_process_modules(serve_args: list[str]) -> set[str]:
+    """What the API process of a real `tokenserve serve SERVE_ARGS` (fresh interpreter) has
+    imported once /health answers 200; it then stops itself (SIGTERM, as a supervisor would)."""
     code = f"""
         import json, os, signal, socket, sys, threading, time
         import httpx
@@ -158,9 +160,7 @@ def test_api_process_of_a_running_server(tiny_model_dirs: dict[str, str]):
             os.kill(os.getpid(), signal.SIGTERM)
 
         threading.Thread(target=watch, daemon=True).start()
-        sys.exit(cli.main(["serve", {tiny_model_dirs["llama"]!r}, "--port", str(port),
-                           "--disable-log-stats", "--max-model-len", "256",
-                           "--num-kv-blocks", "16", "--block-size", "16"]))
+        sys.exit(cli.main(["serve", *{serve_args!r}, "--port", str(port), "--disable-log-stats"]))
     """
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], check=False, capture_output=True,
@@ -168,6 +168,24 @@ def test_api_process_of_a_running_server(tiny_model_dirs: dict[str, str]):
     )
     lines = [line for line in result.stdout.splitlines() if line.startswith("MODULES ")]
     assert result.returncode == 0 and lines, result.stdout[-2000:] + result.stderr[-4000:]
-    modules = set(json.loads(lines[0][len("MODULES "):]))
+    return set(json.loads(lines[0][len("MODULES "):]))
+
+
+def test_api_process_of_a_running_server(tiny_model_dirs: dict[str, str]):
+    modules = api_process_modules([
+        tiny_model_dirs["llama"], "--max-model-len", "256", "--num-kv-blocks", "16",
+        "--block-size", "16",
+    ])
     assert "fastapi" in modules  # it did serve
     assert found(modules, FEATURES + MODEL_SIDE + OTHER_COMMANDS + MODEL_CODE) == []
+
+
+def test_the_api_process_of_a_default_model_serve_imports_no_torch():
+    # The configuration holds dtypes by name (config.py), the model code and weight loaders
+    # come with the engine's load: the API process's start (flags, configuration, HTTP stack,
+    # the cached GGUF tokenizer, the engine's ready handshake) never waits for torch's import.
+    load_tokenizer(resolve_model(None))  # warm caches, as `tokenserve bench startup` measures
+    modules = api_process_modules(["--max-model-len", "512", "--num-kv-blocks", "8"])
+    assert "fastapi" in modules and "tokenserve.model.gguf_loader" in modules  # it did serve
+    unwanted = ["torch", "tokenserve.model.layers", "tokenserve.multimodal.processing"]
+    assert found(modules, unwanted) == []

@@ -90,9 +90,9 @@ def test_auto_is_the_fast_dtype_of_this_cpu_and_float32_is_one_flag_away(tiny_mo
     path = tiny_model_dirs["llama"]
     auto = _runner(LLM(path, kv_cache_memory="8MiB"))
     fp32 = _runner(LLM(path, dtype="float32", kv_cache_memory="8MiB"))
-    assert auto.config.model_config.dtype == auto_dtype()
+    assert auto.config.model_config.torch_dtype == auto_dtype()
     assert auto.kv_caches[0].dtype == auto_dtype()
-    assert fp32.config.model_config.dtype == torch.float32
+    assert fp32.config.model_config.dtype == "float32"
     assert fp32.kv_caches[0].dtype == torch.float32
     # Activations stay float32 either way (the C norms, rotary and attention serve both).
     assert auto.model.model.norm.weight.dtype == torch.float32

@@ -17,7 +17,7 @@ DENSE = KernelConfig(disable_onednn=True)  # the loaded weights stay as they are
 
 def _model_and_weights(model_dir: str):
     model_config = EngineArgs(model=model_dir).create_engine_config().model_config
-    backend = get_attention_backend(torch.device("cpu"), model_config.dtype)
+    backend = get_attention_backend(torch.device("cpu"), model_config.torch_dtype)
     model = build_model(model_config, backend, DENSE)
     return model, dict(iterate_weights(model_config.files))
 

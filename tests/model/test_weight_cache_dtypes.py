@@ -98,7 +98,7 @@ def model_state(gguf: str, cached: bool = True) -> dict[str, torch.Tensor]:
     a fresh float32 expansion without the cache, prepacked: each parameter, oneDNN-packed
     weight and GGUF block array by name."""
     model_config = EngineArgs(model=gguf, dtype="bfloat16").create_engine_config().model_config
-    backend = get_attention_backend(torch.device("cpu"), model_config.dtype)
+    backend = get_attention_backend(torch.device("cpu"), model_config.torch_dtype)
     if cached:
         model = get_model(model_config, backend, KernelConfig(), torch.device("cpu"))
     else:

@@ -12,8 +12,6 @@ import math
 import re
 from dataclasses import dataclass, fields
 
-import torch
-
 from tokenserve.config import (
     DEFAULT_LOOKAHEAD_TOKENS,
     DEFAULT_QUANTIZED_GEMM_MAX_ROWS,
@@ -32,8 +30,8 @@ from tokenserve.config import (
 from tokenserve.engine.parallel_checks import check_parallel_model
 from tokenserve.engine.runner_config import RunnerSettings, configure_runner
 from tokenserve.kv_transfer.config import kv_transfer_config_for
+from tokenserve.model.dtype_names import resolve_dtype_name
 from tokenserve.model.loader import MULTIMODAL_ARCHITECTURES, resolve_model
-from tokenserve.model.precision import resolve_dtype
 from tokenserve.spec_decode.config import create_speculative_config
 
 logger = logging.getLogger(__name__)
@@ -201,7 +199,7 @@ class EngineArgs:
             format=files.format,
             architecture=files.architecture,
             hf_config=hf_config,
-            dtype=resolve_dtype(self.dtype, kernel_config.cpu_isa),
+            dtype=resolve_dtype_name(self.dtype, kernel_config.cpu_isa),
             max_model_len=self._resolve_max_model_len(getattr(hf_config, "text_config", None) or hf_config),
             files=files,
             tokenizer=self.tokenizer,
@@ -326,11 +324,11 @@ class EngineArgs:
                 f"prefill_order must be 'shortest' or 'arrival', got {self.prefill_order!r}."
             )
 
-    def _resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+    def _resolve_kv_cache_dtype(self, model_dtype: str) -> str:
         if self.kv_cache_dtype == "auto":
             return model_dtype
         if self.kv_cache_dtype == "bfloat16":
-            return torch.bfloat16
+            return "bfloat16"
         raise ValueError(
             f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r} "
             "(fp8 KV caches are not supported on CPU)."
@@ -353,7 +351,7 @@ class EngineArgs:
     def _resolve_num_blocks(
         self,
         model_config: ModelConfig,
-        cache_dtype: torch.dtype,
+        cache_dtype: str,
         speculative_config: SpeculativeConfig | None = None,
         parallel_config: ParallelConfig | None = None,
     ) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from tokenserve.config import EngineConfig
 from tokenserve.core.request import Request
@@ -21,9 +21,11 @@ from tokenserve.engine.pooling_requests import (
 from tokenserve.lora.peft_loader import check_adapter
 from tokenserve.lora.request import LoRARequest
 from tokenserve.messages.multimodal import MultiModalFeature
-from tokenserve.multimodal.processing import MultiModalProcessor
 from tokenserve.pooling_params import PoolingParams
 from tokenserve.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from tokenserve.multimodal.processing import MultiModalProcessor
 
 # A prompt is text, token ids, or a dict with "prompt" or "prompt_token_ids" (and, for a
 # vision-language model, "multi_modal_data": {"image": PIL image(s)}).
@@ -44,6 +46,10 @@ class Processor:
         self.mm_processor: MultiModalProcessor | None = None
         mm_config = config.model_config.multimodal_config
         if mm_config is not None:
+            # A vision model's processor brings transformers' image code and torch; text
+            # models never import it (docs/STARTUP.md).
+            from tokenserve.multimodal.processing import MultiModalProcessor
+
             self.mm_processor = MultiModalProcessor(config.model_config.model, tokenizer, mm_config)
 
     def process(

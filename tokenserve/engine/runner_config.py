@@ -9,8 +9,8 @@ import logging
 from typing import Any
 
 from tokenserve.config import RUNNERS, ModelConfig, PoolerConfig
+from tokenserve.model.architectures import check_architecture, model_class_for, resolve_runner
 from tokenserve.model.pooler import check_pooling_type, read_pooler_config
-from tokenserve.model.registry import check_architecture, model_class_for, resolve_runner
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,12 @@ import math
 import os
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from tokenserve.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    import torch
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -137,6 +139,8 @@ def _read_tensors(weight_file: str) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         return load_file(weight_file)
+    import torch  # here: the API process checks adapters (check_adapter) without torch
+
     return torch.load(weight_file, map_location="cpu", weights_only=True)
 
 

@@ -22,18 +22,17 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from gguf import ReaderTensor
-from gguf.quants import dequantize
 
 from tokenserve.cache_dir import cache_root
 from tokenserve.model.gguf_config import GGUFLlamaConfig
 from tokenserve.model.gguf_file import GGUFFile, GGUFTensor
-from tokenserve.model.layers.quantization.gguf import QUANTIZED_KINDS, QuantizedWeight
 
 if TYPE_CHECKING:
+    import torch
     import transformers
+    from gguf import ReaderTensor
 
+    from tokenserve.model.layers.quantization.gguf import QuantizedWeight
     from tokenserve.model.weight_cache import WeightDtypes
 
 logger = logging.getLogger(__name__)
@@ -160,6 +159,9 @@ def iterate_gguf_quantized_weights(
 ) -> Iterator[tuple[str, QuantizedWeight]]:
     """Yield the Q4_1 and Q8_0 weights in their block form (model/layers/quantization/gguf.py),
     rows in the same order as iterate_gguf_weights gives them."""
+    # The weights' modules come with the engine's load: the API process reads the config only.
+    from tokenserve.model.layers.quantization.gguf import QUANTIZED_KINDS, QuantizedWeight
+
     reader = _open_reader(path)
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
@@ -387,6 +389,9 @@ def _hf_name(gguf_name: str) -> str | None:
 def dequantize_tensor(tensor: GGUFTensor | ReaderTensor, path: str) -> torch.Tensor:
     """A GGUF tensor as float32 in PyTorch's dimension order (ValueError for a quantization
     the gguf package cannot expand)."""
+    import torch
+    from gguf.quants import dequantize
+
     try:
         values = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as error:

@@ -14,15 +14,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import torch
-
 from tokenserve.model import gguf_loader
-from tokenserve.model.layers.quantization.gguf import QuantizedWeight
 
 if TYPE_CHECKING:
+    import torch
     import transformers
 
     from tokenserve.model.gguf_config import GGUFLlamaConfig
+    from tokenserve.model.layers.quantization.gguf import QuantizedWeight
     from tokenserve.model.weight_cache import WeightDtypes
 
 # The architectures tokenserve implements (model/registry.py maps them to classes).

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from tokenserve.config import POOLING_TYPES, PoolerConfig
 from tokenserve.pooling_params import PoolingParams
+
+if TYPE_CHECKING:
+    import torch
 
 _ST_MODULES_FILE = "modules.json"
 _ST_POOLING_MODES = {
@@ -86,6 +87,9 @@ def apply_task_head(
     output: torch.Tensor, params: PoolingParams, task: str, normalize_default: bool
 ) -> torch.Tensor:
     """One request's result from the model's pooled output ([hidden] or [num_labels])."""
+    import torch  # engine side only: the configuration's readers above come without it
+    import torch.nn.functional as F
+
     output = output.float()
     if task == "embed":
         if params.dimensions is not None:

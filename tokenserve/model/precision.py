@@ -28,42 +28,27 @@ from __future__ import annotations
 
 import torch
 
-from tokenserve.kernels import cpu_isa
+from tokenserve.config import torch_dtype
+from tokenserve.model import dtype_names
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
+DTYPES = {alias: torch_dtype(name) for alias, name in dtype_names.DTYPE_ALIASES.items()}
 
 
 def auto_dtype(isa: str | None = None) -> torch.dtype:
     """bfloat16 where the level `isa` (default: the CPU's best) computes it natively."""
-    return torch.bfloat16 if cpu_isa.native_bf16(isa) else torch.float32
+    return torch_dtype(dtype_names.auto_dtype_name(isa))
 
 
 def resolve_dtype(dtype: str | torch.dtype, isa: str | None = None) -> torch.dtype:
-    """--dtype ("auto", a name of DTYPES, or a torch dtype) → the model's dtype. `isa` is
-    checked against the CPU whatever the dtype, so that a forced level it lacks fails here."""
-    cpu_isa.resolve(isa)
-    if dtype == "auto":
-        return auto_dtype(isa)
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[dtype]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}."
-        ) from None
+    """--dtype ("auto", a name of DTYPES, or a torch dtype) → the model's dtype
+    (`dtype_names.resolve_dtype_name`, as a torch dtype)."""
+    return torch_dtype(dtype_names.resolve_dtype_name(dtype, isa))
 
 
-def activation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What the hidden states, norms and attention of a `dtype` model compute in: float32
-    for a bfloat16 model (only its products are bf16), else the dtype itself."""
+def activation_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """What the hidden states, norms and attention of a `dtype` model (a torch dtype or
+    the configuration's name) compute in: float32 for a bfloat16 model (only its products
+    are bf16), else the dtype itself."""
+    if isinstance(dtype, str):
+        dtype = torch_dtype(dtype)
     return torch.float32 if dtype == torch.bfloat16 else dtype

@@ -186,7 +186,7 @@ async def _calibrate(
     if len(samples) < 2 * NUM_REGIME_FEATURES:
         raise ValueError("Calibration recorded too few steps to fit the step-cost model.")
     # Per kernel regime (core/step_cost.py): the row limits the model's products run under.
-    bf16 = str(config.model_config.dtype) == "torch.bfloat16"  # no torch import here
+    bf16 = config.model_config.dtype == "bfloat16"
     few_rows, panel_rows = config.kernel_config.block_row_limits(bf16)
     model = KernelRegimeCostModel.fit(samples, few_rows=few_rows, panel_rows=panel_rows)
     if delays:
@@ -256,7 +256,7 @@ def write_cost_file(path: str, model: StepCostModel, config: EngineConfig,
     data = {
         **model.to_dict(),
         "model": str(config.model_config.model),
-        "dtype": str(config.model_config.dtype).removeprefix("torch."),
+        "dtype": config.model_config.dtype,
         "machine": platform.processor() or platform.machine(),
         "calibration": report,
     }

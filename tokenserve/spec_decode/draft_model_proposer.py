@@ -64,7 +64,7 @@ class DraftModelProposer:
             block_size=self.block_size,
             num_kv_heads=self.model_config.num_kv_heads,
             head_size=self.model_config.head_dim,
-            dtype=self.config.cache_config.dtype,
+            dtype=self.config.cache_config.torch_dtype,
             device=self.device,
         )
 

@@ -71,7 +71,7 @@ class ModelRunner:
             activation_dtype(model_config.dtype),
             cascade=not model_config.disable_cascade_attn,
             use_c_kernels=not config.kernel_config.disable_c_kernels,
-            weights_dtype=model_config.dtype,
+            weights_dtype=model_config.torch_dtype,
         )
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
@@ -122,7 +122,7 @@ class ModelRunner:
             block_size=self.block_size,
             num_kv_heads=self.config.parallel_config.kv_heads_per_rank(model_config.num_kv_heads),
             head_size=model_config.head_dim,
-            dtype=self.config.cache_config.dtype,
+            dtype=self.config.cache_config.torch_dtype,
             device=self.device,
         )
         if self.proposer is not None:

@@ -23,10 +23,10 @@ import dataclasses
 import json
 import logging
 import signal
+import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-import torch
 import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -321,8 +321,6 @@ async def run_server(
 ) -> int:
     """Start the engine, serve until SIGINT/SIGTERM (exit 0) or the engine dies (exit 1).
     `engine_process`: an engine-core process started (and maybe configured) earlier."""
-    # The API process only tokenizes and detokenizes; the engine core gets the cores.
-    torch.set_num_threads(1)
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be non-negative, got {args.shutdown_timeout}.")
     api_keys = load_api_keys(args.api_key, args.api_key_file)
@@ -353,6 +351,10 @@ async def run_server(
         listen_socket.close()
         raise
     mm_processor = engine.processor.mm_processor
+    # The API process only tokenizes and detokenizes; the engine core gets the cores. Torch
+    # is here only if the model's inputs need it (a vision model's processor, built above).
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
     if mm_processor is not None:  # "string" chat templates get the model's own placeholder
         chat_content = dataclasses.replace(chat_content, image_placeholder=mm_processor.image_token)
     try:
