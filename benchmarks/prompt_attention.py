@@ -28,11 +28,17 @@ from tokenserve.kernels import build, cpu_isa
 
 # A step's prompt chunks: (query length, context length) each.
 SHAPES = {
+    # W1's prompt step: 8 prompts of 256 tokens, nothing cached.
+    "w1": [(256, 256)] * 8,
+    # Short chunks: 8 requests of 16 new tokens over 512 cached ones.
+    "short": [(16, 528)] * 8,
     # W3 without prefix caching at budget 512: a 1088-token prompt's first chunk, its
     # second (continuing 512 cached tokens), and a step of the last 64 tokens of 8 prompts.
     "w3-first": [(512, 512)],
     "w3-continue": [(512, 1024)],
     "w3-tails": [(64, 1088)] * 8,
+    # W3 with prefix caching: 32 requests of 64 new tokens over a cached 1024-token prefix.
+    "w3-cached": [(64, 1088)] * 32,
     # W4 at budget 256: one chunk continuing a 2048-token prompt near its end.
     "w4": [(256, 2048)],
 }

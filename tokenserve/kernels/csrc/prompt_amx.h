@@ -155,13 +155,11 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
     const int64_t last = context + first_row + count - 1;
     for (int64_t k0 = 0; k0 <= last; k0 += AKT) {
         /* The tile's keys as pairs of dims, [pairs][AKT]; values as pairs of keys. */
-        for (int j = 0; j < AKT; ++j)
-            w->rows[j] = key_row(key_cache, table, k0 + j, seq_len, block_stride, block_size,
-                                 kv_offset, head_dim);
+        tile_rows(w->rows, AKT, key_cache, table, k0, seq_len, block_stride, block_size,
+                  kv_offset, head_dim);
         pack_keys(w->kp, w->rows, pairs);
-        for (int j = 0; j < AKT; ++j)
-            w->rows[j] = key_row(value_cache, table, k0 + j, seq_len, block_stride, block_size,
-                                 kv_offset, head_dim);
+        tile_rows(w->rows, AKT, value_cache, table, k0, seq_len, block_stride, block_size,
+                  kv_offset, head_dim);
         pack_values(w->vp, w->rows, head_dim, AKT);
         const int masked = k0 + AKT - 1 > context + first_row;
         const __m512i pos0 = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)k0));

@@ -67,12 +67,24 @@ static int by_work_descending(const void *a, const void *b) {
 /* The cache row of context position `pos` (bf16), or a row of zeros past the context. */
 static const uint16_t zero_row[MAX_DIM] __attribute__((aligned(64)));
 
-static inline const uint16_t *key_row(const uint16_t *cache, const int64_t *table, int64_t pos,
-                                      int64_t seq_len, int64_t block_stride, int64_t block_size,
-                                      int64_t kv_offset, int64_t head_dim) {
-    if (pos >= seq_len) return zero_row;
-    return cache + table[pos / block_size] * block_stride + kv_offset +
-           (pos % block_size) * head_dim;
+/* The cache rows of context positions k0 .. k0 + n (bf16): rows past the context are a row
+ * of zeros. One division per call, not per row (block_size is not a constant). */
+static inline void tile_rows(const uint16_t **rows, int n, const uint16_t *cache,
+                             const int64_t *table, int64_t k0, int64_t seq_len,
+                             int64_t block_stride, int64_t block_size, int64_t kv_offset,
+                             int64_t head_dim) {
+    int64_t block = k0 / block_size, offset = k0 - block * block_size;
+    for (int j = 0; j < n; ++j) {
+        if (k0 + j >= seq_len) {
+            rows[j] = zero_row;
+            continue;
+        }
+        rows[j] = cache + table[block] * block_stride + kv_offset + offset * head_dim;
+        if (++offset == block_size) {
+            offset = 0;
+            ++block;
+        }
+    }
 }
 
 /* Scores of keys rows[0 .. NK) against NQ query vectors (qp: [pairs][MAX_QV] vectors of
@@ -204,9 +216,8 @@ static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
                                                 18, 2, 17, 1, 16, 0);
     const int64_t last = context + first_row + count - 1; /* the last key any row sees */
     for (int64_t k0 = 0; k0 <= last; k0 += KT) {
-        for (int j = 0; j < KT; ++j)
-            w->rows[j] = key_row(key_cache, table, k0 + j, seq_len, block_stride, block_size,
-                                 kv_offset, head_dim);
+        tile_rows(w->rows, KT, key_cache, table, k0, seq_len, block_stride, block_size,
+                  kv_offset, head_dim);
         switch (nq) {
         case 1: score_tile(w->s, w->qp, w->rows, pairs, 1); break;
         case 2: score_tile(w->s, w->qp, w->rows, pairs, 2); break;
@@ -215,9 +226,8 @@ static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
         case 5: score_tile(w->s, w->qp, w->rows, pairs, 5); break;
         default: score_tile(w->s, w->qp, w->rows, pairs, 6); break;
         }
-        for (int j = 0; j < KT; ++j)
-            w->rows[j] = key_row(value_cache, table, k0 + j, seq_len, block_stride, block_size,
-                                 kv_offset, head_dim);
+        tile_rows(w->rows, KT, value_cache, table, k0, seq_len, block_stride, block_size,
+                  kv_offset, head_dim);
         pack_values(w->vp, w->rows, head_dim, KT);
         const int masked = k0 + KT - 1 > context + first_row;
         for (int v = 0; v < nq; ++v) {
