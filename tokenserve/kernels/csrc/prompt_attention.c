@@ -32,6 +32,8 @@
 #define _GNU_SOURCE /* syscall(), for the AMX permission (prompt_amx.h) */
 #include "paged_attention.c"
 
+#include <omp.h>
+
 #if defined(__AVX512BF16__)
 #define PROMPT_BF16 1
 #else
@@ -282,6 +284,20 @@ static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
 #define PROMPT_AMX 0
 #endif
 
+#define ITEMS_PER_THREAD 4
+#if !PROMPT_AMX
+#define AMX_MAX_QUERIES MAX_QUERIES
+#endif
+
+/* Rows per item of a chunk of q_len rows: fixed on the vector paths; on the AMX path the
+ * chunk in `pieces`, whole 16-row blocks, at most AMX_MAX_QUERIES queries. */
+static int64_t item_rows(int amx, int64_t group, int64_t q_len, int64_t pieces) {
+    if (!amx) return rows_per_item(group);
+    const int64_t most = AMX_MAX_QUERIES / group;
+    const int64_t rows = ((q_len + pieces - 1) / pieces + 15) / 16 * 16;
+    return rows < most ? rows : most;
+}
+
 /* The path ts_prompt_attention takes for these shapes: 2 AMX tiles, 1 vdpbf16ps, 0 the
  * float32 one (per query row). */
 int ts_prompt_attention_path(int64_t kv_bf16, int64_t num_heads, int64_t num_kv_heads,
@@ -301,24 +317,33 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                         float scale, int64_t kv_bf16) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t tile = rows_per_item(group);
     const int native = ts_prompt_attention_native(kv_bf16, num_heads, num_kv_heads, head_dim);
+    int amx = 0;
 #if PROMPT_AMX
-    const int amx = ts_prompt_attention_path(kv_bf16, num_heads, num_kv_heads, head_dim) == 2;
+    amx = ts_prompt_attention_path(kv_bf16, num_heads, num_kv_heads, head_dim) == 2;
 #endif
-    int64_t num_tiles = 0, max_seq_len = 0;
+    /* AMX items take as many of a chunk's rows as keep ITEMS_PER_THREAD items per thread
+     * (each item packs every key tile its rows see: fewer, longer items pack less). */
+    const int64_t pairs = num_chunks * num_kv_heads;
+    const int64_t pieces = (ITEMS_PER_THREAD * omp_get_max_threads() + pairs - 1) / pairs;
+    int64_t num_items = 0, max_seq_len = 0, max_rows = 1;
     for (int64_t c = 0; c < num_chunks; ++c) {
-        num_tiles += (chunks[3 * c + 1] - chunks[3 * c] + tile - 1) / tile;
+        const int64_t q_len = chunks[3 * c + 1] - chunks[3 * c];
+        const int64_t tile = item_rows(amx, group, q_len, pieces);
+        num_items += (q_len + tile - 1) / tile;
         max_seq_len = chunks[3 * c + 2] > max_seq_len ? chunks[3 * c + 2] : max_seq_len;
+        max_rows = tile > max_rows ? tile : max_rows;
     }
-    PromptItem *items = (PromptItem *)malloc(sizeof(PromptItem) * (size_t)(num_tiles + 1));
+    PromptItem *items = (PromptItem *)malloc(sizeof(PromptItem) * (size_t)(num_items + 1));
     if (items == NULL) return -1;
     int64_t n = 0;
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t q_len = chunks[3 * c + 1] - chunks[3 * c];
+        const int64_t tile = item_rows(amx, group, q_len, pieces);
         for (int64_t r = 0; r < q_len; r += tile) {
             const int64_t rows = q_len - r < tile ? q_len - r : tile;
-            items[n++] = (PromptItem){c, r, rows, chunks[3 * c + 2] - q_len + r + rows};
+            /* work: rows times the keys the last of them sees */
+            items[n++] = (PromptItem){c, r, rows, rows * (chunks[3 * c + 2] - q_len + r + rows)};
         }
     }
     /* The items with the most keys first, so the dynamic schedule ends evenly. */
@@ -328,7 +353,7 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
     {
         void *scratch = NULL;
 #if PROMPT_AMX
-        if (amx) scratch = aligned_alloc(64, (sizeof(AmxScratch) + 63) / 64 * 64);
+        if (amx) scratch = amx_scratch((max_rows * group + 15) / 16 * 16, head_dim);
         else
 #endif
 #if PROMPT_BF16
@@ -373,7 +398,7 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
                             kv_bf16);
             }
         }
-        free(scratch);
+        if (!amx) free(scratch); /* the AMX scratch is the thread's, kept */
     }
     free(items);
     return failed ? -1 : 0;
