@@ -186,10 +186,14 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(q + e)));
     }
     memset(w->q + queries * head_dim, 0, sizeof(uint16_t) * (size_t)((padded - queries) * head_dim));
-    for (int64_t m = 0; m < padded; ++m) {
-        w->limit[m] = (int32_t)(context + first_row + (m < queries ? m / group : count - 1));
+    for (int64_t m = 0, row = 0, g = 0; m < padded; ++m) {
+        w->limit[m] = (int32_t)(context + first_row + (m < queries ? row : count - 1));
         w->max[m] = -INFINITY;
         w->sum[m] = _mm512_setzero_ps();
+        if (++g == group) {
+            g = 0;
+            ++row;
+        }
     }
     /* Tiles 0-3: S (16 queries x 16 keys each); 4: Q (16 queries x 32 dims) or P (16
      * queries x 32 keys); 5: K (16 dim pairs x 16 keys) or P; 6: V (16 key pairs x 16
