@@ -1,6 +1,6 @@
 """The prompt-attention kernel (kernels/csrc/prompt_attention.c) against the SDPA path it
-replaces, on the prompt-chunk shapes of W3 and W4, for each instruction-set level the CPU
-runs with native bf16 (kernels/cpu_isa.py; lower levels keep SDPA).
+replaces, on the prompt-chunk shapes of W1, W3 and W4 and short chunks, for each
+instruction-set level the CPU runs with native bf16 (kernels/cpu_isa.py; lower levels keep SDPA).
 
 Both run through the CPU attention backend (attention/torch_sdpa.py) on a bf16 cache, as
 `--dtype auto` serves the default model: one layer's forward() over a step of prompt chunks
@@ -11,7 +11,8 @@ query heads, 3 kv heads, head size 64). Figures: the fastest of `--repeats` wall
 times (kernel and SDPA taking turns), and GFLOP/s of useful work (4 · heads · head size
 per query-key pair that the causal mask lets through).
 
-usage: python benchmarks/prompt_attention.py [--shapes w3-first w3-continue w4 w3-cached]
+usage: python benchmarks/prompt_attention.py [--shapes w1 short w3-first w3-continue
+       w3-tails w3-cached w4]
        [--scale 1.0] [--block-size 16] [--cpu-isa avx512_bf16 amx] [--repeats 7]
 """
 

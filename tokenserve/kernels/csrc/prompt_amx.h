@@ -13,7 +13,12 @@
  * pairs of keys ([AKT / 2][head_dim]: pack_values), C = O [16 queries x 16 dims], loaded
  * and stored once per key tile, rescaled in memory when a row's maximum moves. All eight
  * tiles are configured 16 rows x 64 bytes; the configuration is loaded per item (oneDNN,
- * on the same threads, loads its own).
+ * on the same threads, loads its own). An item is up to AMX_MAX_QUERIES queries: each key
+ * tile is laid out once and used by all of its row blocks; the per-query state (bf16
+ * queries, O, sums, maxima) lives in a per-thread scratch kept across calls. The queries
+ * are rounded with vcvtneps2bf16 (nearest even; it reads a float32 denormal as 0, far
+ * below any score's precision), their rows prefetched AHEAD rows early (a
+ * new page each: the hardware prefetch restarts there), and the output likewise.
  * Needs head_dim % 32 == 0 (whole A tiles); other sizes take the vdpbf16ps path.
  */
 #ifndef TOKENSERVE_PROMPT_AMX_H

@@ -8,6 +8,11 @@
  * sees all of it). Work items are (chunk, tile of query rows, kv head), the biggest first,
  * spread over the OpenMP threads with a dynamic schedule; the query heads that share a kv
  * head (grouped-query attention) are one tile, so each key and value is read once for all.
+ * On the vector paths a tile is up to 96 queries; on the AMX path up to 768 (a 256-row
+ * chunk of 3 heads per kv head), a chunk cut into only as many tiles as keep
+ * ITEMS_PER_THREAD items per thread: each item lays out every key tile its rows see, so
+ * fewer, longer items lay out less (W1's 256-token prompts: each key tile once, not once
+ * per 32 rows).
  *
  * The bf16 path (a bfloat16 cache on a level with AVX512_BF16: avx512_bf16, amx) computes
  * as PyTorch's bf16 flash kernel does: queries rounded to bfloat16, scores q·k summed in
