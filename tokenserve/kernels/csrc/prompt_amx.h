@@ -81,7 +81,7 @@ typedef struct {
     float s[16 * AKT];              /* one row block's [16][AKT] scores */
     uint16_t p[16 * AKT];           /* its [16][AKT] bf16 probabilities */
     const uint16_t *rows[AKT];
-    int64_t capacity;               /* queries · head_dim the arrays below hold */
+    int64_t capacity, queries;      /* queries · head_dim, and queries, they hold */
     uint16_t *q;                    /* [queries][head_dim] bf16 */
     float *o;                       /* [queries][head_dim] */
     __m512 *sum;                    /* per query, lane-wise partial sums */
@@ -94,7 +94,8 @@ typedef struct {
 static AmxScratch *amx_scratch(int64_t queries, int64_t head_dim) {
     static _Thread_local AmxScratch *kept = NULL;
     const int64_t need = queries * head_dim;
-    if (kept != NULL && kept->capacity >= need) return kept;
+    /* Both bounds: a later call may have fewer dims but more queries. */
+    if (kept != NULL && kept->capacity >= need && kept->queries >= queries) return kept;
     free(kept);
     const size_t header = (sizeof(AmxScratch) + 63) / 64 * 64;
     const size_t q = ((size_t)need * 2 + 63) / 64 * 64, o = (size_t)need * 4;
@@ -103,6 +104,7 @@ static AmxScratch *amx_scratch(int64_t queries, int64_t head_dim) {
     kept = (AmxScratch *)base;
     if (base == NULL) return NULL;
     kept->capacity = need;
+    kept->queries = queries;
     kept->q = (uint16_t *)(base + header);
     kept->o = (float *)(base + header + q);
     kept->sum = (__m512 *)(base + header + q + o);
