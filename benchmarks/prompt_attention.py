@@ -1,6 +1,6 @@
 """The prompt-attention kernel (kernels/csrc/prompt_attention.c) against the SDPA path it
-replaces, on the prompt-chunk shapes of W3 and W4, for each instruction-set level the CPU
-runs with native bf16 (kernels/cpu_isa.py; lower levels keep SDPA).
+replaces, on the prompt-chunk shapes of W1, W3 and W4 and short chunks, for each
+instruction-set level the CPU runs with native bf16 (kernels/cpu_isa.py; lower levels keep SDPA).
 
 Both run through the CPU attention backend (attention/torch_sdpa.py) on a bf16 cache, as
 `--dtype auto` serves the default model: one layer's forward() over a step of prompt chunks
@@ -11,7 +11,8 @@ query heads, 3 kv heads, head size 64). Figures: the fastest of `--repeats` wall
 times (kernel and SDPA taking turns), and GFLOP/s of useful work (4 · heads · head size
 per query-key pair that the causal mask lets through).
 
-usage: python benchmarks/prompt_attention.py [--shapes w3-first w3-continue w4 w3-cached]
+usage: python benchmarks/prompt_attention.py [--shapes w1 short w3-first w3-continue
+       w3-tails w3-cached w4]
        [--scale 1.0] [--block-size 16] [--cpu-isa avx512_bf16 amx] [--repeats 7]
 """
 
@@ -28,11 +29,17 @@ from tokenserve.kernels import build, cpu_isa
 
 # A step's prompt chunks: (query length, context length) each.
 SHAPES = {
+    # W1's prompt step: 8 prompts of 256 tokens, nothing cached.
+    "w1": [(256, 256)] * 8,
+    # Short chunks: 8 requests of 16 new tokens over 512 cached ones.
+    "short": [(16, 528)] * 8,
     # W3 without prefix caching at budget 512: a 1088-token prompt's first chunk, its
     # second (continuing 512 cached tokens), and a step of the last 64 tokens of 8 prompts.
     "w3-first": [(512, 512)],
     "w3-continue": [(512, 1024)],
     "w3-tails": [(64, 1088)] * 8,
+    # W3 with prefix caching: 32 requests of 64 new tokens over a cached 1024-token prefix.
+    "w3-cached": [(64, 1088)] * 32,
     # W4 at budget 256: one chunk continuing a 2048-token prompt near its end.
     "w4": [(256, 2048)],
 }

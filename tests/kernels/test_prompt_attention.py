@@ -1,6 +1,7 @@
 """The prompt-attention kernel (kernels/csrc/prompt_attention.c) against attention written
 out in float64 torch, for every instruction-set level the host has (conftest.py): first
-chunks and chunks continuing a cached context in one call, query lengths 1..300, contexts
+chunks and chunks continuing a cached context in one call, query lengths 1..300 (and the
+default model's W1 and W4 steps), contexts
 on and off block edges, head sizes the AMX path takes (64, 96, 128) and one only the
 vdpbf16ps path takes (40), query-head groups 1, 3 and 4, float32 and bf16 caches; rows
 outside the chunks untouched; a chunk's rows the same alone and among others; bad tables
@@ -74,6 +75,10 @@ CASES = {
     "mha-d64-b8": (6, 6, 64, 8, [(65, 200), (2, 5), (31, 31)]),
     "gqa4-d96-b32": (4, 1, 96, 32, [(45, 77), (64, 64)]),
     "mha-d40": (4, 4, 40, 16, [(17, 40), (33, 33), (1, 9)]),
+    # The default model's step shapes: W1's 8 whole prompts (AMX items of whole chunks);
+    # a W4 chunk over a long context beside short ones (its rows split over several items).
+    "w1-gqa3-d64": (9, 3, 64, 16, [(256, 256)] * 8),
+    "w4-gqa3-d64": (9, 3, 64, 16, [(256, 2048), (16, 528), (8, 8)]),
 }
 
 

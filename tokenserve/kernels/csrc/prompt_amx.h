@@ -13,7 +13,12 @@
  * pairs of keys ([AKT / 2][head_dim]: pack_values), C = O [16 queries x 16 dims], loaded
  * and stored once per key tile, rescaled in memory when a row's maximum moves. All eight
  * tiles are configured 16 rows x 64 bytes; the configuration is loaded per item (oneDNN,
- * on the same threads, loads its own).
+ * on the same threads, loads its own). An item is up to AMX_MAX_QUERIES queries: each key
+ * tile is laid out once and used by all of its row blocks; the per-query state (bf16
+ * queries, O, sums, maxima) lives in a per-thread scratch kept across calls. The queries
+ * are rounded with vcvtneps2bf16 (nearest even; it reads a float32 denormal as 0, far
+ * below any score's precision), their rows prefetched AHEAD rows early (a
+ * new page each: the hardware prefetch restarts there), and the output likewise.
  * Needs head_dim % 32 == 0 (whole A tiles); other sizes take the vdpbf16ps path.
  */
 #ifndef TOKENSERVE_PROMPT_AMX_H
@@ -22,7 +27,15 @@
 #include "amx.h"
 
 #define AKT 64          /* keys per AMX key tile: four S tiles, two P tiles */
-#define LAZY_MAX 8.0f   /* how far a score may pass the running maximum before it moves */
+#define LAZY_MAX 8.0f
+#define AHEAD 16         /* query and output rows prefetched ahead */
+
+/* Prefetch `count` floats from p into L1, for reading or (write) for writing. */
+static inline void prefetch_span(const float *p, int64_t count, int write) {
+    for (int64_t i = 0; i < count; i += 16)
+        if (write) _m_prefetchw((void *)(p + i));
+        else _mm_prefetch((const char *)(p + i), _MM_HINT_T0);
+}   /* how far a score may pass the running maximum before it moves */
 
 /* kp[d][j] = pair d of key j (rows[j]), for AKT keys and `pairs` (a multiple of 16) pairs:
  * 16 x 16 transposes in registers, each four rounds of swapping off-diagonal blocks
@@ -57,18 +70,48 @@ static inline void pack_keys(uint32_t *kp, const uint16_t *const *rows, int64_t 
         }
 }
 
+#define AMX_MAX_QUERIES 768 /* queries per item: a 256-row chunk of 3 heads per kv head */
+
+/* One thread's scratch, kept for the thread's life and grown as a call needs: the key
+ * tile's packed keys and values, one row block's scores and probabilities, and per query
+ * (`queries` of them, head_dim each) the bf16 queries, the output sums, softmax state. */
 typedef struct {
-    uint16_t q[MAX_QUERIES * MAX_DIM];  /* [queries][head_dim] bf16 */
-    uint32_t kp[MAX_DIM / 2 * AKT];     /* [head_dim / 2][AKT] key pairs */
-    uint32_t vp[AKT / 2 * MAX_DIM];     /* [AKT / 2][head_dim] value pairs */
-    float s[16 * AKT];                  /* one row block's [16][AKT] scores */
-    uint16_t p[16 * AKT];               /* its [16][AKT] bf16 probabilities */
-    float o[MAX_QUERIES * MAX_DIM];     /* [queries][head_dim] */
-    __m512 sum[MAX_QUERIES];            /* per query, lane-wise partial sums */
-    float max[MAX_QUERIES];
-    int32_t limit[MAX_QUERIES];
+    uint32_t kp[MAX_DIM / 2 * AKT]; /* [head_dim / 2][AKT] key pairs */
+    uint32_t vp[AKT / 2 * MAX_DIM]; /* [AKT / 2][head_dim] value pairs */
+    float s[16 * AKT];              /* one row block's [16][AKT] scores */
+    uint16_t p[16 * AKT];           /* its [16][AKT] bf16 probabilities */
     const uint16_t *rows[AKT];
+    int64_t capacity, queries;      /* queries · head_dim, and queries, they hold */
+    uint16_t *q;                    /* [queries][head_dim] bf16 */
+    float *o;                       /* [queries][head_dim] */
+    __m512 *sum;                    /* per query, lane-wise partial sums */
+    float *max;
+    int32_t *limit;
 } AmxScratch;
+
+/* This thread's scratch for items of up to `queries` queries of head_dim; NULL if memory
+ * ran out. Kept, not freed: a fresh allocation each call would fault its pages in again. */
+static AmxScratch *amx_scratch(int64_t queries, int64_t head_dim) {
+    static _Thread_local AmxScratch *kept = NULL;
+    const int64_t need = queries * head_dim;
+    /* Both bounds: a later call may have fewer dims but more queries. */
+    if (kept != NULL && kept->capacity >= need && kept->queries >= queries) return kept;
+    free(kept);
+    const size_t header = (sizeof(AmxScratch) + 63) / 64 * 64;
+    const size_t q = ((size_t)need * 2 + 63) / 64 * 64, o = (size_t)need * 4;
+    const size_t per_query = 64 + 4 + 4; /* sum, max, limit */
+    char *base = aligned_alloc(64, header + q + o + (size_t)queries * per_query + 64);
+    kept = (AmxScratch *)base;
+    if (base == NULL) return NULL;
+    kept->capacity = need;
+    kept->queries = queries;
+    kept->q = (uint16_t *)(base + header);
+    kept->o = (float *)(base + header + q);
+    kept->sum = (__m512 *)(base + header + q + o);
+    kept->max = (float *)(kept->sum + queries);
+    kept->limit = (int32_t *)(kept->max + queries);
+    return kept;
+}
 
 /* The online softmax of one query row's AKT scores (s, unscaled) into bf16 probabilities
  * (p). The running maximum moves lazily: only when a score passes it by more than
@@ -99,18 +142,25 @@ static inline __attribute__((always_inline)) void softmax_row(
         const float old = now;
         now = _mm512_reduce_max_ps(top);
         w->max[m] = now;
-        const __m512 alpha = _mm512_set1_ps(expf(old - now)); /* 0 on the first tile */
-        w->sum[m] = _mm512_mul_ps(w->sum[m], alpha);
-        float *o = w->o + m * head_dim;
-        for (int64_t d = 0; d < head_dim; d += 16)
-            _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), alpha));
+        /* On the first key tile the sum is 0 and the output not yet written (the product
+         * with the values starts it from zero tiles). */
+        if (old != -INFINITY) {
+            const __m512 alpha = _mm512_set1_ps(expf(old - now));
+            w->sum[m] = _mm512_mul_ps(w->sum[m], alpha);
+            float *o = w->o + m * head_dim;
+            for (int64_t d = 0; d < head_dim; d += 16)
+                _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), alpha));
+        }
     }
     /* The rounding of now · log2 e is common to the row: the final division cancels it. */
     const __m512 now_v = _mm512_set1_ps(now * 1.44269504088896341f);
     __m512 sum = w->sum[m];
     for (int t = 0; t < AKT / 16; t += 2) {
-        const __m512 p0 = exp_shifted(keep[t], x[t], scales_l2, now_v);
-        const __m512 p1 = exp_shifted(keep[t + 1], x[t + 1], scales_l2, now_v);
+        /* 16 keys all past the row (on the diagonal tile): no exponentials. */
+        const __m512 p0 = keep[t] ? exp_shifted(keep[t], x[t], scales_l2, now_v)
+                                  : _mm512_setzero_ps();
+        const __m512 p1 = keep[t + 1] ? exp_shifted(keep[t + 1], x[t + 1], scales_l2, now_v)
+                                      : _mm512_setzero_ps();
         _mm512_storeu_si512(p + 16 * t, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
         sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
     }
@@ -129,17 +179,29 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
     const int64_t padded = (queries + 15) / 16 * 16;
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     const int64_t kv_offset = h * block_size * head_dim;
-    for (int64_t m = 0; m < padded; ++m) {
-        const int64_t row = m < queries ? m / group : count - 1;
-        w->limit[m] = (int32_t)(context + first_row + row);
+    /* A row's queries of this kv head are contiguous (group · head_dim floats); rows are
+     * strided, a new page each, where the hardware's prefetch restarts: fetched AHEAD
+     * rows early. */
+    const int64_t span = group * head_dim;
+    const float *q0 = query + (start + first_row) * query_stride + h * span;
+    for (int64_t i = 0; i < AHEAD && i < count; ++i) prefetch_span(q0 + i * query_stride, span, 0);
+    for (int64_t i = 0; i < count; ++i) {
+        if (i + AHEAD < count) prefetch_span(q0 + (i + AHEAD) * query_stride, span, 0);
+        const float *q = q0 + i * query_stride;
+        for (int64_t e = 0; e < span; e += 16)
+            _mm256_storeu_si256((__m256i *)(w->q + i * span + e),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(q + e)));
+    }
+    memset(w->q + queries * head_dim, 0, sizeof(uint16_t) * (size_t)((padded - queries) * head_dim));
+    for (int64_t m = 0, row = 0, g = 0; m < padded; ++m) {
+        w->limit[m] = (int32_t)(context + first_row + (m < queries ? row : count - 1));
         w->max[m] = -INFINITY;
         w->sum[m] = _mm512_setzero_ps();
-        const float *q = query + (start + first_row + row) * query_stride +
-                         (h * group + m % group) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d)
-            w->q[m * head_dim + d] = m < queries ? bf16_round(q[d]) : 0;
+        if (++g == group) {
+            g = 0;
+            ++row;
+        }
     }
-    memset(w->o, 0, sizeof(float) * (size_t)(padded * head_dim));
     /* Tiles 0-3: S (16 queries x 16 keys each); 4: Q (16 queries x 32 dims) or P (16
      * queries x 32 keys); 5: K (16 dim pairs x 16 keys) or P; 6: V (16 key pairs x 16
      * dims); 7: O (16 queries x 16 dims). */
@@ -155,13 +217,11 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
     const int64_t last = context + first_row + count - 1;
     for (int64_t k0 = 0; k0 <= last; k0 += AKT) {
         /* The tile's keys as pairs of dims, [pairs][AKT]; values as pairs of keys. */
-        for (int j = 0; j < AKT; ++j)
-            w->rows[j] = key_row(key_cache, table, k0 + j, seq_len, block_stride, block_size,
-                                 kv_offset, head_dim);
+        tile_rows(w->rows, AKT, key_cache, table, k0, seq_len, block_stride, block_size,
+                  kv_offset, head_dim);
         pack_keys(w->kp, w->rows, pairs);
-        for (int j = 0; j < AKT; ++j)
-            w->rows[j] = key_row(value_cache, table, k0 + j, seq_len, block_stride, block_size,
-                                 kv_offset, head_dim);
+        tile_rows(w->rows, AKT, value_cache, table, k0, seq_len, block_stride, block_size,
+                  kv_offset, head_dim);
         pack_values(w->vp, w->rows, head_dim, AKT);
         const int masked = k0 + AKT - 1 > context + first_row;
         const __m512i pos0 = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)k0));
@@ -193,7 +253,8 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
             _tile_loadd(4, w->p, AKT * 2);
             _tile_loadd(5, w->p + 32, AKT * 2);
             for (int64_t d = 0; d < head_dim; d += 16) {
-                _tile_loadd(7, w->o + r * head_dim + d, head_dim * 4);
+                if (k0 == 0) _tile_zero(7); /* every row's first key tile */
+                else _tile_loadd(7, w->o + r * head_dim + d, head_dim * 4);
                 _tile_loadd(6, w->vp + d, head_dim * 4);
                 _tile_dpbf16ps(7, 4, 6);
                 _tile_loadd(6, w->vp + 16 * head_dim + d, head_dim * 4);
@@ -203,11 +264,17 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
         }
     }
     _tile_release();
-    for (int64_t m = 0; m < queries; ++m) {
-        float *row = out + (start + first_row + m / group) * out_stride +
-                     (h * group + m % group) * head_dim;
-        const float inv = 1.0f / _mm512_reduce_add_ps(w->sum[m]);
-        for (int64_t d = 0; d < head_dim; ++d) row[d] = w->o[m * head_dim + d] * inv;
+    float *out0 = out + (start + first_row) * out_stride + h * span;
+    for (int64_t i = 0; i < AHEAD && i < count; ++i) prefetch_span(out0 + i * out_stride, span, 1);
+    for (int64_t i = 0; i < count; ++i) {
+        if (i + AHEAD < count) prefetch_span(out0 + (i + AHEAD) * out_stride, span, 1);
+        for (int64_t g = 0; g < group; ++g) {
+            const int64_t m = i * group + g;
+            const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(w->sum[m]));
+            float *row = out0 + i * out_stride + g * head_dim;
+            for (int64_t d = 0; d < head_dim; d += 16)
+                _mm512_storeu_ps(row + d, _mm512_mul_ps(_mm512_loadu_ps(w->o + m * head_dim + d), inv));
+        }
     }
 }
 

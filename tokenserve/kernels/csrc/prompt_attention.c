@@ -8,6 +8,11 @@
  * sees all of it). Work items are (chunk, tile of query rows, kv head), the biggest first,
  * spread over the OpenMP threads with a dynamic schedule; the query heads that share a kv
  * head (grouped-query attention) are one tile, so each key and value is read once for all.
+ * On the vector paths a tile is up to 96 queries; on the AMX path up to 768 (a 256-row
+ * chunk of 3 heads per kv head), a chunk cut into only as many tiles as keep
+ * ITEMS_PER_THREAD items per thread: each item lays out every key tile its rows see, so
+ * fewer, longer items lay out less (W1's 256-token prompts: each key tile once, not once
+ * per 32 rows).
  *
  * The bf16 path (a bfloat16 cache on a level with AVX512_BF16: avx512_bf16, amx) computes
  * as PyTorch's bf16 flash kernel does: queries rounded to bfloat16, scores q·k summed in
@@ -31,6 +36,8 @@
  */
 #define _GNU_SOURCE /* syscall(), for the AMX permission (prompt_amx.h) */
 #include "paged_attention.c"
+
+#include <omp.h>
 
 #if defined(__AVX512BF16__)
 #define PROMPT_BF16 1
@@ -67,12 +74,24 @@ static int by_work_descending(const void *a, const void *b) {
 /* The cache row of context position `pos` (bf16), or a row of zeros past the context. */
 static const uint16_t zero_row[MAX_DIM] __attribute__((aligned(64)));
 
-static inline const uint16_t *key_row(const uint16_t *cache, const int64_t *table, int64_t pos,
-                                      int64_t seq_len, int64_t block_stride, int64_t block_size,
-                                      int64_t kv_offset, int64_t head_dim) {
-    if (pos >= seq_len) return zero_row;
-    return cache + table[pos / block_size] * block_stride + kv_offset +
-           (pos % block_size) * head_dim;
+/* The cache rows of context positions k0 .. k0 + n (bf16): rows past the context are a row
+ * of zeros. One division per call, not per row (block_size is not a constant). */
+static inline void tile_rows(const uint16_t **rows, int n, const uint16_t *cache,
+                             const int64_t *table, int64_t k0, int64_t seq_len,
+                             int64_t block_stride, int64_t block_size, int64_t kv_offset,
+                             int64_t head_dim) {
+    int64_t block = k0 / block_size, offset = k0 - block * block_size;
+    for (int j = 0; j < n; ++j) {
+        if (k0 + j >= seq_len) {
+            rows[j] = zero_row;
+            continue;
+        }
+        rows[j] = cache + table[block] * block_stride + kv_offset + offset * head_dim;
+        if (++offset == block_size) {
+            offset = 0;
+            ++block;
+        }
+    }
 }
 
 /* Scores of keys rows[0 .. NK) against NQ query vectors (qp: [pairs][MAX_QV] vectors of
@@ -204,9 +223,8 @@ static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
                                                 18, 2, 17, 1, 16, 0);
     const int64_t last = context + first_row + count - 1; /* the last key any row sees */
     for (int64_t k0 = 0; k0 <= last; k0 += KT) {
-        for (int j = 0; j < KT; ++j)
-            w->rows[j] = key_row(key_cache, table, k0 + j, seq_len, block_stride, block_size,
-                                 kv_offset, head_dim);
+        tile_rows(w->rows, KT, key_cache, table, k0, seq_len, block_stride, block_size,
+                  kv_offset, head_dim);
         switch (nq) {
         case 1: score_tile(w->s, w->qp, w->rows, pairs, 1); break;
         case 2: score_tile(w->s, w->qp, w->rows, pairs, 2); break;
@@ -215,9 +233,8 @@ static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
         case 5: score_tile(w->s, w->qp, w->rows, pairs, 5); break;
         default: score_tile(w->s, w->qp, w->rows, pairs, 6); break;
         }
-        for (int j = 0; j < KT; ++j)
-            w->rows[j] = key_row(value_cache, table, k0 + j, seq_len, block_stride, block_size,
-                                 kv_offset, head_dim);
+        tile_rows(w->rows, KT, value_cache, table, k0, seq_len, block_stride, block_size,
+                  kv_offset, head_dim);
         pack_values(w->vp, w->rows, head_dim, KT);
         const int masked = k0 + KT - 1 > context + first_row;
         for (int v = 0; v < nq; ++v) {
@@ -272,6 +289,20 @@ static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
 #define PROMPT_AMX 0
 #endif
 
+#define ITEMS_PER_THREAD 4
+#if !PROMPT_AMX
+#define AMX_MAX_QUERIES MAX_QUERIES
+#endif
+
+/* Rows per item of a chunk of q_len rows: fixed on the vector paths; on the AMX path the
+ * chunk in `pieces`, whole 16-row blocks, at most AMX_MAX_QUERIES queries. */
+static int64_t item_rows(int amx, int64_t group, int64_t q_len, int64_t pieces) {
+    if (!amx) return rows_per_item(group);
+    const int64_t most = AMX_MAX_QUERIES / group;
+    const int64_t rows = ((q_len + pieces - 1) / pieces + 15) / 16 * 16;
+    return rows < most ? rows : most;
+}
+
 /* The path ts_prompt_attention takes for these shapes: 2 AMX tiles, 1 vdpbf16ps, 0 the
  * float32 one (per query row). */
 int ts_prompt_attention_path(int64_t kv_bf16, int64_t num_heads, int64_t num_kv_heads,
@@ -291,24 +322,33 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                         float scale, int64_t kv_bf16) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t tile = rows_per_item(group);
     const int native = ts_prompt_attention_native(kv_bf16, num_heads, num_kv_heads, head_dim);
+    int amx = 0;
 #if PROMPT_AMX
-    const int amx = ts_prompt_attention_path(kv_bf16, num_heads, num_kv_heads, head_dim) == 2;
+    amx = ts_prompt_attention_path(kv_bf16, num_heads, num_kv_heads, head_dim) == 2;
 #endif
-    int64_t num_tiles = 0, max_seq_len = 0;
+    /* AMX items take as many of a chunk's rows as keep ITEMS_PER_THREAD items per thread
+     * (each item packs every key tile its rows see: fewer, longer items pack less). */
+    const int64_t pairs = num_chunks * num_kv_heads;
+    const int64_t pieces = (ITEMS_PER_THREAD * omp_get_max_threads() + pairs - 1) / pairs;
+    int64_t num_items = 0, max_seq_len = 0, max_rows = 1;
     for (int64_t c = 0; c < num_chunks; ++c) {
-        num_tiles += (chunks[3 * c + 1] - chunks[3 * c] + tile - 1) / tile;
+        const int64_t q_len = chunks[3 * c + 1] - chunks[3 * c];
+        const int64_t tile = item_rows(amx, group, q_len, pieces);
+        num_items += (q_len + tile - 1) / tile;
         max_seq_len = chunks[3 * c + 2] > max_seq_len ? chunks[3 * c + 2] : max_seq_len;
+        max_rows = tile > max_rows ? tile : max_rows;
     }
-    PromptItem *items = (PromptItem *)malloc(sizeof(PromptItem) * (size_t)(num_tiles + 1));
+    PromptItem *items = (PromptItem *)malloc(sizeof(PromptItem) * (size_t)(num_items + 1));
     if (items == NULL) return -1;
     int64_t n = 0;
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t q_len = chunks[3 * c + 1] - chunks[3 * c];
+        const int64_t tile = item_rows(amx, group, q_len, pieces);
         for (int64_t r = 0; r < q_len; r += tile) {
             const int64_t rows = q_len - r < tile ? q_len - r : tile;
-            items[n++] = (PromptItem){c, r, rows, chunks[3 * c + 2] - q_len + r + rows};
+            /* work: rows times the keys the last of them sees */
+            items[n++] = (PromptItem){c, r, rows, rows * (chunks[3 * c + 2] - q_len + r + rows)};
         }
     }
     /* The items with the most keys first, so the dynamic schedule ends evenly. */
@@ -318,7 +358,7 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
     {
         void *scratch = NULL;
 #if PROMPT_AMX
-        if (amx) scratch = aligned_alloc(64, (sizeof(AmxScratch) + 63) / 64 * 64);
+        if (amx) scratch = amx_scratch((max_rows * group + 15) / 16 * 16, head_dim);
         else
 #endif
 #if PROMPT_BF16
@@ -363,7 +403,7 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
                             kv_bf16);
             }
         }
-        free(scratch);
+        if (!amx) free(scratch); /* the AMX scratch is the thread's, kept */
     }
     free(items);
     return failed ? -1 : 0;
