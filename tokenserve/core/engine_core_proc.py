@@ -29,6 +29,7 @@ from tokenserve.config import EngineConfig
 from tokenserve.core.cpu_threads import pin_to_cpus
 from tokenserve.core.dashboard_snapshot import SnapshotClock, dashboard_snapshot, num_decode_tokens
 from tokenserve.core.engine_core import EngineCore
+from tokenserve.core.gc_heap import freeze_startup_heap
 from tokenserve.core.request import Request
 from tokenserve.core.step_cost import StepShape
 from tokenserve.executor.backends import import_executor_class
@@ -86,6 +87,8 @@ def run_engine_core(
     # The configuration it runs, for the API process to check against its own.
     ready_pipe.send({"status": "ready", "pid": os.getpid(), "config": config})
     ready_pipe.close()
+    # After "ready": the API process is still starting, so this is off the start's path.
+    freeze_startup_heap()
     exit_code = 0
     try:
         proc.run_busy_loop()

@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
+from tokenserve.core.gc_heap import freeze_startup_heap
 from tokenserve.engine.async_llm import AsyncLLM
 from tokenserve.engine.core_client import EngineCoreProcess
 from tokenserve.engine.engine_args import EngineArgs
@@ -405,6 +406,7 @@ async def run_server(
         # it, so that the engine below is still shut down and the exit code stays ours.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: None)
+        freeze_startup_heap()  # no full collection walks the app between streamed chunks
         await server.serve(sockets=[listen_socket])
         if not server.started:
             exit_code = exit_code or 1
