@@ -31,3 +31,34 @@ def test_freezing_collects_first_and_leaves_the_rest_out_of_collections():
     assert collected == "True"  # the dropped cycle was collected before the freeze
     assert frozen == "True"
     assert walked == "False"  # the kept objects are out of the collector's generations
+
+
+def test_an_offline_run_freezes_the_heap_only_while_it_runs(tiny_model_dirs, monkeypatch):
+    import gc
+
+    from tokenserve import LLM, SamplingParams
+
+    llm = LLM(tiny_model_dirs["llama"], kv_cache_memory="64MiB")
+    engine = llm.llm_engine  # built before the run, as the model is
+    seen = []
+    step = llm.llm_engine.step
+
+    def watched_step():
+        tracked = {id(o) for o in gc.get_objects()}
+        seen.append((gc.get_freeze_count(), id(engine) in tracked))
+        return step()
+
+    monkeypatch.setattr(llm.llm_engine, "step", watched_step)
+    assert gc.get_freeze_count() == 0
+    llm.generate(["a b c"], SamplingParams(max_tokens=3, temperature=0.0))
+    assert seen and all(count > 0 and not walked for count, walked in seen)
+    assert gc.get_freeze_count() == 0  # everything handed back: nothing stays frozen
+
+    # Objects someone else froze are left as they are (not ours to unfreeze).
+    theirs = [[] for _ in range(10)]
+    gc.freeze()
+    try:
+        llm.generate(["a b"], SamplingParams(max_tokens=2, temperature=0.0))
+        assert not {id(o) for o in gc.get_objects()} & {id(o) for o in theirs}
+    finally:
+        gc.unfreeze()

@@ -194,3 +194,27 @@ def test_rotary_in_place_on_fused_qkv_views(ops):
     torch.testing.assert_close(q, expected_q)
     torch.testing.assert_close(k, expected_k)
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], untouched)  # values stay as they were
+
+
+# Widths below, at and past a vector of 8 or 16 lanes, and the logits' 49152.
+@pytest.mark.parametrize("rows,cols", [(1, 1), (3, 7), (5, 16), (4, 33), (2, 100), (64, 49152)])
+def test_argmax_rows_answers_as_torch_max_indices(ops, rows, cols):
+    generator = torch.Generator().manual_seed(rows * cols)
+    random = torch.randn(rows, cols, generator=generator)
+    # Few distinct values: equal maxima in several lanes, the first must win.
+    ties = torch.randint(0, 3, (rows, cols), generator=generator).float()
+    with_nans = ties.clone()
+    with_nans[:, -1] = float("nan")  # a NaN ranks above everything, the first one wins
+    with_nans[0, cols // 2] = float("nan")
+    negative_infinity = torch.full((rows, cols), float("-inf"))
+    for x in (random, ties, with_nans, negative_infinity):
+        assert torch.equal(ops.argmax_rows(x), x.max(dim=-1).indices)
+
+
+def test_argmax_rows_refuses_what_it_cannot_read(ops):
+    with pytest.raises(ValueError):
+        ops.argmax_rows(torch.zeros(2, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError):
+        ops.argmax_rows(torch.zeros(4))
+    with pytest.raises(ValueError):
+        ops.argmax_rows(torch.zeros(2, 0))

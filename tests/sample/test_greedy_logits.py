@@ -62,3 +62,21 @@ def test_a_processor_or_logprobs_still_apply_to_bf16_logits():
     assert out.logprobs is not None
     expected = logits.float().log_softmax(-1)[:, 3]
     torch.testing.assert_close(out.logprobs.logprobs[:, 0], expected)
+
+
+def test_the_c_argmax_samples_what_greedy_tokens_does():
+    from tokenserve.kernels import layer_ops
+
+    ops = layer_ops.load()
+    if ops is None:
+        pytest.skip("the C kernels are not built here")
+    sampler = Sampler(ops.argmax_rows)
+    logits = _tied_logits(64, 4099, torch.float32)
+    assert torch.equal(sampler(logits, _greedy_metadata(64)).token_ids, greedy_tokens(logits))
+    # With a processor in the way (the sampler's float32 copy), and on bf16 logits (torch's).
+    banned = BannedTokens(rows=torch.tensor([0]), token_ids=logits[0].argmax().reshape(1))
+    out = sampler(logits, _greedy_metadata(64, LogitsProcessorInputs(banned=banned)))
+    assert torch.equal(out.token_ids, Sampler()(logits, _greedy_metadata(
+        64, LogitsProcessorInputs(banned=banned))).token_ids)
+    bf16 = logits.to(torch.bfloat16)
+    assert torch.equal(sampler(bf16, _greedy_metadata(64)).token_ids, greedy_tokens(bf16))

@@ -6,13 +6,18 @@ an engine core process of the default model, alive as long as the process. Left 
 collector's generations, every full collection walks all of them, ~50 ms of CPU here,
 and that pause lands inside an engine step, in every running request's inter-token
 latency. Frozen (`gc.freeze`, as vLLM's processes do after start), a collection walks
-only what the requests created since. Only for processes that end with the engine: an
-offline `LLM` in the user's process is left alone, as its objects are the user's to drop.
+only what the requests created since.
+
+An offline `LLM` lives in the user's process, whose objects are the user's to drop: there
+what exists when a run (`generate`, `encode`, ...) starts is frozen for that run only and
+handed back to the collector when it ends, so nothing stays frozen.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 
 def freeze_startup_heap() -> int:
@@ -21,3 +26,18 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+@contextlib.contextmanager
+def heap_frozen_during_run() -> Iterator[None]:
+    """Leave every object that exists now out of collections until the block ends, then
+    hand them all back (`gc.freeze` and `gc.unfreeze` move whole generations: no walk).
+    Does nothing where objects are frozen already: those are not ours to unfreeze."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -11,6 +11,7 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
+from tokenserve.core.gc_heap import heap_frozen_during_run
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.engine.llm_engine import LLMEngine
 from tokenserve.engine.processor import PromptType
@@ -224,12 +225,15 @@ class LLM:
         finished: dict[str, Any] = {}
         progress = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
         try:
-            while pending:
-                for output in self.llm_engine.step():
-                    if output.request_id in pending:
-                        pending.discard(output.request_id)
-                        finished[output.request_id] = output
-                        progress.update(1)
+            # The model and everything else built before stay out of the collections a
+            # long run makes (core/gc_heap.py); handed back when it ends.
+            with heap_frozen_during_run():
+                while pending:
+                    for output in self.llm_engine.step():
+                        if output.request_id in pending:
+                            pending.discard(output.request_id)
+                            finished[output.request_id] = output
+                            progress.update(1)
         except BaseException:
             self.llm_engine.abort_request(list(pending))
             raise

@@ -44,6 +44,9 @@ class LayerOps:
         self._rotary = library.ts_rotary_f32
         self._rotary.restype = None
         self._rotary.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+        self._argmax_rows = library.ts_argmax_rows_f32
+        self._argmax_rows.restype = None
+        self._argmax_rows.argtypes = [ptr, ptr, i64, i64]
 
     def rms_norm(
         self,
@@ -155,6 +158,17 @@ class LayerOps:
             out.data_ptr(), qkv.data_ptr(), width, positions.data_ptr(), cos.data_ptr(),
             sin.data_ptr(), tokens, num_heads, num_kv_heads, head_dim,
         )
+        return out
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's index of its largest value, x [rows, cols] float32 → int64 [rows]: the
+        first of equal maxima, the first NaN where a row has one (torch's
+        `max(dim=-1).indices`), in one pass over x (greedy sampling's logits)."""
+        check_f32(x)
+        if x.dim() != 2 or x.shape[1] == 0:
+            raise ValueError("argmax_rows needs x [rows, cols] with at least one column.")
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._argmax_rows(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1])
         return out
 
 

@@ -24,6 +24,7 @@ from tokenserve.attention.batch_layout import BatchLayout
 from tokenserve.attention.selector import get_attention_backend
 from tokenserve.config import EngineConfig
 from tokenserve.distributed.parallel_state import ModelParallel
+from tokenserve.kernels import layer_ops
 from tokenserve.kernels.build import select_isa
 from tokenserve.kv_transfer.worker_base import KVConnectorWorker
 from tokenserve.kv_transfer.worker_factory import create_worker_connector
@@ -73,7 +74,8 @@ class ModelRunner:
             use_c_kernels=not config.kernel_config.disable_c_kernels,
             weights_dtype=model_config.torch_dtype,
         )
-        self.sampler = Sampler()
+        kernels = None if config.kernel_config.disable_c_kernels else layer_ops.load()
+        self.sampler = Sampler(kernels.argmax_rows if kernels is not None else None)
         self.rejection_sampler = RejectionSampler()
         self.proposer = build_proposer(config, self.attention, self.device)
         self.requests: dict[str, CachedRequestState] = {}

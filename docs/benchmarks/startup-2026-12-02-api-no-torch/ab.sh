@@ -1,15 +1,15 @@
 #!/bin/bash
-# Interleaved whole-start A/B: A=/work/main, B=/work/wt-start; warm private cache.
+# Interleaved whole-start A/B: A=$BEFORE_TREE, B=$AFTER_TREE; warm private cache.
 cd /tmp
-export TOKENSERVE_CACHE_DIR=/tmp/s34/cache
-for tree in /work/main /work/wt-start; do
-  PYTHONPATH=$tree /work/tvenv/bin/python -m tokenserve.entrypoints.cli bench startup --num-runs 1 --cache-dir /tmp/s34/cache > /tmp/s34/warm_$(basename $tree).txt 2>&1
+export TOKENSERVE_CACHE_DIR=$OUT/cache
+for tree in $BEFORE_TREE $AFTER_TREE; do
+  PYTHONPATH=$tree python -m tokenserve.entrypoints.cli bench startup --num-runs 1 --cache-dir $OUT/cache > $OUT/warm_$(basename $tree).txt 2>&1
 done
 for round in 1 2 3; do
-  for tree in /work/main /work/wt-start; do
+  for tree in $BEFORE_TREE $AFTER_TREE; do
     name=$(basename $tree)
     echo "round $round $name load $(cut -d' ' -f1-3 /proc/loadavg) $(date +%T)"
-    PYTHONPATH=$tree /work/tvenv/bin/python -m tokenserve.entrypoints.cli bench startup --num-runs 3 --cache-dir /tmp/s34/cache --output-json /tmp/s34/ab_${name}_$round.json > /tmp/s34/ab_${name}_$round.txt 2>&1
+    PYTHONPATH=$tree python -m tokenserve.entrypoints.cli bench startup --num-runs 3 --cache-dir $OUT/cache --output-json $OUT/ab_${name}_$round.json > $OUT/ab_${name}_$round.txt 2>&1
   done
 done
 echo "end load $(cut -d' ' -f1-3 /proc/loadavg) $(date +%T)"

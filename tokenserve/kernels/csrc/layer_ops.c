@@ -265,3 +265,50 @@ void ts_rotary_from_bf16(float *out, const uint16_t *qkv, int64_t width, const i
                      num_kv_heads, head_dim);
     }
 }
+
+/* Row x's argmax over `cols` float32 values, as torch's max(dim=-1).indices: the first of
+ * equal maxima, and the first NaN where the row has one. Each lane keeps the first index of
+ * its own strict maximum; the lanes are then merged by value, ties to the lower index. */
+static inline int64_t argmax_row(const float *x, int64_t cols) {
+    int64_t j = 0, best = 0;
+    float best_value = x[0];
+    int nan = 0;
+    if (cols >= VW) {
+        vwf values = loadw(x);
+        vwi indices, at;
+        for (int lane = 0; lane < VW; ++lane) indices[lane] = lane;
+        at = indices;
+        vwi nans = values != values;
+        for (j = VW; j + VW <= cols; j += VW) {
+            const vwf v = loadw(x + j);
+            at += VW;
+            const vwi greater = v > values;
+            values = selectw(greater, v, values);
+            indices = (greater & at) | (~greater & indices);
+            nans |= v != v;
+        }
+        best_value = values[0], best = indices[0];
+        for (int lane = 0; lane < VW; ++lane) {
+            nan |= nans[lane] != 0;
+            if (values[lane] > best_value || (values[lane] == best_value && indices[lane] < best))
+                best_value = values[lane], best = indices[lane];
+        }
+    } else {
+        j = 1;
+        nan = x[0] != x[0];
+    }
+    for (; j < cols; ++j) {
+        nan |= x[j] != x[j];
+        if (x[j] > best_value) best_value = x[j], best = j;
+    }
+    if (nan)
+        for (j = 0; j < cols; ++j)
+            if (x[j] != x[j]) return j;
+    return best;
+}
+
+/* out[r] = argmax_row(x[r]) for each of num_rows rows (greedy sampling's token ids). */
+void ts_argmax_rows_f32(int64_t *out, const float *x, int64_t num_rows, int64_t cols) {
+#pragma omp parallel for schedule(static) if (num_rows * cols >= PARALLEL_MIN)
+    for (int64_t r = 0; r < num_rows; ++r) out[r] = argmax_row(x + r * cols, cols);
+}
