@@ -3,7 +3,7 @@ serving process (the engine core's, the API server's).
 
 The model's modules and parameters, the tokenizer, the HTTP app: ~230k tracked objects in
 an engine core process of the default model, alive as long as the process. Left in the
-collector's generations, every full collection walks all of them, ~50 ms of CPU here,
+collector's generations, every full collection walks all of them, 70-90 ms of CPU here,
 and that pause lands inside an engine step, in every running request's inter-token
 latency. Frozen (`gc.freeze`, as vLLM's processes do after start), a collection walks
 only what the requests created since.
