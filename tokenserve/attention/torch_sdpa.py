@@ -60,6 +60,7 @@ from tokenserve.attention.paged_context import context_index, gather_context, of
 from tokenserve.kernels import build, cpu_isa, paged_attention, prompt_attention
 from tokenserve.kernels.paged_attention import DecodeRows
 from tokenserve.kernels.prompt_attention import PromptChunks
+from tokenserve.kernels.row_buckets import empty_rows
 
 # The shortest shared prefix that cascade attention takes (see the module docstring).
 CASCADE_MIN_PREFIX_TOKENS = 1024
@@ -311,7 +312,8 @@ class TorchSDPABackend(AttentionBackend):
             key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
             value_cache[blocks, :, offsets] = value.to(value_cache.dtype)
 
-        output = torch.empty_like(query)
+        # o_proj reads it; a bf16 product pads its rows in place (kernels/row_buckets.py).
+        output = empty_rows(tuple(query.shape), query.dtype)
         dtype = self.prompt_dtype(query.dtype, key_cache.dtype)
         chunks, cascades = metadata.prompt_chunks, metadata.cascades
         if metadata.prompt_batch is not None and self._prompt_kernel(query, key_cache):

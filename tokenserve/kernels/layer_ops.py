@@ -10,6 +10,7 @@ import functools
 import torch
 
 from tokenserve.kernels import build
+from tokenserve.kernels.row_buckets import empty_rows
 from tokenserve.kernels.tensor_checks import (
     check_f32,
     check_f32_or_bf16,
@@ -82,7 +83,8 @@ class LayerOps:
         check_f32(weight, *(() if residual is None else (residual,)))
         if out_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"rms_norm writes float32 or bfloat16, not {out_dtype}.")
-        out = torch.empty(x.shape, dtype=out_dtype)
+        # A bf16 result feeds a bf16 product: room for its padded rows (row_buckets.py).
+        out = empty_rows(tuple(x.shape), out_dtype)
         self._rms_norm_mixed(
             out.data_ptr(), int(out_dtype == torch.bfloat16), x.data_ptr(),
             int(x.dtype == torch.bfloat16), 0 if residual is None else residual.data_ptr(),
@@ -99,7 +101,7 @@ class LayerOps:
         if out_dtype == torch.bfloat16:
             check_f32_or_bf16(gate_up)
             rows, width = gate_up.shape
-            out = torch.empty((rows, width // 2), dtype=torch.bfloat16)
+            out = empty_rows((rows, width // 2), torch.bfloat16)  # a bf16 product reads it
             self._silu_and_mul_to_bf16(
                 out.data_ptr(), gate_up.data_ptr(), int(gate_up.dtype == torch.bfloat16), rows,
                 width // 2,

@@ -27,6 +27,7 @@ from torch import nn
 from tokenserve.attention.backend import AttentionBackend, AttentionMetadata
 from tokenserve.config import KernelConfig
 from tokenserve.distributed.parallel_state import ModelParallel, TensorParallelGroup
+from tokenserve.kernels.row_buckets import empty_rows
 from tokenserve.model.fused_decode import FusedDecodeLayerStack
 from tokenserve.model.layers.activation import SiluAndMul
 from tokenserve.model.layers.attention import Attention
@@ -95,8 +96,9 @@ class LlamaAttention(nn.Module):
         to bf16 here, so its sums stay bf16 for the norm after (one cast, not two)."""
         attn_output = attn_output.reshape(attn_output.shape[0], self.q_size)
         input_dtype = product_input_dtype(self.o_proj, attn_output.shape[0])
-        if input_dtype is not None:
-            attn_output = attn_output.to(input_dtype)
+        if input_dtype is not None and input_dtype != attn_output.dtype:
+            # With room for the product's padded rows (kernels/row_buckets.py).
+            attn_output = empty_rows(tuple(attn_output.shape), input_dtype).copy_(attn_output)
         return self.o_proj(attn_output)
 
     def project_qkv(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -21,13 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenserve.kernels.row_buckets import bucketed, empty_rows
 from tokenserve.model.layers.quantization.base import QuantizationMethod
 
 _PACKABLE = (torch.float32, torch.bfloat16)
-# bf16 products pad their rows to a multiple of this: oneDNN builds (JITs) a bf16 primitive
-# per row count, ~3 ms each here, and chunked-prefill steps bring a new count nearly every
-# step; padded, a few dozen counts serve them all (docs/PERFORMANCE_CPU.md).
-BF16_ROW_BUCKET = 32
 
 
 def pack_for_onednn(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor | None:
@@ -96,11 +93,14 @@ class UnquantizedLinearMethod(QuantizationMethod):
         if weight.dtype != x.dtype or x.dtype == self.weight_dtype:
             # bf16 products: round x, accumulate in float32 (oneDNN, MKL), and add the bias
             # in float32 after.
+            # The rows padded to a bucket (oneDNN builds a primitive per row count:
+            # kernels/row_buckets.py), in place where the operator before left room.
             rows = x.shape[0]
-            padded = -(-rows // BF16_ROW_BUCKET) * BF16_ROW_BUCKET
-            xb = x.to(weight.dtype)
-            if x.dim() == 2 and padded != rows:
-                xb = torch.cat([xb, xb.new_zeros(padded - rows, xb.shape[1])])
+            xb = x
+            if x.dtype != weight.dtype:
+                xb = empty_rows(tuple(x.shape), weight.dtype).copy_(x)
+            if x.dim() == 2:
+                xb = bucketed(xb)
             out = self._product(layer, xb, None)[:rows]
             if x.dtype != weight.dtype or bias is not None:
                 out = out.to(torch.float32 if x.dtype == weight.dtype else x.dtype)

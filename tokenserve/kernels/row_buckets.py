@@ -1,0 +1,44 @@
+"""The row counts bf16 products run at, and room for them in their inputs' storage.
+
+oneDNN builds (JITs) a bf16 primitive per row count (~3 ms each here), and chunked-prefill
+steps bring a new count nearly every step, so a bf16 product multiplies its rows padded to a
+multiple of ROW_BUCKET: a few dozen counts serve every step (docs/PERFORMANCE_CPU.md).
+
+Padding by a copy (the rows plus zero rows, a new tensor) cost ~7 ms of a 258-row step of the
+default model: four copies per layer. So the operators that hand a bf16 product its input
+(RMSNorm, SwiGLU, attention) write it into storage that already holds the bucket's rows
+(`empty_rows`), and the product reads the padded rows in place (`bucketed`). The padding rows
+are whatever that storage held: each row of a product's result depends on its own input row
+only, and the padding rows' results are cut off before anyone reads them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROW_BUCKET = 16
+
+
+def bucket_rows(rows: int) -> int:
+    """`rows` rounded up to a multiple of ROW_BUCKET."""
+    return -(-rows // ROW_BUCKET) * ROW_BUCKET
+
+
+def empty_rows(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor of `shape` whose storage goes on for bucket_rows(shape[0])
+    rows (what `bucketed` reads in place)."""
+    return torch.empty((bucket_rows(shape[0]), *shape[1:]), dtype=dtype)[: shape[0]]
+
+
+def bucketed(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, cols] as bucket_rows(rows) rows: x's own storage read on past its last row
+    where the storage has room and x's rows are contiguous, else x with zero rows appended
+    (a copy)."""
+    rows, cols = x.shape
+    padded = bucket_rows(rows)
+    if padded == rows:
+        return x
+    end = (x.storage_offset() + padded * cols) * x.element_size()
+    if x.is_contiguous() and end <= x.untyped_storage().nbytes():
+        return x.as_strided((padded, cols), (cols, 1))
+    return torch.cat([x, x.new_zeros(padded - rows, cols)])
