@@ -1,6 +1,7 @@
 /*
  * What the AMX kernels share: the process's permission to use the tile registers, the
- * tile configuration's layout (ldtilecfg's 64 bytes) and 2^t exponentials on 16 lanes.
+ * tile configuration's layout (ldtilecfg's 64 bytes), 2^t exponentials on 16 lanes and a
+ * 16 x 16 transpose (packing B tiles in the VNNI layout).
  * Included by the kernels built for the `amx` level only.
  */
 #ifndef TOKENSERVE_AMX_H
@@ -40,6 +41,41 @@ static inline __m512 exp_shifted(__mmask16 keep, __m512 s, __m512 scale_l2, __m5
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312182128e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999926157e-1f));
     return _mm512_maskz_scalef_ps(keep, p, n); /* 0 where masked */
+}
+
+/* A 16 x 16 transpose of 32-bit elements in registers (r[i] lane j becomes r[j] lane i): four
+ * rounds of swapping off-diagonal blocks (8, 4, 2, 1 wide) with vpermt2d, whose index vectors
+ * transpose16_order() makes once. */
+typedef struct {
+    __m512i lo[4], hi[4];
+} Transpose16;
+
+static inline Transpose16 transpose16_order(void) {
+    Transpose16 order;
+    for (int s = 0; s < 4; ++s) {
+        const int b = 8 >> s;
+        int32_t l[16], u[16];
+        for (int c = 0; c < 16; ++c) {
+            l[c] = (c & b) ? 16 + c - b : c;
+            u[c] = (c & b) ? 16 + c : c + b;
+        }
+        order.lo[s] = _mm512_loadu_si512(l);
+        order.hi[s] = _mm512_loadu_si512(u);
+    }
+    return order;
+}
+
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16],
+                                                              const Transpose16 *order) {
+    for (int s = 0; s < 4; ++s) {
+        const int b = 8 >> s;
+        for (int i = 0; i < 16; ++i)
+            if (!(i & b)) {
+                const __m512i a = r[i], c = r[i + b];
+                r[i] = _mm512_permutex2var_epi32(a, order->lo[s], c);
+                r[i + b] = _mm512_permutex2var_epi32(a, order->hi[s], c);
+            }
+    }
 }
 
 typedef struct {

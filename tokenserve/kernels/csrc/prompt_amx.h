@@ -38,34 +38,15 @@ static inline void prefetch_span(const float *p, int64_t count, int write) {
 }   /* how far a score may pass the running maximum before it moves */
 
 /* kp[d][j] = pair d of key j (rows[j]), for AKT keys and `pairs` (a multiple of 16) pairs:
- * 16 x 16 transposes in registers, each four rounds of swapping off-diagonal blocks
- * (8, 4, 2, 1 wide) with vpermt2d. */
+ * 16 x 16 transposes in registers (amx.h). */
 static inline void pack_keys(uint32_t *kp, const uint16_t *const *rows, int64_t pairs) {
-    __m512i lo[4], hi[4];
-    for (int s = 0; s < 4; ++s) {
-        const int b = 8 >> s;
-        int32_t l[16], u[16];
-        for (int c = 0; c < 16; ++c) {
-            l[c] = (c & b) ? 16 + c - b : c;
-            u[c] = (c & b) ? 16 + c : c + b;
-        }
-        lo[s] = _mm512_loadu_si512(l);
-        hi[s] = _mm512_loadu_si512(u);
-    }
+    const Transpose16 order = transpose16_order();
     for (int j0 = 0; j0 < AKT; j0 += 16)
         for (int64_t d0 = 0; d0 < pairs; d0 += 16) {
             __m512i r[16];
             for (int i = 0; i < 16; ++i)
                 r[i] = _mm512_loadu_si512((const uint32_t *)rows[j0 + i] + d0);
-            for (int s = 0; s < 4; ++s) {
-                const int b = 8 >> s;
-                for (int i = 0; i < 16; ++i)
-                    if (!(i & b)) {
-                        const __m512i a = r[i], c = r[i + b];
-                        r[i] = _mm512_permutex2var_epi32(a, lo[s], c);
-                        r[i + b] = _mm512_permutex2var_epi32(a, hi[s], c);
-                    }
-            }
+            transpose16(r, &order);
             for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kp + (d0 + i) * AKT + j0, r[i]);
         }
 }

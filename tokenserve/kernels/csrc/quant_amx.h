@@ -39,24 +39,29 @@ static inline __m256i amx_bf16_round(__m512 v) {
 
 /* x [M, K] float32 → xp [padded / 16][K / 2][16][2] bf16 pairs (rows M..padded-1 zero),
  * shared out over the threads of the enclosing region (an orphaned `omp for`, ending in a
- * barrier). Row r's 32 k of a block are 16 pairs, scattered 16 pairs (64 bytes) apart. */
+ * barrier) by 32-k blocks of 16 rows: each such item is a 16 x 16 transpose of the rows'
+ * pairs in registers, written as 16 whole cache lines. (Scattering each row's pairs 64 bytes
+ * apart, rows shared out over the threads, had both threads writing every line of a row
+ * tile: with few rows that was as slow as the products.) */
 static void amx_pack_rows(uint16_t *xp, const float *x, int64_t M, int64_t K) {
-    const int64_t padded = (M + 15) / 16 * 16;
-    const __m512i apart = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(16));
+    const int64_t blocks = K / 32, items = (M + 15) / 16 * blocks;
+    const Transpose16 order = transpose16_order();
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < padded; ++m) {
-        uint32_t *tile = (uint32_t *)xp + (m / 16) * (K / 2) * 16 + m % 16;
-        for (int64_t k = 0; k < K; k += 32) {
-            __m512i pairs = _mm512_setzero_si512();
+    for (int64_t item = 0; item < items; ++item) {
+        const int64_t t = item / blocks, k = item % blocks * 32;
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) {
+            const int64_t m = t * 16 + j;
+            r[j] = _mm512_setzero_si512();
             if (m < M) {
                 const __m256i lo = amx_bf16_round(_mm512_loadu_ps(x + m * K + k));
                 const __m256i hi = amx_bf16_round(_mm512_loadu_ps(x + m * K + k + 16));
-                pairs = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
             }
-            _mm512_i32scatter_epi32(tile + k / 2 * 16, apart, pairs, 4);
         }
+        transpose16(r, &order); /* r[p]: pair p of the block, for each of the 16 rows */
+        uint32_t *tile = (uint32_t *)xp + t * (K / 2) * 16 + k / 2 * 16;
+        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tile + p * 16, r[p]);
     }
 }
 
