@@ -12,7 +12,7 @@ times (kernel and SDPA taking turns), and GFLOP/s of useful work (4 · heads · 
 per query-key pair that the causal mask lets through).
 
 usage: python benchmarks/prompt_attention.py [--shapes w1 short w3-first w3-continue
-       w3-tails w3-cached w4]
+       w3-tails w3-cached w4 w2]
        [--scale 1.0] [--block-size 16] [--cpu-isa avx512_bf16 amx] [--repeats 7]
 """
 
@@ -42,6 +42,8 @@ SHAPES = {
     "w3-cached": [(64, 1088)] * 32,
     # W4 at budget 256: one chunk continuing a 2048-token prompt near its end.
     "w4": [(256, 2048)],
+    # W2's prompt step: one 256-token prompt, nothing cached.
+    "w2": [(256, 256)],
 }
 
 

@@ -37,7 +37,8 @@ def test_prompt_attention_benchmark_reports_every_level_and_shape():
     )
     assert [row[:2] for row in timed] == [
         (level, shape) for level in levels
-        for shape in ("w1", "short", "w3-first", "w3-continue", "w3-tails", "w3-cached", "w4")
+        for shape in (
+            "w1", "short", "w3-first", "w3-continue", "w3-tails", "w3-cached", "w4", "w2")
     ], result.stdout
     for *_, kernel_ms, kernel_rate, sdpa_ms, sdpa_rate, ratio in timed:
         for value in (kernel_ms, kernel_rate, sdpa_ms, sdpa_rate, ratio):
