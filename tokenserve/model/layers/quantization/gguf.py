@@ -13,12 +13,12 @@ multiples of 16. Larger products stay on oneDNN's float32 GEMM, which is as fast
 weights are reused across enough rows (docs/benchmarks/cpu-hot-path.md). The row limits
 are `KernelConfig.quantized_max_rows` / `quantized_gemm_max_rows`.
 
-A bfloat16 model on the amx level sends its products of AMX_MIN_ROWS (3) to `amx_max_rows`
+A bfloat16 model on the amx level sends its products of AMX_MIN_ROWS (2) to `amx_max_rows`
 rows (`KernelConfig.bf16_block_max_rows`) to the AMX kernel instead (csrc/quant_amx.h): the
 bf16 model's own numerics (each weight expanded as above, then rounded to bf16 as the dense
 bf16 weight is; x rounded to bf16; float32 sums), from the blocks, faster than oneDNN's
 bf16 GEMM on the dense weights up to ~128 rows (docs/PERFORMANCE_CPU.md). Its products of
-1-2 rows keep the float32 few-row kernel (float32 weights and inputs, as without AMX):
+one row keep the float32 few-row kernel (float32 weights and inputs, as without AMX):
 there the weights' bytes, not the arithmetic, set the time, and the AMX kernel's expansion
 to bf16 costs more than it saves.
 """
@@ -41,9 +41,9 @@ from tokenserve.model.layers.weight_loading import Rows
 
 # A bf16 model on amx: products of fewer rows keep the float32 few-row kernel, which streams
 # the blocks faster than the AMX kernel expands them to bf16 (a fused decode step of the
-# default model: 1 row 7.2 vs 8.5-9.1 ms, 3 rows 10.7-10.9 vs 9.5-10.2 ms; 4 rows 13.0 vs
-# 10.5; docs/PERFORMANCE_CPU.md, "Packing x for the AMX block kernel").
-AMX_MIN_ROWS = 3
+# default model: 1 row 7.1-7.2 vs 7.4-7.6 ms, 2 rows 8.3-8.5 vs 7.8-7.9 ms;
+# docs/PERFORMANCE_CPU.md, "Packing x for the AMX block kernel").
+AMX_MIN_ROWS = 2
 
 # GGML type names → the bytes of one 32-weight block.
 _BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
