@@ -19,6 +19,13 @@ def test_bucket_rows_rounds_up_to_the_bucket():
         ROW_BUCKET, ROW_BUCKET, 2 * ROW_BUCKET]
 
 
+def test_empty_rows_is_made_on_the_device_asked_for():
+    # The meta device has storage sizes but no memory: enough to check where and how big.
+    x = empty_rows((ROW_BUCKET + 1, 8), torch.bfloat16, torch.device("meta"))
+    assert x.device.type == "meta" and x.shape == (ROW_BUCKET + 1, 8)
+    assert x.untyped_storage().nbytes() == 2 * ROW_BUCKET * 8 * 2
+
+
 def test_empty_rows_storage_holds_the_bucket_and_bucketed_reads_it_in_place():
     x = empty_rows((ROW_BUCKET + 3, 8), torch.bfloat16)
     assert x.shape == (ROW_BUCKET + 3, 8) and x.is_contiguous()

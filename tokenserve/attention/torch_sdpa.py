@@ -313,7 +313,7 @@ class TorchSDPABackend(AttentionBackend):
             value_cache[blocks, :, offsets] = value.to(value_cache.dtype)
 
         # o_proj reads it; a bf16 product pads its rows in place (kernels/row_buckets.py).
-        output = empty_rows(tuple(query.shape), query.dtype)
+        output = empty_rows(tuple(query.shape), query.dtype, query.device)
         dtype = self.prompt_dtype(query.dtype, key_cache.dtype)
         chunks, cascades = metadata.prompt_chunks, metadata.cascades
         if metadata.prompt_batch is not None and self._prompt_kernel(query, key_cache):

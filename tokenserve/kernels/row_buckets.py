@@ -24,10 +24,14 @@ def bucket_rows(rows: int) -> int:
     return -(-rows // ROW_BUCKET) * ROW_BUCKET
 
 
-def empty_rows(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor of `shape` whose storage goes on for bucket_rows(shape[0])
-    rows (what `bucketed` reads in place)."""
-    return torch.empty((bucket_rows(shape[0]), *shape[1:]), dtype=dtype)[: shape[0]]
+def empty_rows(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | None = None
+) -> torch.Tensor:
+    """An uninitialised tensor of `shape` (on `device`, default the CPU) whose storage goes
+    on for bucket_rows(shape[0]) rows (what `bucketed` reads in place)."""
+    return torch.empty((bucket_rows(shape[0]), *shape[1:]), dtype=dtype, device=device)[
+        : shape[0]
+    ]
 
 
 def bucketed(x: torch.Tensor) -> torch.Tensor:

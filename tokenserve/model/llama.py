@@ -98,7 +98,9 @@ class LlamaAttention(nn.Module):
         input_dtype = product_input_dtype(self.o_proj, attn_output.shape[0])
         if input_dtype is not None and input_dtype != attn_output.dtype:
             # With room for the product's padded rows (kernels/row_buckets.py).
-            attn_output = empty_rows(tuple(attn_output.shape), input_dtype).copy_(attn_output)
+            attn_output = empty_rows(
+                tuple(attn_output.shape), input_dtype, attn_output.device
+            ).copy_(attn_output)
         return self.o_proj(attn_output)
 
     def project_qkv(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -98,7 +98,7 @@ class UnquantizedLinearMethod(QuantizationMethod):
             rows = x.shape[0]
             xb = x
             if x.dtype != weight.dtype:
-                xb = empty_rows(tuple(x.shape), weight.dtype).copy_(x)
+                xb = empty_rows(tuple(x.shape), weight.dtype, x.device).copy_(x)
             if x.dim() == 2:
                 xb = bucketed(xb)
             out = self._product(layer, xb, None)[:rows]
