@@ -9,6 +9,8 @@ default model's (9 query heads, 3 kv heads, head size 64, 30 layers) at W1's dec
 wall-clock time of `--repeats`, the block orders, dtypes and levels taking turns; the K/V
 bytes read per second; and the process's CPU time per step, which on a shared machine
 moves less with the load than the wall clock (with one thread they agree when idle).
+A bfloat16 cache runs twice on a level with native bf16: read in float32 arithmetic, and
+with bf16 numerics ("bfloat16 dp": the dot-product path a bf16 model's decode rows take).
 
 usage: python benchmarks/paged_decode.py [--rows 64] [--context 340] [--block-size 16]
        [--layers 30] [--kv-cache-dtype float32 bfloat16] [--cpu-isa avx2 avx512 ...]
@@ -66,13 +68,19 @@ def main() -> None:
     rows = torch.arange(args.rows)
     seq_lens = torch.full((args.rows,), args.context, dtype=torch.int64)
     scale = args.head_dim**-0.5
-    cases = [(level, dtype, order) for level in levels for dtype in caches for order in tables]
+    # A bfloat16 cache also read with bf16 numerics (the dot-product path) where the level
+    # has native bf16: "bfloat16 dp".
+    modes = [(dtype, False) for dtype in caches]
+    if "bfloat16" in caches:
+        modes.insert(modes.index(("bfloat16", False)) + 1, ("bfloat16", True))
+    cases = [(level, dtype, dp, order) for level in levels for dtype, dp in modes
+             for order in tables if not dp or cpu_isa.native_bf16(level)]
 
-    def step(case: tuple[str, str, str]) -> None:
-        level, dtype, order = case
+    def step(case: tuple[str, str, bool, str]) -> None:
+        level, dtype, dp, order = case
         for key_cache, value_cache in caches[dtype]:
             kernels[level].decode(out, query, rows, key_cache, value_cache, tables[order],
-                                  seq_lens, scale)
+                                  seq_lens, scale, bf16_numerics=dp)
 
     wall = dict.fromkeys(cases, float("inf"))
     cpu = dict.fromkeys(cases, float("inf"))
@@ -89,15 +97,17 @@ def main() -> None:
         f"heads x {args.head_dim}, block size {args.block_size}, {args.layers} layers, "
         f"{torch.get_num_threads()} threads"
     )
-    for level, dtype, order in cases:
+    for level, dtype, dp, order in cases:
         element = caches[dtype][0][0].element_size()
         kv_bytes = (2 * args.rows * args.context * args.kv_heads * args.head_dim * element
                     * args.layers)
-        seconds = wall[level, dtype, order]
+        seconds = wall[level, dtype, dp, order]
+        name = dtype + (" dp" if dp else "")
         # Microseconds and three significant digits: a tiny shape on a fast CPU is not 0.0.
         print(
-            f"  {level:11s} {dtype:8s} blocks {order:9s} {seconds * 1e3:9.3f} ms per step  "
-            f"{kv_bytes / seconds / 1e9:8.3g} GB/s  cpu {cpu[level, dtype, order] * 1e3:9.3f} ms"
+            f"  {level:11s} {name:11s} blocks {order:9s} {seconds * 1e3:9.3f} ms per step  "
+            f"{kv_bytes / seconds / 1e9:8.3g} GB/s  "
+            f"cpu {cpu[level, dtype, dp, order] * 1e3:9.3f} ms"
         )
 
 

@@ -100,6 +100,9 @@ def main() -> None:
     for level in levels:
         build.select_isa(level)
         backend = TorchSDPABackend(device=torch.device("cpu"), native_bf16=True)
+        # The kernel column is the kernel's path for the level, whether or not the backend
+        # takes that path on this CPU (torch_sdpa.prompt_kernel_paths).
+        backend.prompt_paths = ("avx512_bf16", "amx")
         if backend.prompt_ops is None:
             raise SystemExit("The C kernels are unavailable (see the warning above).")
         for name in args.shapes:

@@ -2,15 +2,17 @@
 splits on, against attention written out in float64 torch, for every instruction-set level
 the host has (conftest.py): head sizes it specialises (64, 128), ones it takes with the size
 a variable (96; 192 and 256, done in slices), ones only the plain loop takes (40, 80 with a
-bfloat16 cache), query-head groups that fill its per-pass head counts unevenly (1, 3, 4, 5,
-7), contexts on and off block edges, one row and many."""
+bfloat16 cache), a bfloat16 cache read with the bf16 numerics of the dot-product path (and
+blocks of an odd size, which it leaves to the float32 code), query-head groups that fill its
+per-pass head counts unevenly (1, 3, 4, 5, 7), contexts on and off block edges, one row and
+many."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tokenserve.kernels import paged_attention
+from tokenserve.kernels import cpu_isa, paged_attention
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +22,11 @@ def paged(cpu_isa_level) -> paged_attention.PagedAttentionOps:
     return paged_ops
 
 
-def _reference(query, key_cache, value_cache, tables, seq_lens, scale):
-    """softmax(q·kᵀ · scale)·v per row and query head, in float64, from the cache's values."""
+def _reference(query, key_cache, value_cache, tables, seq_lens, scale, bf16_rounding=False):
+    """softmax(q·kᵀ · scale)·v per row and query head, in float64, from the cache's values.
+    With bf16_rounding, as the dot-product path rounds: the query rounded to bf16, and the
+    softmax's unnormalised weights e^(s - max) rounded to bf16 before they weigh the values
+    (their sum is not rounded)."""
     _, num_kv_heads, block_size, _ = key_cache.shape
     group = query.shape[1] // num_kv_heads
     out = torch.empty(query.shape, dtype=torch.float64)
@@ -32,12 +37,21 @@ def _reference(query, key_cache, value_cache, tables, seq_lens, scale):
             kv_head = head // group
             k = key_cache[blocks, kv_head, offsets].double()  # [seq_len, dim]
             v = value_cache[blocks, kv_head, offsets].double()
-            weights = torch.softmax(k @ query[row, head].double() * scale, dim=0)
-            out[row, head] = weights @ v
+            q = query[row, head]
+            if bf16_rounding:
+                q = q.to(torch.bfloat16)
+            scores = k @ q.double() * scale
+            weights = torch.exp(scores - scores.max())
+            if bf16_rounding:
+                out[row, head] = weights.float().to(torch.bfloat16).double() @ v / weights.sum()
+            else:
+                out[row, head] = weights @ v / weights.sum()
     return out
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("cache_dtype", "bf16_numerics"),
+                         [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+                         ids=["float32", "bfloat16", "bfloat16-numerics"])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size", "seq_lens"),
     [
@@ -51,12 +65,14 @@ def _reference(query, key_cache, value_cache, tables, seq_lens, scale):
         (8, 2, 256, 32, [1, 70]),
         (4, 4, 40, 16, [12, 19]),
         (10, 2, 80, 16, [29]),
+        (9, 3, 64, 15, [14, 15, 31, 47]),
     ],
     ids=["gqa3-d64", "gqa5-d64", "gqa7-d64", "mha-d128", "gqa4-d128-b8", "gqa3-d96",
-         "gqa3-d192", "gqa4-d256-b32", "mha-d40", "gqa5-d80"],
+         "gqa3-d192", "gqa4-d256-b32", "mha-d40", "gqa5-d80", "gqa3-d64-b15"],
 )
 def test_paged_decode_matches_float64_attention(
-    paged, num_heads, num_kv_heads, head_dim, block_size, seq_lens, cache_dtype
+    paged, cpu_isa_level, num_heads, num_kv_heads, head_dim, block_size, seq_lens, cache_dtype,
+    bf16_numerics,
 ):
     generator = torch.Generator().manual_seed(head_dim + num_heads)
     seq_lens = torch.tensor(seq_lens)
@@ -73,14 +89,24 @@ def test_paged_decode_matches_float64_attention(
     out = torch.full_like(query, float("nan"))
     scale = head_dim**-0.5
     paged.decode(out, query, torch.arange(len(seq_lens)), key_cache, value_cache, tables,
-                 seq_lens, scale)
-    expected = _reference(query, key_cache, value_cache, tables, seq_lens, scale)
-    # float32 arithmetic on the cache's very values: only the order of the sums differs.
+                 seq_lens, scale, bf16_numerics)
+    dot_products = paged.dot_products(cache_dtype, head_dim, block_size, bf16_numerics)
+    assert dot_products == (bf16_numerics and cpu_isa.native_bf16(cpu_isa_level)
+                            and head_dim % 32 == 0 and block_size % 2 == 0)
+    expected = _reference(query, key_cache, value_cache, tables, seq_lens, scale,
+                          bf16_rounding=dot_products)
+    # float32 arithmetic on the cache's very values (and, on the dot-product path, on the
+    # reference's bf16 roundings): only the order of the sums differs. A weight whose
+    # float32 value lies within float32's error of a bf16 rounding boundary may round the
+    # other way than in float64, moving an output by at most 2^-8 of that weight's share;
+    # the seeded inputs here have none.
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_row_alone_equals_row_among_many(paged, cache_dtype):
+@pytest.mark.parametrize(("cache_dtype", "bf16_numerics"),
+                         [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+                         ids=["float32", "bfloat16", "bfloat16-numerics"])
+def test_paged_decode_row_alone_equals_row_among_many(paged, cache_dtype, bf16_numerics):
     """A row's output is bit-identical whichever rows share the call and wherever its
     blocks lie in the cache."""
     generator = torch.Generator().manual_seed(1)
@@ -94,7 +120,7 @@ def test_paged_decode_row_alone_equals_row_among_many(paged, cache_dtype):
     query = torch.randn(5, num_heads, head_dim, generator=generator)
     together = torch.empty_like(query)
     paged.decode(together, query, torch.arange(5), key_cache, value_cache, tables, seq_lens,
-                 0.125)
+                 0.125, bf16_numerics)
     for row in range(5):
         # The row's blocks copied to unused ones: another block table, the same context.
         used = tables[row, : -(-int(seq_lens[row]) // block_size)]
@@ -103,5 +129,5 @@ def test_paged_decode_row_alone_equals_row_among_many(paged, cache_dtype):
         alone = torch.empty(1, num_heads, head_dim)
         paged.decode(alone, query[row : row + 1], torch.zeros(1, dtype=torch.int64),
                      key_cache, value_cache, moved.view(1, -1).contiguous(),
-                     seq_lens[row : row + 1].contiguous(), 0.125)
+                     seq_lens[row : row + 1].contiguous(), 0.125, bf16_numerics)
         assert torch.equal(alone[0], together[row])

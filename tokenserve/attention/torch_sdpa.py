@@ -2,7 +2,8 @@
 rows, PyTorch's scaled_dot_product_attention for the other prompt chunks.
 
 Prompt chunks that attend in bf16 (see the last paragraph) go, where the prompt-attention
-kernel (kernels/prompt_attention.py) runs them on its AMX path (PROMPT_KERNEL_PATHS), all
+kernel (kernels/prompt_attention.py) runs them on a path faster than SDPA on this CPU
+(prompt_kernel_paths: AMX tiles, or vdpbf16ps where the CPU has no AMX), all
 of them, first and continuing alike and those sharing a long prefix too (no cascade: on
 W3's shape the kernel attending each chunk alone took ~0.75 of cascade's time,
 docs/PERFORMANCE_CPU.md), to one call of that kernel per layer: after the
@@ -10,7 +11,8 @@ step's keys and values are written, it reads each chunk's queries in place from 
 QKV tensor and its context from the blocks (no gather, no mask, no casts), causal aligned
 bottom-right, with the numerics of PyTorch's bf16 flash kernel
 (docs/PERFORMANCE_CPU.md). Its chunk table (`PromptChunks`) is built once per step in
-`build_metadata`. Elsewhere (float32 prompt attention, no AMX, the kernels off) each
+`build_metadata`. Elsewhere (float32 prompt attention, no native bf16, the vdpbf16ps path
+on an AMX CPU forced to a lower --cpu-isa, the kernels off) each
 prompt chunk gets its own SDPA call (4-D, so PyTorch takes its flash kernel, GQA
 included). A chunk with nothing cached before it attends over its own new keys and values
 directly; a chunk that continues a context gathers that context once per layer and uses a
@@ -64,10 +66,17 @@ from tokenserve.kernels.row_buckets import empty_rows
 
 # The shortest shared prefix that cascade attention takes (see the module docstring).
 CASCADE_MIN_PREFIX_TOKENS = 1024
-# The prompt-attention kernel's paths the backend takes: those measured faster than SDPA
-# (AMX tiles: 1.2-1.5x on W3/W4 chunks, one thread; the vdpbf16ps path ran at 0.4-0.9x of
-# SDPA on the same AMX CPU, where SDPA's GEMMs are AMX's: benchmarks/prompt_attention.py).
-PROMPT_KERNEL_PATHS = ("amx",)
+
+
+def prompt_kernel_paths(flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The prompt-attention kernel's paths the backend takes on a CPU with `flags` (default:
+    this one): those measured faster than SDPA (benchmarks/prompt_attention.py,
+    docs/PERFORMANCE_CPU.md). AMX tiles: 1.2-1.5x on W3/W4 chunks. The vdpbf16ps path only
+    on a CPU without AMX, where SDPA's GEMMs have none either: 1.9-3.2x there (AMD EPYC,
+    Zen 4); on an AMX CPU it ran at 0.4-0.9x of SDPA, whose GEMMs there are oneDNN's AMX
+    ones whatever --cpu-isa selects."""
+    flags = cpu_isa.cpu_flags() if flags is None else flags
+    return ("amx",) if "amx_bf16" in flags else ("amx", "avx512_bf16")
 
 
 @dataclass
@@ -137,6 +146,8 @@ class TorchSDPABackend(AttentionBackend):
     ) -> None:
         self.ops = paged_attention.load() if use_kernels else None
         self.prompt_ops = prompt_attention.load() if use_kernels else None
+        # The prompt kernel's paths taken (benchmarks/prompt_attention.py sets all of them).
+        self.prompt_paths = prompt_kernel_paths()
         # Whether a bf16 cache's prompt chunks attend in bf16 (default: the kernels' level has
         # native bf16, cpu_isa.native_bf16).
         self.native_bf16 = (
@@ -246,14 +257,15 @@ class TorchSDPABackend(AttentionBackend):
 
     def _prompt_kernel(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
         """Whether the prompt-attention kernel takes this step's chunks: where they attend
-        in bf16 and the kernel's path is one of PROMPT_KERNEL_PATHS; SDPA otherwise."""
+        in bf16 and the kernel's path is one of `prompt_paths` (prompt_kernel_paths()); SDPA
+        otherwise."""
         _, num_heads, head_dim = query.shape
         return (
             self.prompt_ops is not None
             and query.dtype == torch.float32
             and self.prompt_dtype(query.dtype, key_cache.dtype) == torch.bfloat16
             and self.prompt_ops.path(key_cache.dtype, num_heads, key_cache.shape[1], head_dim)
-            in PROMPT_KERNEL_PATHS
+            in self.prompt_paths
         )
 
     def _padded_decode(
@@ -292,6 +304,12 @@ class TorchSDPABackend(AttentionBackend):
         if cache_dtype == torch.bfloat16 and self.native_bf16 and self.device.type == "cpu":
             return torch.bfloat16
         return query_dtype
+
+    def bf16_decode(self, query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+        """Whether the C kernel's decode rows read the cache with the bf16 numerics of the
+        prompt chunks (queries and probabilities rounded to bf16): where those attend in
+        bf16, so that a position computed in a decode row and in a prompt chunk round alike."""
+        return self.prompt_dtype(query_dtype, cache_dtype) == torch.bfloat16
 
     def forward(
         self,
@@ -346,16 +364,19 @@ class TorchSDPABackend(AttentionBackend):
         if metadata.decode_batch is not None:
             assert self.ops is not None
             self.ops.decode_prepared(
-                output, query, key_cache, value_cache, metadata.decode_batch, scale
+                output, query, key_cache, value_cache, metadata.decode_batch, scale,
+                self.bf16_decode(query.dtype, key_cache.dtype),
             )
         elif metadata.padded_decode is not None:
             rows, padded = metadata.decode_rows, metadata.padded_decode
-            q = query[rows].unsqueeze(2)  # [batch, heads, 1, head_dim]
+            # In the prompt chunks' dtype, as the C kernel's decode rows (bf16_decode).
+            dtype = self.prompt_dtype(query.dtype, key_cache.dtype)
+            q = query[rows].unsqueeze(2).to(dtype)  # [batch, heads, 1, head_dim]
             # [batch, kv_heads, max_len, head_dim]
-            k = key_cache[padded.blocks, :, padded.offsets].transpose(1, 2).to(query.dtype)
-            v = value_cache[padded.blocks, :, padded.offsets].transpose(1, 2).to(query.dtype)
+            k = key_cache[padded.blocks, :, padded.offsets].transpose(1, 2).to(dtype)
+            v = value_cache[padded.blocks, :, padded.offsets].transpose(1, 2).to(dtype)
             out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=padded.mask, scale=scale, enable_gqa=True
             )
-            output[rows] = out.squeeze(2)
+            output[rows] = out.squeeze(2).to(output.dtype)
         return output

@@ -29,7 +29,7 @@ class _Step(ctypes.Structure):
     _fields_ = [
         *((name, i64) for name in (
             "num_rows", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
-            "block_size", "kv_bf16", "block_table_stride", "max_seq_len")),
+            "block_size", "kv_mode", "block_table_stride", "max_seq_len")),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         *((name, ptr) for name in (
             "positions", "slots", "block_tables", "seq_lens", "cos", "sin", "normed", "qkv",
@@ -92,7 +92,7 @@ class DecodeLayerOps:
         cos: torch.Tensor,
         sin: torch.Tensor,
         block_size: int,
-        kv_bf16: bool,
+        kv_mode: int,
     ) -> tuple[_Step, tuple]:
         """The step's shared arguments; decode row r must be token r of the step. Returns the
         bound step and the tensors it points into (keep them alive for the step)."""
@@ -106,7 +106,7 @@ class DecodeLayerOps:
             2 * intermediate, intermediate)]
         bound = _Step(
             rows, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size,
-            int(kv_bf16), decode_rows.block_tables.stride(0),
+            kv_mode, decode_rows.block_tables.stride(0),
             int(decode_rows.seq_lens.max()), eps, scale, positions.data_ptr(),
             slots.data_ptr(), decode_rows.block_tables.data_ptr(),
             decode_rows.seq_lens.data_ptr(), cos.data_ptr(), sin.data_ptr(),

@@ -38,6 +38,18 @@ class PagedAttentionOps:
         self._write_kv = library.ts_write_kv
         self._write_kv.restype = None
         self._write_kv.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64]
+        self._dot_products = library.ts_paged_decode_dot_products
+        self._dot_products.restype = ctypes.c_int
+        self._dot_products.argtypes = [i64, i64]
+
+    def dot_products(self, cache_dtype: torch.dtype, head_dim: int, block_size: int,
+                     bf16_numerics: bool) -> bool:
+        """Whether decode over such a cache takes the dot-product path: a bfloat16 cache read
+        with bf16_numerics (queries and probabilities rounded to bf16, as the prompt kernel's
+        bf16 path) on a level with AVX512_BF16, head size a multiple of 32, blocks of an even
+        size; else float32 arithmetic on the cache's values."""
+        return (cache_dtype == torch.bfloat16 and bf16_numerics
+                and bool(self._dot_products(head_dim, block_size)))
 
     def decode(
         self,
@@ -49,12 +61,13 @@ class PagedAttentionOps:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        bf16_numerics: bool = False,
     ) -> None:
         """Attend query rows `rows` of query [tokens, heads, dim] (a view into a fused QKV
         tensor is fine) over their contexts; write the same rows of out [tokens, heads, dim].
-        The caches are float32 or bfloat16."""
+        The caches are float32 or bfloat16; `bf16_numerics`: see kv_mode()."""
         self.decode_prepared(out, query, key_cache, value_cache,
-                             DecodeRows(rows, block_tables, seq_lens), scale)
+                             DecodeRows(rows, block_tables, seq_lens), scale, bf16_numerics)
 
     def decode_prepared(
         self,
@@ -64,10 +77,11 @@ class PagedAttentionOps:
         value_cache: torch.Tensor,
         decode_rows: DecodeRows,
         scale: float,
+        bf16_numerics: bool = False,
     ) -> None:
         """decode() with the step's rows, block tables and lengths checked beforehand, once
         for all layers."""
-        bf16 = check_caches(key_cache, value_cache)
+        check_caches(key_cache, value_cache)
         check_rows(out, query)
         _, num_heads, head_dim = query.shape
         _, num_kv_heads, block_size, _ = key_cache.shape
@@ -76,7 +90,7 @@ class PagedAttentionOps:
             decode_rows.rows.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
             decode_rows.block_tables.data_ptr(), decode_rows.block_tables.stride(0),
             decode_rows.seq_lens.data_ptr(), decode_rows.num_rows, num_heads, num_kv_heads,
-            head_dim, block_size, scale, bf16,
+            head_dim, block_size, scale, kv_mode(key_cache.dtype, bf16_numerics),
         )
         if status != 0:
             raise MemoryError("paged decode could not allocate its scratch buffers.")
@@ -105,6 +119,15 @@ class PagedAttentionOps:
             key.stride(0), slots.data_ptr(), len(slots), num_kv_heads, block_size, head_dim,
             bf16,
         )
+
+
+def kv_mode(cache_dtype: torch.dtype, bf16_numerics: bool) -> int:
+    """The C kernels' cache argument: 0 a float32 cache; 1 a bfloat16 one read in float32
+    arithmetic; 2 a bfloat16 one read with bf16 numerics, the prompt chunks' when they attend
+    in bf16 (the dot-product path where the level has AVX512_BF16, else as 1)."""
+    if cache_dtype != torch.bfloat16:
+        return 0
+    return 2 if bf16_numerics else 1
 
 
 def load(isa: str | None = None) -> PagedAttentionOps | None:

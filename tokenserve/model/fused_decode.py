@@ -22,7 +22,7 @@ from torch import nn
 from tokenserve.attention.backend import AttentionMetadata
 from tokenserve.attention.torch_sdpa import TorchSDPABackend, TorchSDPAMetadata
 from tokenserve.config import KernelConfig
-from tokenserve.kernels import decode_layer
+from tokenserve.kernels import decode_layer, paged_attention
 from tokenserve.model.layers.layer_stack import LayerStack
 from tokenserve.model.layers.quantization.gguf import (
     AMX_MIN_ROWS,
@@ -118,7 +118,8 @@ class FusedDecodeLayerStack(LayerStack):
             cos=rotary.cos,
             sin=rotary.sin,
             block_size=key_cache.shape[2],
-            kv_bf16=key_cache.dtype == torch.bfloat16,
+            kv_mode=paged_attention.kv_mode(
+                key_cache.dtype, attn.backend.bf16_decode(torch.float32, key_cache.dtype)),
         )
         residual = hidden_states
         out = torch.empty_like(hidden_states)

@@ -44,7 +44,7 @@ typedef struct {
  * tables and context lengths, the rotary tables, and scratch buffers. */
 typedef struct {
     int64_t num_rows, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int64_t block_size, kv_bf16, block_table_stride, max_seq_len;
+    int64_t block_size, kv_mode, block_table_stride, max_seq_len; /* kv_mode: decode_item's */
     float eps, scale;
     const int64_t *positions, *slots, *block_tables, *seq_lens; /* [num_rows] / tables */
     const float *cos, *sin;                                     /* [max_position, head_dim] */
@@ -134,7 +134,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                          step->num_heads, step->num_kv_heads, D);
             write_kv_token(layer->key_cache, layer->value_cache, q + q_size,
                            q + q_size + kv_size, step->slots[r], step->num_kv_heads,
-                           step->block_size, D, step->kv_bf16);
+                           step->block_size, D, step->kv_mode);
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < M * step->num_kv_heads; ++item) {
@@ -145,7 +145,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                             step->block_tables + r * step->block_table_stride,
                             step->seq_lens[r], item % step->num_kv_heads, step->num_heads,
                             step->num_kv_heads, D, step->block_size, step->scale, scores,
-                            step->kv_bf16);
+                            step->kv_mode);
         }
         project(step->o, step->attn, M, &layer->o, panel, sums, xp, a);
 #pragma omp for schedule(static)

@@ -19,7 +19,19 @@
  * The cache holds float32 or bfloat16 (--kv-cache-dtype bfloat16: half the bytes to
  * stream; a bfloat16 is the top half of a float32, so reading two back is a shift and a
  * mask (vecw.h's even and odd lanes: the queries are laid out to match), and writing one
- * rounds to nearest even, as torch's conversion does). The arithmetic is float32 either way.
+ * rounds to nearest even, as torch's conversion does). The arithmetic is float32 either way,
+except on the dot-product path below.
+ *
+ * On a level with AVX512_BF16 (avx512_bf16, amx) a bfloat16 cache of head size a multiple
+ * of 32 in blocks of an even size takes the dot-product path instead, with the numerics of
+ * the prompt kernel's bf16 path (prompt_attention.c) and PyTorch's bf16 flash kernel:
+ * queries rounded to bfloat16, scores q.k summed in float32 by vdpbf16ps (pairs of bf16
+ * products into float32 lanes, 32 cache elements an instruction with no widening), then
+ * scaled; the softmax in float32; the probabilities rounded to bfloat16 for the product
+ * with the values, whose rows are taken two tokens at a time and interleaved (unpack) so
+ * that one vdpbf16ps weighs both; the output summed in float32. A decode row and the same
+ * position computed in a prompt chunk then round alike, and each key and value costs one
+ * instruction per query head instead of a widening and two multiply-adds.
  *
  * Layouts (contiguous; out, query, key and value float32):
  *   out, query     [num_tokens, num_heads, head_dim], heads contiguous, rows strided
@@ -52,6 +64,16 @@ static inline float kv_load1(const void *cache, int64_t i, int bf16) {
 #define RUN 16
 #define AHEAD 64
 #define SCORE_HEADS (VW == 16 ? 3 : 1)
+/* What the cache holds and how it is multiplied: float32; bfloat16 widened to float32
+ * (bf16_pairs) for float32 multiply-adds; bfloat16 into vdpbf16ps (PAGED_DP builds only). */
+#define KV_F32 0
+#define KV_BF16 1
+#define KV_BF16_DP 2
+#if defined(__AVX512BF16__)
+#define PAGED_DP 1
+#else
+#define PAGED_DP 0
+#endif
 /* Cache elements per vector step: VW float32, or 2 * VW bfloat16 (an even and an odd vector). */
 #define CHUNK(bf16) ((bf16) ? 2 * VW : VW)
 
@@ -185,6 +207,161 @@ static inline __attribute__((always_inline)) void weigh_values(
         }
 }
 
+#if PAGED_DP
+/* Scores of `heads` query heads (qb: bfloat16, head_dim apart) against `count` keys from
+ * `keys` (head_dim apart), scaled; head h's go to s + h * stride. One vdpbf16ps per 32
+ * elements of a key and head. */
+static inline __attribute__((always_inline)) void score_keys_dp(
+    float *s, int64_t stride, const uint16_t *qb, const uint16_t *key_cache, int64_t keys,
+    int64_t count, const int64_t head_dim, const int heads, float scale) {
+    const int64_t chunks = head_dim / 32;
+    int64_t i = 0;
+    for (; i + KEYS <= count; i += KEYS) {
+        __m512 acc[SCORE_HEADS][KEYS];
+        for (int h = 0; h < heads; ++h)
+            for (int t = 0; t < KEYS; ++t) acc[h][t] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < chunks; ++c)
+            for (int t = 0; t < KEYS; ++t) {
+                const __m512bh k = (__m512bh)_mm512_loadu_si512(
+                    key_cache + keys + (i + t) * head_dim + c * 32);
+                for (int h = 0; h < heads; ++h)
+                    acc[h][t] = _mm512_dpbf16_ps(
+                        acc[h][t], (__m512bh)_mm512_loadu_si512(qb + h * head_dim + c * 32), k);
+            }
+        for (int h = 0; h < heads; ++h) {
+            v8f folded[KEYS];
+            for (int t = 0; t < KEYS; ++t) folded[t] = fold8((vwf)acc[h][t]);
+            store8(s + h * stride + i, hsum8x8(folded) * splat8(scale));
+        }
+    }
+    for (; i < count; ++i) {
+        __m512 acc[SCORE_HEADS];
+        for (int h = 0; h < heads; ++h) acc[h] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int64_t c = 0; c < chunks; ++c) {
+            const __m512bh k =
+                (__m512bh)_mm512_loadu_si512(key_cache + keys + i * head_dim + c * 32);
+            for (int h = 0; h < heads; ++h)
+                acc[h] = _mm512_dpbf16_ps(
+                    acc[h], (__m512bh)_mm512_loadu_si512(qb + h * head_dim + c * 32), k);
+        }
+        for (int h = 0; h < heads; ++h) s[h * stride + i] = hsum8(fold8((vwf)acc[h])) * scale;
+    }
+}
+
+/* n float32 at s rounded to bfloat16, in place: s's first n / 2 (rounded up) 32-bit words
+ * become pairs (s[2j], s[2j + 1]), the second of an odd n's last pair 0. */
+static inline void bf16_pairs_in_place(float *s, int64_t n) {
+    uint32_t *pairs = (uint32_t *)s;
+    for (int64_t t = 0; t < n; t += 32) {
+        /* Each 32 values are read before their 16 pairs are written, at or before them. */
+        const __mmask16 lo = n - t >= 16 ? 0xffff : (__mmask16)((1u << (n - t)) - 1);
+        const __mmask16 hi = n - t >= 32 ? 0xffff
+                             : n - t <= 16 ? 0
+                                           : (__mmask16)((1u << (n - t - 16)) - 1);
+        const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, s + t + 16),
+                                              _mm512_maskz_loadu_ps(lo, s + t));
+        const int64_t words = (n - t + 1) / 2 < 16 ? (n - t + 1) / 2 : 16;
+        _mm512_mask_storeu_epi32(pairs + t / 2, (__mmask16)((1u << words) - 1), (__m512i)b);
+    }
+}
+
+/* Lane l of unpacklo (unpackhi) of two rows' 32 bf16 holds their element LO_DIM(l)
+ * (LO_DIM(l) + 4): four elements of each 128-bit lane's eight. These put a 32-element
+ * slice's sums back in order: elements 0-15 and 16-31 from the lo and hi sums. */
+#define UNPACK_ORDER_0 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23
+#define UNPACK_ORDER_1 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31
+
+/* Two value rows a, b (b: zeros past the context) weighed by `heads` pairs of
+ * probabilities w[h] into acc[h][2c], acc[h][2c + 1] for the slice's `chunks` 32-element
+ * chunks. */
+static inline __attribute__((always_inline)) void weigh_pair_dp(
+    __m512 acc[4][SLICE_VECTORS], const uint16_t *a, const uint16_t *b,
+    const __m512bh *w, int64_t chunks, const int heads) {
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < chunks; ++c) {
+        const __m512i x = _mm512_loadu_si512(a + c * 32);
+        const __m512i y = b ? _mm512_loadu_si512(b + c * 32) : _mm512_setzero_si512();
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
+        const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+        for (int h = 0; h < heads; ++h) {
+            acc[h][2 * c] = _mm512_dpbf16_ps(acc[h][2 * c], lo, w[h]);
+            acc[h][2 * c + 1] = _mm512_dpbf16_ps(acc[h][2 * c + 1], hi, w[h]);
+        }
+    }
+}
+
+/* weigh_values on the dot-product path: pp holds each head's probabilities as bf16 pairs
+ * (bf16_pairs_in_place), head h's at pp + h * stride; block_size is even, so a pair of
+ * positions never straddles two blocks. */
+static inline __attribute__((always_inline)) void weigh_values_dp(
+    float *o, const uint32_t *pp, int64_t stride, const float *inv,
+    const uint16_t *value_cache, const int64_t *table, int64_t seq_len,
+    const int64_t head_dim, const int64_t first, const int64_t width, int64_t block_stride,
+    int64_t block_size, int64_t kv_offset, const int heads) {
+    const int64_t chunks = width / 32; /* 2 * chunks <= SLICE_VECTORS */
+    __m512 acc[4][SLICE_VECTORS]; /* heads <= 4 */
+    for (int h = 0; h < heads; ++h)
+        for (int64_t c = 0; c < 2 * chunks; ++c) acc[h][c] = _mm512_setzero_ps();
+    for (int64_t start = 0; start < seq_len; start += block_size) {
+        const uint16_t *block =
+            value_cache + table[start / block_size] * block_stride + kv_offset + first;
+        const int64_t count = seq_len - start < block_size ? seq_len - start : block_size;
+        int64_t i = 0;
+        for (; i + 2 <= count; i += 2) {
+            __m512bh w[4];
+            for (int h = 0; h < heads; ++h)
+                w[h] = (__m512bh)_mm512_set1_epi32((int)pp[h * stride + (start + i) / 2]);
+            weigh_pair_dp(acc, block + i * head_dim, block + (i + 1) * head_dim, w, chunks,
+                          heads);
+        }
+        if (i < count) { /* the context's last position, paired with a zero */
+            __m512bh w[4];
+            for (int h = 0; h < heads; ++h)
+                w[h] = (__m512bh)_mm512_set1_epi32((int)pp[h * stride + (start + i) / 2]);
+            weigh_pair_dp(acc, block + i * head_dim, NULL, w, chunks, heads);
+        }
+    }
+    const __m512i order0 = (__m512i)(vwi){UNPACK_ORDER_0};
+    const __m512i order1 = (__m512i)(vwi){UNPACK_ORDER_1};
+    for (int h = 0; h < heads; ++h) {
+        const __m512 scale = _mm512_set1_ps(inv[h]);
+        for (int64_t c = 0; c < chunks; ++c) {
+            float *out = o + h * head_dim + first + c * 32;
+            const __m512 lo = acc[h][2 * c], hi = acc[h][2 * c + 1];
+            _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_permutex2var_ps(lo, order0, hi), scale));
+            _mm512_storeu_ps(out + 16,
+                             _mm512_mul_ps(_mm512_permutex2var_ps(lo, order1, hi), scale));
+        }
+    }
+}
+#endif
+
+/* The keys, and the values for pass 2, AHEAD tokens past a run of `count` tokens from
+ * `start` (all of those up to there at the first run) start coming from memory while the
+ * run is computed: a block table is a pointer chase the hardware prefetcher cannot
+ * follow. */
+static inline void prefetch_ahead(const void *key_cache, const void *value_cache,
+                                  const int64_t *table, int64_t start, int64_t count,
+                                  int64_t seq_len, int64_t head_dim, int64_t block_stride,
+                                  int64_t block_size, int64_t kv_offset, int64_t element) {
+    const int64_t until = start + AHEAD + count;
+    for (int64_t at = start ? start + AHEAD : 0; at < until && at < seq_len;) {
+        const int64_t at_offset = at % block_size;
+        const int64_t row = table[at / block_size] * block_stride + kv_offset +
+                            at_offset * head_dim;
+        int64_t n = block_size - at_offset;
+        n = until - at < n ? until - at : n;
+        n = seq_len - at < n ? seq_len - at : n;
+        for (int64_t b = 0; b < n * head_dim * element; b += 64) {
+            __builtin_prefetch((const char *)key_cache + row * element + b, 0, 3);
+            __builtin_prefetch((const char *)value_cache + row * element + b, 0, 2);
+        }
+        at += n;
+    }
+}
+
 /* The group of query heads sharing one kv head, for one decode row: scores for the whole
  * context (SCORE_HEADS heads per pass over each block's keys), a softmax per head, then
  * the probability-weighted sum of values (as many heads per pass as fit in registers). The
@@ -195,11 +372,17 @@ static inline __attribute__((always_inline)) void attend_item(
     int64_t block_stride, int64_t block_size, int64_t kv_offset,
     float scale, float *scores, int bf16) {
     const int64_t element = bf16 ? 2 : 4;
-    /* The queries scaled, and for bf16 de-interleaved per chunk as kv_chunk reads keys. */
-    float qs[group * head_dim] __attribute__((aligned(64)));
-    for (int64_t g = 0; g < group * head_dim; g += CHUNK(bf16))
-        for (int64_t j = 0; j < CHUNK(bf16); ++j)
-            qs[g + (bf16 ? (j & 1) * VW + j / 2 : j)] = q[g + j] * scale;
+    const int dp = bf16 == KV_BF16_DP;
+    /* The queries scaled, and for bf16 de-interleaved per chunk as kv_chunk reads keys; on
+     * the dot-product path rounded to bf16 instead (the scores are scaled). */
+    float qs[dp ? 1 : group * head_dim] __attribute__((aligned(64)));
+    uint16_t qb[dp ? group * head_dim : 1] __attribute__((aligned(64)));
+    if (dp)
+        for (int64_t g = 0; g < group * head_dim; ++g) qb[g] = bf16_round(q[g]);
+    else
+        for (int64_t g = 0; g < group * head_dim; g += CHUNK(bf16))
+            for (int64_t j = 0; j < CHUNK(bf16); ++j)
+                qs[g + (bf16 ? (j & 1) * VW + j / 2 : j)] = q[g + j] * scale;
     /* Pass 1: scaled scores, per query head of the group, per context position, in runs
      * of at most RUN tokens of one block. */
     for (int64_t start = 0; start < seq_len;) {
@@ -208,43 +391,36 @@ static inline __attribute__((always_inline)) void attend_item(
                               offset * head_dim;
         int64_t count = block_size - offset < RUN ? block_size - offset : RUN;
         count = seq_len - start < count ? seq_len - start : count;
-        /* The keys, and the values for pass 2, AHEAD tokens on (all of those up to there
-         * at the first run) start coming from memory while this run is computed: a
-         * block table is a pointer chase the hardware prefetcher cannot follow. */
-        const int64_t until = start + AHEAD + count;
-        for (int64_t at = start ? start + AHEAD : 0; at < until && at < seq_len;) {
-            const int64_t at_offset = at % block_size;
-            const int64_t row = table[at / block_size] * block_stride + kv_offset +
-                                at_offset * head_dim;
-            int64_t n = block_size - at_offset;
-            n = until - at < n ? until - at : n;
-            n = seq_len - at < n ? seq_len - at : n;
-            for (int64_t b = 0; b < n * head_dim * element; b += 64) {
-                __builtin_prefetch((const char *)key_cache + row * element + b, 0, 3);
-                __builtin_prefetch((const char *)value_cache + row * element + b, 0, 2);
-            }
-            at += n;
-        }
+        prefetch_ahead(key_cache, value_cache, table, start, count, seq_len, head_dim,
+                       block_stride, block_size, kv_offset, element);
         for (int64_t g = 0; g < group; g += SCORE_HEADS) {
             float *s = scores + g * seq_len + start;
             const float *qg = qs + g * head_dim;
+#if PAGED_DP
+#define SCORE(n)                                                                              \
+    (dp ? score_keys_dp(s, seq_len, qb + g * head_dim, key_cache, block, count, head_dim, n,   \
+                        scale)                                                                \
+        : score_keys(s, seq_len, qg, key_cache, block, count, head_dim, n, bf16))
+#else
+#define SCORE(n) score_keys(s, seq_len, qg, key_cache, block, count, head_dim, n, bf16)
+#endif
             /* A constant head count in each call, so the accumulators stay in registers. */
             switch (group - g < SCORE_HEADS ? group - g : SCORE_HEADS) {
-            case 3:
-                score_keys(s, seq_len, qg, key_cache, block, count, head_dim, 3, bf16);
-                break;
-            case 2:
-                score_keys(s, seq_len, qg, key_cache, block, count, head_dim, 2, bf16);
-                break;
-            default:
-                score_keys(s, seq_len, qg, key_cache, block, count, head_dim, 1, bf16);
+            case 3: SCORE(3); break;
+            case 2: SCORE(2); break;
+            default: SCORE(1);
             }
+#undef SCORE
         }
         start += count;
     }
     float inv[group];
-    for (int64_t g = 0; g < group; ++g)
+    for (int64_t g = 0; g < group; ++g) {
         inv[g] = 1.0f / softmax_unnormalised(scores + g * seq_len, seq_len);
+#if PAGED_DP
+        if (dp) bf16_pairs_in_place(scores + g * seq_len, seq_len);
+#endif
+    }
     /* Pass 2: per slice of the head, as many heads per pass over the values as their
      * outputs fit in registers. */
     const int64_t width = head_dim < SLICE_VECTORS * VW ? head_dim : SLICE_VECTORS * VW;
@@ -254,9 +430,18 @@ static inline __attribute__((always_inline)) void attend_item(
         for (int64_t g = 0; g < group;) {
             const int64_t heads = group - g < most ? group - g : most;
             const int64_t slice = head_dim - first < width ? head_dim - first : width;
-#define WEIGH(n)                                                                              \
+#define WEIGH_F32(n)                                                                          \
     weigh_values(o + g * head_dim, scores + g * seq_len, seq_len, inv + g, value_cache, table, \
                  seq_len, head_dim, first, slice, block_stride, block_size, kv_offset, n, bf16)
+#if PAGED_DP
+#define WEIGH(n)                                                                              \
+    (dp ? weigh_values_dp(o + g * head_dim, (const uint32_t *)(scores + g * seq_len), seq_len, \
+                          inv + g, value_cache, table, seq_len, head_dim, first, slice,         \
+                          block_stride, block_size, kv_offset, n)                               \
+        : WEIGH_F32(n))
+#else
+#define WEIGH(n) WEIGH_F32(n)
+#endif
             if (heads == 4)
                 WEIGH(4);
             else if (heads == 3)
@@ -268,6 +453,7 @@ static inline __attribute__((always_inline)) void attend_item(
             g += heads;
         }
 #undef WEIGH
+#undef WEIGH_F32
 }
 
 static void attend_item_generic(float *o, const float *q, const void *key_cache,
@@ -306,9 +492,17 @@ static void attend_item_generic(float *o, const float *q, const void *key_cache,
     }
 }
 
+/* Whether decode rows over a bfloat16 cache of these shapes read with bf16 numerics
+ * (KV_BF16_DP) take the dot-product path. */
+int ts_paged_decode_dot_products(int64_t head_dim, int64_t block_size) {
+    return PAGED_DP && head_dim % 32 == 0 && head_dim <= 256 && block_size % 2 == 0;
+}
+
 /* Work item (row, kv_head) of a decode step: the group of query heads sharing kv_head, for
  * decode row `row` (its query at q, its output at o), over the row's seq_len positions;
- * `scores` holds group * seq_len floats. */
+ * `scores` holds group * seq_len floats. kv_bf16 is the cache's mode: KV_F32, KV_BF16 or
+ * KV_BF16_DP (bf16 numerics: the dot-product path where the build and shapes allow it,
+ * else as KV_BF16). */
 static void decode_item(float *o, const float *q, const void *key_cache,
                         const void *value_cache, const int64_t *table, int64_t seq_len,
                         int64_t kv_head, int64_t num_heads, int64_t num_kv_heads,
@@ -323,6 +517,17 @@ static void decode_item(float *o, const float *q, const void *key_cache,
 #define ATTEND(dim, bf16)                                                                     \
     attend_item(o, q, key_cache, value_cache, table, seq_len, group, dim, block_stride,        \
                 block_size, kv_offset, scale, scores, bf16)
+#if PAGED_DP
+    if (kv_bf16 == KV_BF16_DP && ts_paged_decode_dot_products(head_dim, block_size)) {
+        if (head_dim == 64)
+            ATTEND(64, KV_BF16_DP);
+        else if (head_dim == 128)
+            ATTEND(128, KV_BF16_DP);
+        else
+            ATTEND(head_dim, KV_BF16_DP);
+        return;
+    }
+#endif
     if (head_dim == 64 && kv_bf16)
         ATTEND(64, 1);
     else if (head_dim == 64)
@@ -343,8 +548,8 @@ static void decode_item(float *o, const float *q, const void *key_cache,
 
 /* Returns 0, or -1 if a scratch buffer could not be allocated. Decode row r reads its
  * query at query + rows[r] * query_stride and writes out + rows[r] * out_stride (rows index
- * the step's flat token dimension; query may be a view into a fused QKV tensor). The
- * caches hold bfloat16 if kv_bf16, else float32. */
+ * the step's flat token dimension; query may be a view into a fused QKV tensor). kv_bf16:
+ * the caches' mode (decode_item). */
 int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t query_stride,
                     const int64_t *rows, const void *key_cache, const void *value_cache,
                     const int64_t *block_tables, int64_t block_table_stride,
