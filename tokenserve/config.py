@@ -267,8 +267,9 @@ DEFAULT_QUANTIZED_MAX_ROWS = 10
 DEFAULT_QUANTIZED_GEMM_MAX_ROWS = 192
 # bfloat16 models: the most rows of a product that still reads the GGUF blocks, oneDNN's bf16
 # GEMM above (docs/PERFORMANCE_CPU.md). By level: on amx the blocks' AMX kernel (bf16
-# numerics) leads oneDNN's bf16 GEMM up to ~this many rows; elsewhere the float32 block
-# kernels lead it only in the smallest decode steps (KernelConfig.bf16_block_max_rows).
+# numerics) leads oneDNN's bf16 GEMM up to ~this many rows; elsewhere the blocks' kernels
+# (vdpbf16ps with bf16 numerics on avx512_bf16, float32 below) lead it only in the smallest
+# decode steps (KernelConfig.bf16_block_max_rows).
 DEFAULT_BF16_QUANTIZED_MAX_ROWS = 128
 BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX = 16
 # --cpu-isa: the instruction-set levels the C kernels build for (kernels/cpu_isa.py).

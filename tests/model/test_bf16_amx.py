@@ -1,8 +1,8 @@
 """A bfloat16 GGUF model on the amx level: its products of at most `bf16_quantized_max_rows`
 rows (128 there by default) read the GGUF blocks, from 5 rows through the AMX kernel (bf16
 numerics, kernels/csrc/quant_amx.h), decode steps up to that many rows run fused (one C
-call per layer) with the same results as operator by operator, and other levels keep the
-float32 block kernels up to 16 rows."""
+call per layer) with the same results as operator by operator, and the avx512_bf16 level
+takes the vdpbf16ps block kernel (the same numerics) up to 16 rows."""
 
 from __future__ import annotations
 
@@ -89,10 +89,11 @@ def test_the_bf16_limit_sends_larger_products_to_onednn(amx_rows):
     assert amx_rows and max(amx_rows) <= 2
 
 
-def test_levels_without_amx_keep_the_float32_block_kernels():
+def test_the_avx512_bf16_level_takes_the_vdpbf16ps_block_kernel():
     llm = LLM(dtype="bfloat16", cpu_isa="avx512_bf16", kv_cache_memory="64MiB")
     model = _model(llm)
     assert not any(b.uses_amx for b in _blocks(model))
+    assert all(b.uses_dp for b in _blocks(model))
     assert model.model.layer_stack.max_rows == BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX
 
 

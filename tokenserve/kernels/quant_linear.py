@@ -1,7 +1,8 @@
 """Bindings of csrc/quant_linear.c: y = x · Wᵀ with W in GGUF's Q4_1 or Q8_0 blocks, in the
 layouts of model/layers/quantization/gguf.py's `QuantizedWeight` (see quant_linear.c).
-Three kernels per format: the float32 few-row and many-row ones, and on the amx level the
-AMX one with a bfloat16 model's numerics (csrc/quant_amx.h; `QuantLinearOps.amx`)."""
+Three kernels per format: the float32 few-row and many-row ones, and with a bfloat16
+model's numerics on the amx level the AMX one (csrc/quant_amx.h; `QuantLinearOps.amx`), on
+the avx512_bf16 level the vdpbf16ps one (csrc/quant_dp.h; `QuantLinearOps.dp`)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ BLOCK = 32  # weights per GGUF block
 
 class QuantLinearOps:
     """The kernels per format: the few-row kernel, with `panels=True` the many-row one
-    (output rows a multiple of `PANEL`), and with `amx=True` the bf16 AMX one (the same
-    multiple; only where `amx` is true)."""
+    (output rows a multiple of `PANEL`), with `amx=True` the bf16 AMX one (the same
+    multiple; only where `amx` is true), with `dp=True` the bf16 vdpbf16ps one (only where
+    `dp` is true)."""
 
     PANEL = 16
 
@@ -31,6 +33,8 @@ class QuantLinearOps:
             ("Q8_0", "panels"): library.ts_q8_0_gemm_f32,
             ("Q4_1", "amx"): library.ts_q4_1_gemm_amx,
             ("Q8_0", "amx"): library.ts_q8_0_gemm_amx,
+            ("Q4_1", "dp"): library.ts_q4_1_linear_dp,
+            ("Q8_0", "dp"): library.ts_q8_0_linear_dp,
         }
         for function in self._kernels.values():
             function.restype = ctypes.c_int
@@ -39,6 +43,8 @@ class QuantLinearOps:
         available.restype = ctypes.c_int
         # Whether the AMX kernel runs here: built for the amx level, the tiles granted.
         self.amx = bool(available())
+        # Whether the vdpbf16ps kernel runs here: built for the avx512_bf16 level.
+        self.dp = bool(library.ts_quant_dp_available())
 
     def bind(self, kind: str, qs: torch.Tensor, scales: torch.Tensor) -> BoundQuantLinear:
         """Both kernels of one weight, the weight checked once: a decode step makes ~120 of
@@ -46,25 +52,30 @@ class QuantLinearOps:
         them."""
         check_weight(kind, qs, scales)
         return BoundQuantLinear(self._kernels[kind, "few"], self._kernels[kind, "panels"],
-                                self._kernels[kind, "amx"] if self.amx else None, qs, scales)
+                                self._kernels[kind, "amx"] if self.amx else None,
+                                self._kernels[kind, "dp"] if self.dp else None, qs, scales)
 
 
 class BoundQuantLinear:
     """y = x · Wᵀ for one checked weight (`QuantLinearOps.bind`): each call checks only x."""
 
-    __slots__ = ("_amx", "_few", "_many", "_num_out", "_qs", "_scales", "_width")
+    __slots__ = ("_amx", "_dp", "_few", "_many", "_num_out", "_qs", "_scales", "_width")
 
-    def __init__(self, few, many, amx, qs: torch.Tensor, scales: torch.Tensor) -> None:
-        self._few, self._many, self._amx = few, many, amx
+    def __init__(self, few, many, amx, dp, qs: torch.Tensor, scales: torch.Tensor) -> None:
+        self._few, self._many, self._amx, self._dp = few, many, amx, dp
         # The tensors are held so that their memory outlives the pointers passed to C.
         self._qs, self._scales = qs, scales
         self._num_out, self._width = qs.shape[0], scales.shape[1] * BLOCK
 
-    def __call__(self, x: torch.Tensor, panels: bool = False, amx: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, panels: bool = False, amx: bool = False,
+                 dp: bool = False) -> torch.Tensor:
         """x [M, K] float32, contiguous → [M, N] float32; `panels` picks the many-row kernel,
-        `amx` the AMX one (x and the weights rounded to bf16, float32 sums)."""
+        `amx` the AMX one and `dp` the vdpbf16ps one (both: x and the weights rounded to
+        bf16, float32 sums)."""
         if amx and self._amx is None:
             raise RuntimeError("the AMX quantized kernel is not available on this level/CPU.")
+        if dp and self._dp is None:
+            raise RuntimeError("the vdpbf16ps quantized kernel is not available on this level.")
         if x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous():
             raise ValueError("C kernels need contiguous float32 CPU tensors.")
         if x.dim() != 2 or x.shape[1] != self._width:
@@ -73,7 +84,7 @@ class BoundQuantLinear:
                 f"{tuple(x.shape)}, the weight takes [rows, {self._width}])."
             )
         out = torch.empty((x.shape[0], self._num_out), dtype=torch.float32)
-        kernel = self._amx if amx else self._many if panels else self._few
+        kernel = self._amx if amx else self._dp if dp else self._many if panels else self._few
         status = kernel(
             out.data_ptr(), x.data_ptr(), x.shape[0], self._width, self._num_out,
             self._qs.data_ptr(), self._scales.data_ptr(),

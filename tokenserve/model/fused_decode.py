@@ -6,7 +6,8 @@ Python and each forking and joining the OpenMP threads, cost about as much as th
 (docs/benchmarks/cpu-hot-path.md). When a step is decode only on the CPU attention backend's
 C kernels, has at most as many rows as the GGUF block kernels take (192 by default; for a
 bfloat16 model `bf16_quantized_max_rows`: 128 on amx, where its products take the AMX block
-kernel, 16 elsewhere), and every layer's projections keep GGUF blocks, the layer stack runs
+kernel, 16 elsewhere, on avx512_bf16 through the vdpbf16ps block kernel), and every layer's
+projections keep GGUF blocks, the layer stack runs
 each layer as one call instead. decode_layer.c is the llama decoder layer (model/llama.py) written in C: it calls
 the same operators in the same order, so the results are identical
 (tests/model/test_fused_decode.py). It reads what the layers and the backend expose: the
@@ -144,10 +145,12 @@ class FusedDecodeLayerStack(LayerStack):
             assert blocks is not None
             # Above max_rows the many-row kernel, as the GGUF method picks (the weight fits
             # its panels when the step's rows passed takes()); a bf16 model's on the amx
-            # level the AMX kernel above AMX_MIN_ROWS - 1 (QuantizedWeight.matmul).
-            few_rows = AMX_MIN_ROWS - 1 if blocks.uses_amx else blocks.max_rows
+            # level the AMX kernel above AMX_MIN_ROWS - 1, on the avx512_bf16 level the
+            # vdpbf16ps kernel from one row (QuantizedWeight.matmul).
+            few_rows = (AMX_MIN_ROWS - 1 if blocks.uses_amx else 0 if blocks.uses_dp
+                        else blocks.max_rows)
             projections[part] = (blocks.kind, blocks.qs, blocks.scales, linear.bias, few_rows,
-                                 blocks.uses_amx)
+                                 blocks.uses_amx, blocks.uses_dp)
         key_cache, value_cache = TorchSDPABackend.split_kv_cache(kv_cache)
         bound, keep = self.ops.layer(
             projections, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,

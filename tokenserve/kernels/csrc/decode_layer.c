@@ -25,12 +25,13 @@
 /* A projection: [out, in] in Q4_1 (q4_1 = 1) or Q8_0 blocks, and an optional bias [out].
  * Products of more than few_rows rows take the many-row (panel) kernel, as linear() sends
  * them (out a multiple of PANEL there); with amx = 1 those take the AMX kernel instead
- * (out a multiple of AMX_PANEL; the amx level only). */
+ * (out a multiple of AMX_PANEL; the amx level only), with dp = 1 the vdpbf16ps kernel (the
+ * avx512_bf16 level only). */
 typedef struct {
     const uint8_t *qs;
     const float *scales;
     const float *bias;
-    int64_t out, in, q4_1, few_rows, amx;
+    int64_t out, in, q4_1, few_rows, amx, dp;
 } ts_projection;
 
 /* What a layer holds. */
@@ -65,6 +66,12 @@ static void project(float *y, const float *x, int64_t M, const ts_projection *w,
         amx_pack_rows(xp, x, M, w->in);
         amx_columns(y, xp, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1, a);
     } else
+#elif QUANT_DP
+    (void)a;
+    if (w->dp && M > w->few_rows) {
+        dp_pack_rows(xp, x, M, w->in);
+        dp_columns(y, xp, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1);
+    } else
 #else
     (void)xp, (void)a;
 #endif
@@ -91,12 +98,13 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
     const int64_t group = step->num_heads / step->num_kv_heads;
     const ts_projection *projections[] = {&layer->qkv, &layer->o, &layer->gate_up,
                                           &layer->down};
-    int64_t amx = 0, widest = 0;
+    int64_t amx = 0, dp = 0, widest = 0;
     for (int i = 0; i < 4; ++i) {
         if (projections[i]->in % BLOCK || (M > projections[i]->few_rows &&
                                            projections[i]->out % PANEL))
             return 1;
         amx |= projections[i]->amx;
+        dp |= projections[i]->dp;
         widest = projections[i]->in > widest ? projections[i]->in : widest;
     }
 #if QUANT_AMX
@@ -104,13 +112,15 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
 #else
     if (amx) return 1;
 #endif
+    if (dp && !QUANT_DP) return 1;
     if (layer->qkv.out != qkv_width || layer->o.out != H ||
         layer->gate_up.out != 2 * step->intermediate || layer->down.out != H)
         return 1;
-    /* The AMX kernel's x, packed once per product for all threads. */
-    uint16_t *xp = amx ? (uint16_t *)aligned_alloc(64, (size_t)((M + 15) / 16 * 16 * widest * 2))
-                       : NULL;
-    if (amx && xp == NULL) return -1;
+    /* The AMX or vdpbf16ps kernel's x, packed once per product for all threads. */
+    uint16_t *xp = amx || dp ? (uint16_t *)aligned_alloc(
+                                   64, (size_t)((M + 15) / 16 * 16 * widest * 2))
+                             : NULL;
+    if ((amx || dp) && xp == NULL) return -1;
     int failed = 0;
 #pragma omp parallel
     {

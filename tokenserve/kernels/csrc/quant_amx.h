@@ -20,22 +20,10 @@
 #define TOKENSERVE_QUANT_AMX_H
 
 #include "amx.h"
+#include "quant_bf16.h"
 
 #define AMX_PANEL 16 /* weight rows per A tile: N must be a multiple */
 #define AMX_C 4      /* C tiles: row tiles of x per pass over a panel */
-
-/* 16 float32 → bf16 bits, rounded to nearest even as torch rounds (a NaN to 0x7fc0). In
- * integer arithmetic: vcvtneps2bf16 reads denormal inputs as zero, and activations may be
- * denormal. */
-static inline __m256i amx_bf16_round(__m512 v) {
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                              _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(r);
-}
 
 /* x [M, K] float32 → xp [padded / 16][K / 2][16][2] bf16 pairs (rows M..padded-1 zero),
  * shared out over the threads of the enclosing region (an orphaned `omp for`, ending in a
@@ -54,8 +42,8 @@ static void amx_pack_rows(uint16_t *xp, const float *x, int64_t M, int64_t K) {
             const int64_t m = t * 16 + j;
             r[j] = _mm512_setzero_si512();
             if (m < M) {
-                const __m256i lo = amx_bf16_round(_mm512_loadu_ps(x + m * K + k));
-                const __m256i hi = amx_bf16_round(_mm512_loadu_ps(x + m * K + k + 16));
+                const __m256i lo = bf16_round16(_mm512_loadu_ps(x + m * K + k));
+                const __m256i hi = bf16_round16(_mm512_loadu_ps(x + m * K + k + 16));
                 r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
             }
         }
@@ -66,41 +54,14 @@ static void amx_pack_rows(uint16_t *xp, const float *x, int64_t M, int64_t K) {
 }
 
 /* Block b (32 weights) of AMX_PANEL weight rows (quant_linear.c's layouts, from the
- * panel's first row) → a[j][b * 32 ..] bf16, for the panel's rows j. The expansion is
- * tile()'s: d * q (+ m) as two roundings (mul then add: this file is ISO C, nothing is
- * contracted), then to bf16. Q4_1 expands the block's 16 possible values (q = 0..15) once
- * and looks its 32 weights up (vpermw): the same arithmetic on the same values, in fewer
- * instructions. vcvtne(2)ps2bf16 rounds to nearest even like torch; its zeroing of
- * denormals never applies here: d and m are float16 (multiples of 2^-24) and q an integer,
- * so a nonzero weight is at least 2^-48 in magnitude. */
+ * panel's first row) → a[j][b * 32 ..] bf16, for the panel's rows j (bf16_expand_block). */
 static inline __attribute__((always_inline)) void amx_expand_block(
     uint16_t *a, const uint8_t *qs, const float *scales, int64_t K, int64_t b, int q4_1) {
-    const int64_t blocks = K / BLOCK;
-    const __m128i low4 = _mm_set1_epi8(0x0f);
-    const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    for (int j = 0; j < AMX_PANEL; ++j) {
-        __m512i w;
-        if (q4_1) {
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(qs + j * (K / 2) + b * 16));
-            const float *s = scales + (j * blocks + b) * 2;
-            const __m512 table = _mm512_add_ps(
-                _mm512_mul_ps(values, _mm512_set1_ps(s[0])), _mm512_set1_ps(s[1]));
-            const __m512i lookup = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(table));
-            /* Weights 0-15 are the bytes' low nibbles, 16-31 their high ones. */
-            const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4),
-                                               _mm_and_si128(bytes, low4));
-            w = _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(q), lookup);
-        } else {
-            const int8_t *q = (const int8_t *)qs + j * K + b * BLOCK;
-            const __m512 d = _mm512_set1_ps(scales[j * blocks + b]);
-            const __m512 w0 = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), d);
-            const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                _mm_loadu_si128((const __m128i *)(q + 16)))), d);
-            w = (__m512i)_mm512_cvtne2ps_pbh(w1, w0);
-        }
-        _mm512_storeu_si512(a + j * K + b * BLOCK, w);
-    }
+    const int64_t row_bytes = q4_1 ? K / 2 : K, row_scales = q4_1 ? K / BLOCK * 2 : K / BLOCK;
+    for (int j = 0; j < AMX_PANEL; ++j)
+        _mm512_storeu_si512(a + j * K + b * BLOCK,
+                            bf16_expand_block(qs + j * row_bytes, scales + j * row_scales, b,
+                                              q4_1));
 }
 
 /* The next panel's cache lines that hold block b, fetched into L2 while this panel's block b

@@ -26,7 +26,9 @@
  *
  * On the amx level a third kernel (ts_*_gemm_amx, quant_amx.h) multiplies with a bfloat16
  * model's numerics instead: weights and x rounded to bf16, float32 sums on AMX tiles. It
- * returns 3 where AMX is not built or not granted (ts_quant_amx_available says which).
+ * returns 3 where AMX is not built or not granted (ts_quant_amx_available says which). On
+ * the avx512_bf16 level (AVX512_BF16 without AMX) ts_*_linear_dp (quant_dp.h) has those
+ * numerics by vdpbf16ps; it returns 3 on other levels (ts_quant_dp_available).
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* syscall(), for the AMX permission (amx.h) */
@@ -41,6 +43,12 @@
 #define QUANT_AMX 1
 #else
 #define QUANT_AMX 0
+#endif
+/* The vdpbf16ps kernel with the same numerics where AVX512_BF16 comes without AMX. */
+#if !QUANT_AMX && defined(__AVX512BF16__)
+#define QUANT_DP 1
+#else
+#define QUANT_DP 0
 #endif
 
 #define BLOCK 32
@@ -367,6 +375,44 @@ int ts_q8_0_gemm_f32(float *y, const float *x, int64_t M, int64_t K, int64_t N,
 #if QUANT_AMX
 #include "quant_amx.h"
 #endif
+
+#if QUANT_DP
+#include "quant_dp.h"
+#endif
+
+/* 1 where the vdpbf16ps kernel is built (the avx512_bf16 level). */
+int ts_quant_dp_available(void) { return QUANT_DP; }
+
+/* y = x · Wᵀ with bf16 numerics by vdpbf16ps, split over output columns. */
+static int quant_linear_dp(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                           const uint8_t *qs, const float *scales, int q4_1) {
+#if QUANT_DP
+    if (K % BLOCK != 0) return 1;
+    if (M == 0) return 0;
+    uint16_t *xp = (uint16_t *)aligned_alloc(64, (size_t)(M * K * 2)); /* K % 32 == 0 */
+    if (xp == NULL) return 2;
+#pragma omp parallel
+    {
+        dp_pack_rows(xp, x, M, K);
+        dp_columns(y, xp, M, K, N, qs, scales, q4_1);
+    }
+    free(xp);
+    return 0;
+#else
+    (void)y, (void)x, (void)M, (void)K, (void)N, (void)qs, (void)scales, (void)q4_1;
+    return 3;
+#endif
+}
+
+int ts_q4_1_linear_dp(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                      const uint8_t *qs, const float *dm) {
+    return quant_linear_dp(y, x, M, K, N, qs, dm, 1);
+}
+
+int ts_q8_0_linear_dp(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                      const int8_t *qs, const float *d) {
+    return quant_linear_dp(y, x, M, K, N, (const uint8_t *)qs, d, 0);
+}
 
 /* 1 where the AMX kernel runs: built for the amx level and the tiles granted. */
 int ts_quant_amx_available(void) {

@@ -22,7 +22,8 @@ def get_linear_method(
     kernels are built and wanted; dense weights otherwise. A bfloat16 model keeps its dense
     weights in bf16 beside float32 activations (model/precision.py): its products of at
     most `bf16_quantized_max_rows` rows read the blocks (on the amx level through the AMX
-    kernel with bf16 numerics, elsewhere the float32 kernels), larger ones run on oneDNN's
+    kernel with bf16 numerics, on the avx512_bf16 level through the vdpbf16ps kernel with
+    the same numerics, elsewhere the float32 kernels), larger ones run on oneDNN's
     bf16 GEMM (docs/PERFORMANCE_CPU.md)."""
     use_onednn = not kernel_config.disable_onednn
     weight_dtype = dtype if activation_dtype(dtype) != dtype else None
@@ -33,12 +34,17 @@ def get_linear_method(
     amx_max_rows = (kernel_config.bf16_block_max_rows(amx=True)
                     if weight_dtype is not None and blocks_wanted and ops is not None and ops.amx
                     else 0)
+    # Elsewhere with AVX512_BF16 its vdpbf16ps kernel, the same numerics.
+    dp_max_rows = (kernel_config.bf16_block_max_rows(amx=False)
+                   if weight_dtype is not None and blocks_wanted and ops is not None and ops.dp
+                   else 0)
     if (
         model_format == "gguf"
         and activation_dtype(dtype) == torch.float32
         and ops is not None
-        and max(max_rows, gemm_max_rows, amx_max_rows) > 0
+        and max(max_rows, gemm_max_rows, amx_max_rows, dp_max_rows) > 0
     ):
         return GGUFLinearMethod(max_rows, gemm_max_rows, use_onednn=use_onednn,
-                                weight_dtype=weight_dtype, amx_max_rows=amx_max_rows)
+                                weight_dtype=weight_dtype, amx_max_rows=amx_max_rows,
+                                dp_max_rows=dp_max_rows)
     return UnquantizedLinearMethod(use_onednn=use_onednn, weight_dtype=weight_dtype)

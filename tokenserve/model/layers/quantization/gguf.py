@@ -21,6 +21,11 @@ bf16 GEMM on the dense weights up to ~128 rows (docs/PERFORMANCE_CPU.md). Its pr
 one row keep the float32 few-row kernel (float32 weights and inputs, as without AMX):
 there the weights' bytes, not the arithmetic, set the time, and the AMX kernel's expansion
 to bf16 costs more than it saves.
+
+On the avx512_bf16 level (AVX512_BF16 without AMX, or that level forced) a bfloat16 model
+sends its products of at most `dp_max_rows` rows (the same `bf16_block_max_rows` setting,
+16 there) to the vdpbf16ps kernel (csrc/quant_dp.h) with those same numerics, from one row:
+its small decode steps then multiply by the bf16 weights its larger ones do on oneDNN.
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ class QuantizedWeight:
     # A bfloat16 model on the amx level: products of at most this many rows take the AMX
     # kernel, bf16 numerics (0: none; the limits above then apply).
     amx_max_rows: int = 0
+    # A bfloat16 model on the avx512_bf16 level: products of at most this many rows take the
+    # vdpbf16ps kernel, the same numerics (0: none).
+    dp_max_rows: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -145,11 +153,19 @@ class QuantizedWeight:
         return self.amx_max_rows > 0 and self._fits_panels
 
     @property
+    def uses_dp(self) -> bool:
+        """Whether products take the vdpbf16ps kernel (bf16 numerics; from one row)."""
+        return self.dp_max_rows > 0 and self._fits_panels
+
+    @property
     def row_limit(self) -> int:
-        """The most rows of a product sent here: the AMX kernel's limit where it applies,
-        else the few-row kernel's, or the many-row kernel's where the weight fits its panels."""
+        """The most rows of a product sent here: the AMX or vdpbf16ps kernel's limit where
+        one applies, else the few-row kernel's, or the many-row kernel's where the weight fits
+        its panels."""
         if self.uses_amx:
             return self.amx_max_rows
+        if self.uses_dp:
+            return self.dp_max_rows
         return max(self.max_rows, self.gemm_max_rows if self._fits_panels else 0)
 
     def takes(self, rows: int) -> bool:
@@ -157,16 +173,21 @@ class QuantizedWeight:
         return rows <= self.row_limit
 
     def matmul(self, x: torch.Tensor, panels: bool | None = None,
-               amx: bool | None = None) -> torch.Tensor:
+               amx: bool | None = None, dp: bool | None = None) -> torch.Tensor:
         """x [rows, in] float32 → x · Wᵀ [rows, out] float32. By default where the AMX
         kernel applies (uses_amx) it for AMX_MIN_ROWS rows or more and the few-row kernel
-        below; elsewhere the many-row kernel for more than max_rows rows where it applies,
-        else the few-row one. `amx` or `panels` pick one (benchmarks, tests)."""
-        if amx is None and panels is None and self.uses_amx:
+        below; where the vdpbf16ps kernel applies (uses_dp) it; elsewhere the many-row kernel
+        for more than max_rows rows where it applies, else the few-row one. `amx`, `dp` or
+        `panels` pick one (benchmarks, tests)."""
+        if amx is None and dp is None and panels is None and self.uses_amx:
             # (The few-row kernel below AMX_MIN_ROWS whatever max_rows: as the fused layer.)
             amx, panels = x.shape[0] >= AMX_MIN_ROWS, False
+        if amx is None and dp is None and panels is None and self.uses_dp:
+            dp = True
         if amx:
             return self._kernels(x.contiguous(), amx=True)
+        if dp:
+            return self._kernels(x.contiguous(), dp=True)
         if panels is None:
             panels = x.shape[0] > self.max_rows and self._fits_panels
         return self._kernels(x.contiguous(), panels)
@@ -188,10 +209,12 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
     dense weight alone."""
 
     def __init__(self, max_rows: int, gemm_max_rows: int, use_onednn: bool = True,
-                 weight_dtype: torch.dtype | None = None, amx_max_rows: int = 0) -> None:
+                 weight_dtype: torch.dtype | None = None, amx_max_rows: int = 0,
+                 dp_max_rows: int = 0) -> None:
         super().__init__(use_onednn, weight_dtype)
         self.max_rows, self.gemm_max_rows = max_rows, gemm_max_rows
         self.amx_max_rows = amx_max_rows  # QuantizedWeight.amx_max_rows
+        self.dp_max_rows = dp_max_rows  # QuantizedWeight.dp_max_rows
         self.num_block_weights = 0  # how many layers got their blocks, for the log
 
     def create_weights(
@@ -235,7 +258,7 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         if joined is None or not covered or joined.shape != shape:
             return None
         return replace(joined, max_rows=self.max_rows, gemm_max_rows=self.gemm_max_rows,
-                       amx_max_rows=self.amx_max_rows)
+                       amx_max_rows=self.amx_max_rows, dp_max_rows=self.dp_max_rows)
 
     def input_dtype(self, layer: nn.Module, rows: int) -> torch.dtype | None:
         """The blocks' kernels read float32; the dense products as the base method says."""
@@ -254,6 +277,7 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
 
     def __str__(self) -> str:
         kernels = (f"{self.amx_max_rows} rows (AMX, bf16)" if self.amx_max_rows
+                   else f"{self.dp_max_rows} rows (vdpbf16ps, bf16)" if self.dp_max_rows
                    else f"{max(self.max_rows, self.gemm_max_rows)} rows")
         return (f"{self.num_block_weights} weights also in their GGUF blocks for products of up "
                 f"to {kernels}; " + super().__str__())

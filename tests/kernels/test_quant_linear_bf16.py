@@ -1,7 +1,8 @@
-"""The AMX kernel on GGUF blocks (kernels/csrc/quant_amx.h): a bfloat16 model's products with
-its numerics (each weight expanded as gguf dequantizes it, then rounded to bf16; x rounded
-to bf16; float32 sums), on a CPU with AMX. How a bf16 model routes its products to it:
-tests/model/test_bf16_amx.py.
+"""The bf16 kernels on GGUF blocks: a bfloat16 model's products with its numerics (each weight
+expanded as gguf dequantizes it, then rounded to bf16; x rounded to bf16; float32 sums), on
+AMX tiles on the amx level (kernels/csrc/quant_amx.h) and by vdpbf16ps on the avx512_bf16
+level (kernels/csrc/quant_dp.h), each test once per kernel the host runs. How a bf16 model
+routes its products to them: tests/model/test_bf16_amx.py, tests/model/test_bf16_decode.py.
 
 Tolerance of the sums. Every product of two bf16 values is exact in float32 (8 + 8
 significant bits), so the only error left is the float32 summation of K terms: at most
@@ -23,21 +24,27 @@ from tokenserve.model.layers.quantization.gguf import QuantizedWeight
 KINDS = ("Q4_1", "Q8_0")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def amx_level():
-    missing = sorted(set(cpu_isa.ISA_LEVELS["amx"][0]) - cpu_isa.cpu_flags())
+# Each bf16 kernel and the level whose build has it.
+LEVELS = {"amx": "amx", "dp": "avx512_bf16"}
+
+
+@pytest.fixture(scope="module", autouse=True, params=list(LEVELS))
+def kernel(request) -> str:
+    name, level = request.param, LEVELS[request.param]
+    missing = sorted(set(cpu_isa.ISA_LEVELS[level][0]) - cpu_isa.cpu_flags())
     if missing:
-        pytest.skip(f"this CPU lacks amx (no {', '.join(missing)} in /proc/cpuinfo)")
+        pytest.skip(f"this CPU lacks {level} (no {', '.join(missing)} in /proc/cpuinfo)")
     previous = build.selected_isa()
-    build.select_isa("amx")
+    build.select_isa(level)
     ops = quant_linear.load()
-    assert ops is not None and ops.amx, "the amx build of quant_linear.c did not run AMX"
-    yield
+    assert ops is not None and getattr(ops, name), f"the {level} build did not run {name}"
+    assert not (ops.amx and ops.dp)
+    yield name
     build.select_isa(previous)
 
 
-def _amx(weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
-    return weight._kernels(x, amx=True)
+def _bf16(weight: QuantizedWeight, x: torch.Tensor, kernel: str) -> torch.Tensor:
+    return weight._kernels(x, **{kernel: True})
 
 
 def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -48,11 +55,12 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("num_rows", [1, 3, 16, 17, 64, 65, 130])
 @pytest.mark.parametrize("out_features,in_features", [(16, 32), (48, 576), (32, 1536)])
-def test_amx_kernel_sums_the_bf16_operands(kind, num_rows, out_features, in_features):
+def test_the_kernel_sums_the_bf16_operands(kernel, kind, num_rows, out_features,
+                                           in_features):
     weight, reference = random_quantized(kind, out_features, in_features, seed=num_rows)
     x = torch.randn(num_rows, in_features, generator=torch.Generator().manual_seed(1))
     xb, wb = x.bfloat16(), reference.bfloat16()
-    out = _amx(weight, x)
+    out = _bf16(weight, x, kernel)
     assert out.dtype == torch.float32 and out.shape == (num_rows, out_features)
     bound = _bound(xb, wb)
     exact = xb.double() @ wb.double().T
@@ -63,15 +71,15 @@ def test_amx_kernel_sums_the_bf16_operands(kind, num_rows, out_features, in_feat
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_amx_kernel_expands_weights_to_the_bf16_of_gguf_dequantization(kind):
+def test_the_kernel_expands_weights_to_the_bf16_of_gguf_dequantization(kernel, kind):
     # x = I picks W's columns exactly (1 · w plus exact zeros): the kernel's weights must be
     # bit for bit gguf's float32 dequantization rounded to bf16 as torch rounds it.
     weight, reference = random_quantized(kind, 48, 576, seed=7)
-    out = _amx(weight, torch.eye(576))
+    out = _bf16(weight, torch.eye(576), kernel)
     assert torch.equal(out, reference.bfloat16().float().T)
 
 
-def test_amx_kernel_rounds_x_to_nearest_even_as_torch():
+def test_the_kernel_rounds_x_to_nearest_even_as_torch(kernel):
     # W = I (Q4_1 blocks with d = 1, m = 0: weight k of row k is 1) picks x's columns: they
     # must be x rounded to bf16 as torch rounds, ties to even included.
     qs = torch.zeros(64, 32, dtype=torch.uint8)
@@ -86,50 +94,74 @@ def test_amx_kernel_rounds_x_to_nearest_even_as_torch():
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
     x[0, :8] = torch.tensor([1 + ulp / 2, 1 + 3 * ulp / 2, -(1 + ulp / 2), 1 + ulp / 2 + 2**-20,
                              3.0e38, -2.5e38, 1e-30, 65504.0])  # finite in bf16
-    assert torch.equal(_amx(identity, x), x.bfloat16().float())
+    assert torch.equal(_bf16(identity, x, kernel), x.bfloat16().float())
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_rows_result_does_not_depend_on_the_other_rows(kind):
+def test_a_rows_result_does_not_depend_on_the_other_rows(kernel, kind):
     # Each output is its own sum over k in a fixed order: the same bits whatever M is and
     # whichever rows come along (decode steps of any size give a request the same logits).
     weight, _ = random_quantized(kind, 64, 1536, seed=2)
     x = torch.randn(200, 1536, generator=torch.Generator().manual_seed(4))
-    full = _amx(weight, x)
+    full = _bf16(weight, x, kernel)
     for rows in (slice(0, 1), slice(5, 6), slice(0, 16), slice(3, 20), slice(64, 129),
                  slice(199, 200)):
-        assert torch.equal(_amx(weight, x[rows].contiguous()), full[rows])
+        assert torch.equal(_bf16(weight, x[rows].contiguous(), kernel), full[rows])
 
 
-def test_amx_kernel_refuses_shapes_off_its_tiles():
+def test_amx_kernel_refuses_shapes_off_its_tiles(kernel):
+    if kernel != "amx":
+        pytest.skip("the vdpbf16ps kernel takes any number of output rows")
     weight, _ = random_quantized("Q8_0", 24, 64)  # 24 output rows: not whole 16-row panels
     with pytest.raises(ValueError, match="multiple of 16 output rows"):
-        _amx(weight, torch.randn(3, 64))
+        _bf16(weight, torch.randn(3, 64), kernel)
     # K off the 32-weight blocks: the C entry point's refusal code (the bindings never get
     # that far: a weight's width is whole blocks).
-    kernel = quant_linear.load()._kernels["Q8_0", "amx"]
+    entry = quant_linear.load()._kernels["Q8_0", "amx"]
     y, x = torch.empty(1, 16), torch.randn(1, 48)
     qs, d = torch.zeros(16, 48, dtype=torch.int8), torch.ones(16, 2)
-    assert kernel(y.data_ptr(), x.data_ptr(), 1, 48, 16, qs.data_ptr(), d.data_ptr()) == 1
+    assert entry(y.data_ptr(), x.data_ptr(), 1, 48, 16, qs.data_ptr(), d.data_ptr()) == 1
 
 
-def test_other_levels_have_no_amx_kernel():
-    ops = quant_linear.load("avx512_bf16" if "avx512_bf16" in cpu_isa.supported_levels()
-                            else "avx2")
-    assert ops is not None and not ops.amx
+def test_the_vdpbf16ps_kernel_takes_any_number_of_output_rows(kernel):
+    if kernel != "dp":
+        pytest.skip("the AMX kernel takes whole 16-row panels")
+    weight, reference = random_quantized("Q8_0", 24, 64)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8))
+    exact = x.bfloat16().double() @ reference.bfloat16().double().T
+    bound = _bound(x.bfloat16(), reference.bfloat16())
+    assert bool(((_bf16(weight, x, kernel).double() - exact).abs() <= bound).all())
+
+
+def test_other_levels_have_neither_bf16_kernel(kernel):
+    ops = quant_linear.load("avx2")
+    assert ops is not None and not ops.amx and not ops.dp
     weight, _ = random_quantized("Q4_1", 16, 64)
     bound = ops.bind(weight.kind, weight.qs, weight.scales)
     with pytest.raises(RuntimeError, match="AMX quantized kernel is not available"):
         bound(torch.randn(2, 64), amx=True)
+    with pytest.raises(RuntimeError, match="vdpbf16ps quantized kernel is not available"):
+        bound(torch.randn(2, 64), dp=True)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_bf16_weight_routes_by_rows(kind):
+def test_a_bf16_weight_routes_by_rows(kernel, kind):
     # A bf16 model's weight on amx (amx_max_rows set): 1-4 rows on the float32 few-row
     # kernel (whatever max_rows says, as the fused layer), AMX_MIN_ROWS and up on AMX.
+    # On avx512_bf16 (dp_max_rows set): every product up to the limit on vdpbf16ps.
     from dataclasses import replace
 
     from tokenserve.model.layers.quantization.gguf import AMX_MIN_ROWS
+
+    if kernel == "dp":
+        weight, _ = random_quantized(kind, 32, 64, seed=5)
+        bf16 = replace(weight, dp_max_rows=16, max_rows=2)
+        assert bf16.uses_dp and bf16.row_limit == 16 and bf16.takes(16) and not bf16.takes(17)
+        for rows in (1, 3, 16):
+            x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+            assert torch.equal(bf16.matmul(x), _bf16(weight, x, kernel))
+            assert not torch.equal(bf16.matmul(x), weight.matmul(x, panels=False))
+        return
 
     weight, _ = random_quantized(kind, 32, 64, seed=5)
     bf16 = replace(weight, amx_max_rows=128, max_rows=2)
@@ -137,8 +169,8 @@ def test_a_bf16_weight_routes_by_rows(kind):
     x = torch.randn(AMX_MIN_ROWS, 64, generator=torch.Generator().manual_seed(6))
     small = x[: AMX_MIN_ROWS - 1].contiguous()
     assert torch.equal(bf16.matmul(small), weight.matmul(small, panels=False))
-    assert not torch.equal(bf16.matmul(small), _amx(weight, small))
-    assert torch.equal(bf16.matmul(x), _amx(weight, x))
+    assert not torch.equal(bf16.matmul(small), _bf16(weight, small, kernel))
+    assert torch.equal(bf16.matmul(x), _bf16(weight, x, kernel))
     # Off the 16-row panels the float32 kernels keep their routing.
     odd, _ = random_quantized(kind, 24, 64)
     assert not replace(odd, amx_max_rows=128).uses_amx
