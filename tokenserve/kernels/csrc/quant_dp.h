@@ -2,9 +2,9 @@
  * The avx512_bf16 level of quant_linear.c (a CPU with AVX512_BF16 and no AMX): y = x · Wᵀ on
  * GGUF blocks with a bfloat16 model's numerics, those of quant_amx.h (each weight expanded
  * as gguf dequantizes it, then rounded to bf16; x rounded to bf16; float32 sums), by
- * vdpbf16ps: the products a bf16 model's small decode steps make then agree with its dense
- * bf16 products on oneDNN (bf16 weights, float32 sums) instead of multiplying by float32
- * weights.
+ * vdpbf16ps: a bf16 model's small decode steps then multiply by the bf16 weights and inputs
+ * of its dense bf16 products on oneDNN (which round each sum to bf16 besides) instead of by
+ * float32 weights, and with fewer instructions per weight than the float32 kernels.
  *
  * x is rounded to bf16 once per call, [M][K] in its own order. Each output column (weight
  * row) is one item: its blocks are streamed once per DP_ROWS rows of x, each block expanded

@@ -25,7 +25,8 @@ to bf16 costs more than it saves.
 On the avx512_bf16 level (AVX512_BF16 without AMX, or that level forced) a bfloat16 model
 sends its products of at most `dp_max_rows` rows (the same `bf16_block_max_rows` setting,
 16 there) to the vdpbf16ps kernel (csrc/quant_dp.h) with those same numerics, from one row:
-its small decode steps then multiply by the bf16 weights its larger ones do on oneDNN.
+its small decode steps then multiply by the bf16 weights its larger ones do on oneDNN (the
+sums stay float32 where oneDNN rounds them to bf16).
 """
 
 from __future__ import annotations
