@@ -72,7 +72,7 @@ def prompt_kernel_paths(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     """The prompt-attention kernel's paths the backend takes on a CPU with `flags` (default:
     this one): those measured faster than SDPA (benchmarks/prompt_attention.py,
     docs/PERFORMANCE_CPU.md). AMX tiles: 1.2-1.5x on W3/W4 chunks. The vdpbf16ps path only
-    on a CPU without AMX, where SDPA's GEMMs have none either: 1.9-3.2x there (AMD EPYC,
+    on a CPU without AMX, where SDPA's GEMMs have none either: 2.2-3.7x there (AMD EPYC,
     Zen 4); on an AMX CPU it ran at 0.4-0.9x of SDPA, whose GEMMs there are oneDNN's AMX
     ones whatever --cpu-isa selects."""
     flags = cpu_isa.cpu_flags() if flags is None else flags
