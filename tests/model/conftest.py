@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokenserve.model.fused_decode import FusedDecodeLayerStack
+from tokenserve.model.layers.quantization.gguf import QuantizedWeight
 
 
 @pytest.fixture
@@ -20,3 +21,23 @@ def fused_calls(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(FusedDecodeLayerStack, "__call__", counting)
     return calls
+
+
+@pytest.fixture
+def block_rows_where(monkeypatch):
+    """`block_rows_where(predicate)`: the rows of every product on GGUF blocks whose weight
+    satisfies predicate(weight), in a list that fills as the test runs."""
+
+    def counter(predicate) -> list[int]:
+        rows: list[int] = []
+        original = QuantizedWeight.matmul
+
+        def counting(self, x, panels=None):
+            if predicate(self):
+                rows.append(x.shape[0])
+            return original(self, x, panels)
+
+        monkeypatch.setattr(QuantizedWeight, "matmul", counting)
+        return rows
+
+    return counter

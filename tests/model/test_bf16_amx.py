@@ -31,18 +31,9 @@ def _blocks(model) -> list[QuantizedWeight]:
 
 
 @pytest.fixture
-def amx_rows(monkeypatch) -> list[int]:
+def amx_rows(block_rows_where) -> list[int]:
     """The rows of every product on the AMX block kernel."""
-    rows: list[int] = []
-    original = QuantizedWeight.matmul
-
-    def counting(self, x, panels=None):
-        if self.uses_amx:
-            rows.append(x.shape[0])
-        return original(self, x, panels)
-
-    monkeypatch.setattr(QuantizedWeight, "matmul", counting)
-    return rows
+    return block_rows_where(lambda weight: weight.uses_amx)
 
 
 def _generate(llm: LLM, prompts: list[list[int]], fused: bool):

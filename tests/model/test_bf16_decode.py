@@ -17,7 +17,6 @@ import torch
 
 from tokenserve import LLM, SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
-from tokenserve.model.layers.quantization.gguf import QuantizedWeight
 
 # The limit set low (its default depends on the CPU: 128 on amx, 16 elsewhere), so that
 # the decode steps of NUM_PROMPTS rows are above it on every host.
@@ -26,17 +25,9 @@ NUM_PROMPTS, PROMPT_LEN, MAX_TOKENS = MAX_BLOCK_ROWS + 4, 16, 4
 
 
 @pytest.fixture
-def block_rows(monkeypatch) -> list[int]:
+def block_rows(block_rows_where) -> list[int]:
     """The rows of every product that read GGUF blocks."""
-    rows: list[int] = []
-    original = QuantizedWeight.matmul
-
-    def counting(self, x, panels=None):
-        rows.append(x.shape[0])
-        return original(self, x, panels)
-
-    monkeypatch.setattr(QuantizedWeight, "matmul", counting)
-    return rows
+    return block_rows_where(lambda weight: True)
 
 
 def _logprobs(output, tokens: list[int]) -> torch.Tensor:

@@ -14,7 +14,6 @@ from tokenserve import LLM
 from tokenserve.benchmarks.datasets import random_token_prompts
 from tokenserve.config import BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX
 from tokenserve.kernels import cpu_isa
-from tokenserve.model.layers.quantization.gguf import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(
     not set(cpu_isa.ISA_LEVELS["avx512_bf16"][0]) <= cpu_isa.cpu_flags(),
@@ -23,18 +22,9 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture
-def dp_rows(monkeypatch) -> list[int]:
+def dp_rows(block_rows_where) -> list[int]:
     """The rows of every product on the vdpbf16ps block kernel."""
-    rows: list[int] = []
-    original = QuantizedWeight.matmul
-
-    def counting(self, x, panels=None):
-        if self.uses_dp:
-            rows.append(x.shape[0])
-        return original(self, x, panels)
-
-    monkeypatch.setattr(QuantizedWeight, "matmul", counting)
-    return rows
+    return block_rows_where(lambda weight: weight.uses_dp)
 
 
 def test_bf16_products_take_the_vdpbf16ps_kernel_up_to_the_limit_fused_or_not(dp_rows,
