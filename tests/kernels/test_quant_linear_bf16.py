@@ -1,15 +1,18 @@
 """The bf16 kernels on GGUF blocks: a bfloat16 model's products with its numerics (each weight
-expanded as gguf dequantizes it, then rounded to bf16; x rounded to bf16; float32 sums), on
-AMX tiles on the amx level (kernels/csrc/quant_amx.h) and by vdpbf16ps on the avx512_bf16
-level (kernels/csrc/quant_dp.h), each test once per kernel the host runs. How a bf16 model
-routes its products to them: tests/model/test_bf16_amx.py, tests/model/test_bf16_decode.py.
+expanded as gguf dequantizes it, then rounded to bf16; x rounded to bf16; float32 sums,
+each rounded to bf16 at the end as oneDNN's bf16 GEMM hands its sums on), on AMX tiles on
+the amx level (kernels/csrc/quant_amx.h) and by vdpbf16ps on the avx512_bf16 level
+(kernels/csrc/quant_dp.h), each test once per kernel the host runs. How a bf16 model routes
+its products to them: tests/model/test_bf16_amx.py, tests/model/test_bf16_decode.py.
 
 Tolerance of the sums. Every product of two bf16 values is exact in float32 (8 + 8
-significant bits), so the only error left is the float32 summation of K terms: at most
-(K - 1) · 2^-24 · Σ|w·x| in any order. The tests hold the kernel to K · 2^-24 · Σ|w·x| against
-a float64 sum of the same bf16 operands (and twice that against torch's own bf16 product,
-two such sums): ~1e-4 relative at K = 1536, ~40x tighter than one bf16 rounding (2^-9), so a
-weight or input rounded any other way shows.
+significant bits), so the only error before the last rounding is the float32 summation of
+K terms: at most (K - 1) · 2^-24 · Σ|w·x| in any order. The tests hold the kernel's float32
+sum to K · 2^-24 · Σ|w·x| of a float64 sum of the same bf16 operands (and twice that of
+torch's own float32 product of them, two such sums): each output must be a bf16 value
+between the bf16 roundings of the bounds (rounding is monotone). That is ~1e-4 relative at
+K = 1536, ~40x tighter than one bf16 rounding (2^-9); x = I and W = I pick weights and
+inputs out exactly, so a weight or input rounded any other way shows bit for bit.
 """
 
 from __future__ import annotations
@@ -52,6 +55,17 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.shape[1] * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
 
 
+def _rounded_within(out: torch.Tensor, centre: torch.Tensor, bound: torch.Tensor) -> bool:
+    """Whether each of `out` is some float32 within `bound` of `centre` (float64), rounded
+    to bf16: a bf16 value between the bf16 roundings of float32s at or outside the bounds."""
+    low, high = (centre - bound).float(), (centre + bound).float()
+    low = torch.where(low.double() > centre - bound, torch.nextafter(low, low - 1), low)
+    high = torch.where(high.double() < centre + bound, torch.nextafter(high, high + 1), high)
+    low, high = low.bfloat16().float(), high.bfloat16().float()
+    return bool(torch.equal(out.bfloat16().float(), out) and (low <= out).all()
+                and (out <= high).all())
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("num_rows", [1, 3, 16, 17, 64, 65, 130])
 @pytest.mark.parametrize("out_features,in_features", [(16, 32), (48, 576), (32, 1536)])
@@ -63,11 +77,27 @@ def test_the_kernel_sums_the_bf16_operands(kernel, kind, num_rows, out_features,
     out = _bf16(weight, x, kernel)
     assert out.dtype == torch.float32 and out.shape == (num_rows, out_features)
     bound = _bound(xb, wb)
-    exact = xb.double() @ wb.double().T
-    assert bool(((out.double() - exact).abs() <= bound).all())
+    assert _rounded_within(out, xb.double() @ wb.double().T, bound)
     # torch's product of the same bf16 operands in float32 (its own order of the sums).
-    torch_bf16 = xb.float() @ wb.float().T
-    assert bool(((out.double() - torch_bf16.double()).abs() <= 2 * bound).all())
+    assert _rounded_within(out, (xb.float() @ wb.float().T).double(), 2 * bound)
+    # Without the last rounding the sums would be off bf16's grid.
+    assert not torch.equal(out, xb.double() @ wb.double().T)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_kernel_hands_on_what_onednns_bf16_product_does(kernel, kind):
+    # A bf16 model's larger products take oneDNN's bf16 GEMM on the dense bf16 weight,
+    # which rounds each float32 sum to bf16: the kernel's outputs are those very values
+    # wherever the two orders of the float32 sums round alike (all but ~1e-4 of them here:
+    # sums on a rounding boundary), both within the bound of the exact sum elsewhere.
+    weight, reference = random_quantized(kind, 1536, 576, seed=11)
+    x = torch.randn(64, 576, generator=torch.Generator().manual_seed(12))
+    xb, wb = x.bfloat16(), reference.bfloat16()
+    out = _bf16(weight, x, kernel)
+    onednn = torch.nn.functional.linear(xb, wb).float()
+    assert (out == onednn).double().mean() > 0.999
+    exact, bound = xb.double() @ wb.double().T, _bound(xb, wb)
+    assert _rounded_within(onednn, exact, bound) and _rounded_within(out, exact, bound)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -130,7 +160,7 @@ def test_the_vdpbf16ps_kernel_takes_any_number_of_output_rows(kernel):
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8))
     exact = x.bfloat16().double() @ reference.bfloat16().double().T
     bound = _bound(x.bfloat16(), reference.bfloat16())
-    assert bool(((_bf16(weight, x, kernel).double() - exact).abs() <= bound).all())
+    assert _rounded_within(_bf16(weight, x, kernel), exact, bound)
 
 
 def test_other_levels_have_neither_bf16_kernel(kernel):

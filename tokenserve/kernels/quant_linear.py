@@ -71,7 +71,7 @@ class BoundQuantLinear:
                  dp: bool = False) -> torch.Tensor:
         """x [M, K] float32, contiguous → [M, N] float32; `panels` picks the many-row kernel,
         `amx` the AMX one and `dp` the vdpbf16ps one (both: x and the weights rounded to
-        bf16, float32 sums)."""
+        bf16, float32 sums, each rounded to bf16 as oneDNN's bf16 GEMM hands its sums on)."""
         if amx and self._amx is None:
             raise RuntimeError("the AMX quantized kernel is not available on this level/CPU.")
         if dp and self._dp is None:

@@ -17,12 +17,12 @@ A GGUF model's products of at most `bf16_quantized_max_rows` rows read its block
 (model/layers/quantization/__init__.py): on the amx level (128 rows by default) through
 the AMX block kernel with these same bf16 numerics (each weight expanded from its block as
 gguf dequantizes it, then rounded to bf16 exactly as the dense bf16 weight is; x rounded to
-bf16; float32 sums, handed on in float32), fused decode steps included, except products
-of 1-4 rows, which stream the blocks faster in float32 (as below); on the avx512_bf16
-level (16 rows) through the vdpbf16ps block kernel with the same bf16 numerics, from one
-row; on lower levels (16 rows) through the float32 block kernels, i.e. float32 weights and
-inputs. Larger
-products, prefill's chunks among them, take oneDNN's bf16 products. float16 stays float16
+bf16; float32 sums, each rounded to bf16 as oneDNN rounds its own), fused decode steps
+included, except products of one row, which stream the blocks faster in float32 (as
+below); on the avx512_bf16 level (16 rows) through the vdpbf16ps block kernel with the
+same bf16 numerics, from one row; on lower levels (16 rows) through the float32 block
+kernels, i.e. float32 weights and inputs. Larger products, prefill's chunks among them,
+take oneDNN's bf16 products. float16 stays float16
 throughout (the pure-torch path).
 """
 

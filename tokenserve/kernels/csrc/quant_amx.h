@@ -7,7 +7,8 @@
  * rounded to bf16 to nearest even, as `tensor.to(torch.bfloat16)` rounds the dequantized
  * weight the model loads; x is rounded to bf16 the same way; the sums are float32 on the
  * tiles, over k in a fixed order (32 k per instruction, blocks in order), so a row's result
- * depends neither on M nor on the other rows (each C element is its own sum).
+ * depends neither on M nor on the other rows (each C element is its own sum), and each is
+ * rounded to bf16 on its way to y, as oneDNN's bf16 GEMM hands its sums on.
  *
  * Layout: A = a panel of 16 weight rows expanded once per call into bf16 [16][K] (row
  * major, one 32-weight block per tile row: the blocks' natural order; expanded during the
@@ -83,13 +84,14 @@ static inline void amx_prefetch_next_block(const uint8_t *qs, const float *scale
             __builtin_prefetch(next_scales + (j * blocks + b) * scale_floats, 0, 2);
 }
 
-/* C tile `t` ([16 weight rows][16 x rows]) into y's rows m0.. (rows of them), columns n..n+15. */
+/* C tile `t` ([16 weight rows][16 x rows]) into y's rows m0.. (rows of them), columns
+ * n..n+15, each sum rounded to bf16. */
 static inline void amx_store_c(float *y, int64_t N, int64_t m0, int64_t rows, float *c) {
     const __m512i apart = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
         _mm512_set1_epi32(16));
     for (int64_t m = 0; m < rows; ++m)
-        _mm512_storeu_ps(y + (m0 + m) * N, _mm512_i32gather_ps(apart, c + m, 4));
+        _mm512_storeu_ps(y + (m0 + m) * N, bf16_round_ps(_mm512_i32gather_ps(apart, c + m, 4)));
 }
 
 /* One panel (y's columns n..n+15, its weight rows' blocks at qs and scales) times every

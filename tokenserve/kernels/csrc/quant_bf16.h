@@ -1,7 +1,8 @@
 /*
  * What quant_linear.c's bf16 kernels share (quant_amx.h on AMX tiles, quant_dp.h by
- * vdpbf16ps): x rounded to bf16 as torch rounds, and one 32-weight block of a weight row
- * expanded to bf16 as the model's dense bf16 weight holds it.
+ * vdpbf16ps): x rounded to bf16 as torch rounds, one 32-weight block of a weight row
+ * expanded to bf16 as the model's dense bf16 weight holds it, and the float32 sums rounded
+ * to bf16 as oneDNN's bf16 GEMM hands its sums on.
  */
 #ifndef TOKENSERVE_QUANT_BF16_H
 #define TOKENSERVE_QUANT_BF16_H
@@ -9,17 +10,23 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-/* 16 float32 → bf16 bits, rounded to nearest even as torch rounds (a NaN to 0x7fc0). In
- * integer arithmetic: vcvtneps2bf16 reads denormal inputs as zero, and activations may be
- * denormal. */
-static inline __m256i bf16_round16(__m512 v) {
+/* 16 float32 rounded to bf16 to nearest even as torch rounds (a NaN to 0x7fc0), left in
+ * float32 lanes: each the float32 of the bf16 value. In integer arithmetic: vcvtneps2bf16
+ * reads denormal inputs as zero, and activations may be denormal. */
+static inline __m512 bf16_round_ps(__m512 v) {
     const __m512i bits = _mm512_castps_si512(v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(
-        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    __m512i r = _mm512_and_si512(
+        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))),
+        _mm512_set1_epi32((int)0xffff0000u));
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                              _mm512_set1_epi32(0x7fc0));
-    return _mm512_cvtepi32_epi16(r);
+                              _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(r);
+}
+
+/* 16 float32 → their bf16 bits, rounded as bf16_round_ps rounds. */
+static inline __m256i bf16_round16(__m512 v) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(bf16_round_ps(v)), 16));
 }
 
 /* Block b (32 weights) of one weight row (quant_linear.c's layouts: qs and scales from the

@@ -25,7 +25,8 @@
  * the many-row one 2 if its scratch buffer could not be allocated.
  *
  * On the amx level a third kernel (ts_*_gemm_amx, quant_amx.h) multiplies with a bfloat16
- * model's numerics instead: weights and x rounded to bf16, float32 sums on AMX tiles. It
+ * model's numerics instead: weights and x rounded to bf16, float32 sums on AMX tiles, each
+ * rounded to bf16 at the end (as oneDNN's bf16 GEMM hands its sums on). It
  * returns 3 where AMX is not built or not granted (ts_quant_amx_available says which). On
  * the avx512_bf16 level (AVX512_BF16 without AMX) ts_*_linear_dp (quant_dp.h) has those
  * numerics by vdpbf16ps; it returns 3 on other levels (ts_quant_dp_available).

@@ -16,7 +16,8 @@ are `KernelConfig.quantized_max_rows` / `quantized_gemm_max_rows`.
 A bfloat16 model on the amx level sends its products of AMX_MIN_ROWS (2) to `amx_max_rows`
 rows (`KernelConfig.bf16_block_max_rows`) to the AMX kernel instead (csrc/quant_amx.h): the
 bf16 model's own numerics (each weight expanded as above, then rounded to bf16 as the dense
-bf16 weight is; x rounded to bf16; float32 sums), from the blocks, faster than oneDNN's
+bf16 weight is; x rounded to bf16; float32 sums, each rounded to bf16 as oneDNN rounds
+its own), from the blocks, faster than oneDNN's
 bf16 GEMM on the dense weights up to ~128 rows (docs/PERFORMANCE_CPU.md). Its products of
 one row keep the float32 few-row kernel (float32 weights and inputs, as without AMX):
 there the weights' bytes, not the arithmetic, set the time, and the AMX kernel's expansion
@@ -25,8 +26,9 @@ to bf16 costs more than it saves.
 On the avx512_bf16 level (AVX512_BF16 without AMX, or that level forced) a bfloat16 model
 sends its products of at most `dp_max_rows` rows (the same `bf16_block_max_rows` setting,
 16 there) to the vdpbf16ps kernel (csrc/quant_dp.h) with those same numerics, from one row:
-its small decode steps then multiply by the bf16 weights its larger ones do on oneDNN (the
-sums stay float32 where oneDNN rounds them to bf16).
+its small decode steps then compute what its larger ones do on oneDNN, up to the order of
+the float32 sums (tests/kernels/test_quant_linear_bf16.py: all but ~1e-4 of the outputs
+bit for bit).
 """
 
 from __future__ import annotations
