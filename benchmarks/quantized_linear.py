@@ -2,16 +2,17 @@
 GGUF's blocks through kernels/csrc/quant_linear.c's few-row and many-row (panel) kernels,
 and oneDNN's prepacked GEMM: float32, or with `--dtype bfloat16` the bf16 model's own bf16
 products (rows padded as the layers pad them; AMX where the CPU has it). With `--dtype
-bfloat16` on the amx level a fourth: the blocks' AMX kernel (csrc/quant_amx.h, the bf16
-model's numerics), and its time beside oneDNN's for the projections and the logits apart.
+bfloat16` on the amx level the blocks' AMX kernel (csrc/quant_amx.h), on the avx512_bf16
+level their vdpbf16ps kernel (csrc/quant_dp.h) instead, both with the bf16 model's
+numerics, and its time beside oneDNN's for the projections and the logits apart.
 
 This is how the GGUF method's row limits (model/layers/quantization/gguf.py) were chosen: the weights stream from memory,
 as in a decode step (one pass over all layers reads the whole model), so the figures are
 per pass over the model, in wall-clock ms: the fastest of `--repeats` passes, the paths
 taking turns, so that load from other processes on the machine skews them alike and least.
 The few-row kernel is timed up to `--few-rows-up-to` rows only (it is slow beyond).
-With `--dtype bfloat16` this is how `--bf16-quantized-max-rows` was chosen (on amx: the
-AMX column against oneDNN's).
+With `--dtype bfloat16` this is how `--bf16-quantized-max-rows` was chosen (the block
+kernel's column against oneDNN's).
 
 usage: python benchmarks/quantized_linear.py [--model GGUF] [--rows 1 8 16 64 ...]
        [--few-rows-up-to 64] [--repeats 7] [--dtype float32|bfloat16]
@@ -56,11 +57,12 @@ def main() -> None:
         f"{len(weights)} weights, {args.dtype}; ms per pass over all of them (wall clock), "
         f"{torch.get_num_threads()} threads"
     )
-    amx = all(quantized.uses_amx for _, quantized in weights)
-    if amx:
+    kernel = ("amx" if all(quantized.uses_amx for _, quantized in weights)
+              else "dp" if all(quantized.uses_dp for _, quantized in weights) else None)
+    if kernel is not None:
         head = getattr(model, "lm_head", None)
-        _amx_table([w for w in weights if w[0] is not head],
-                   [w for w in weights if w[0] is head], args.rows, args.repeats)
+        _bf16_table(kernel, [w for w in weights if w[0] is not head],
+                    [w for w in weights if w[0] is head], args.rows, args.repeats)
         return
     print(
         f"{'rows':>5} {'few-row':>8} {'many-row':>9} {'oneDNN':>8} "
@@ -80,21 +82,24 @@ def main() -> None:
         )
 
 
-def _amx_table(projections: list, head: list, rows_list: list[int], repeats: int) -> None:
-    """A bf16 model on amx: the AMX block kernel against oneDNN's bf16 GEMM, projections and
-    logits matrix apart (the float32 block kernels are not this model's numerics)."""
+def _bf16_table(kernel: str, projections: list, head: list, rows_list: list[int],
+                repeats: int) -> None:
+    """A bf16 model: the blocks' bf16 kernel (`kernel`: "amx" or "dp") against oneDNN's
+    bf16 GEMM, projections and logits matrix apart (the float32 block kernels are not this
+    model's numerics)."""
     weights = projections + head
-    print("(bf16 on amx: the float32 block kernels are another model's numerics; not timed)")
-    print(f"{'rows':>5} {'AMX proj':>9} {'oneDNN proj':>12} {'ratio':>6} "
-          f"{'AMX logits':>11} {'oneDNN logits':>14} {'ratio':>6}")
+    name = {"amx": "AMX", "dp": "vdpbf16ps"}[kernel]
+    print("(bf16: the float32 block kernels are another model's numerics; not timed)")
+    print(f"{'rows':>5} {name + ' proj':>14} {'oneDNN proj':>12} {'ratio':>6} "
+          f"{name + ' logits':>16} {'oneDNN logits':>14} {'ratio':>6}")
     for rows in rows_list:
         inputs = {width: torch.randn(rows, width) for width in {q.shape[1] for _, q in weights}}
         groups = (projections, head)
-        amx_p, onednn_p, amx_h, onednn_h = _best_ms(
+        block_p, onednn_p, block_h, onednn_h = _best_ms(
             [functools.partial(_pass, group, inputs, path)
-             for group in groups for path in ("amx", "oneDNN")], repeats)
-        print(f"{rows:>5} {amx_p:>9.1f} {onednn_p:>12.1f} {onednn_p / amx_p:>6.2f} "
-              f"{amx_h:>11.2f} {onednn_h:>14.2f} {onednn_h / amx_h:>6.2f}")
+             for group in groups for path in (kernel, "oneDNN")], repeats)
+        print(f"{rows:>5} {block_p:>14.1f} {onednn_p:>12.1f} {onednn_p / block_p:>6.2f} "
+              f"{block_h:>16.2f} {onednn_h:>14.2f} {onednn_h / block_h:>6.2f}")
 
 
 def _pass(weights: list, inputs: dict[int, torch.Tensor], path: str) -> None:
@@ -103,8 +108,8 @@ def _pass(weights: list, inputs: dict[int, torch.Tensor], path: str) -> None:
         x = inputs[quantized.shape[1]]
         if path == "oneDNN":
             _ONEDNN.apply(layer, x)
-        elif path == "amx":
-            quantized.matmul(x, amx=True)
+        elif path in ("amx", "dp"):
+            quantized.matmul(x, **{path: True})
         else:
             quantized.matmul(x, panels=path == "many-row")
 

@@ -1,4 +1,5 @@
-"""benchmarks/quantized_linear.py on the default model: all three paths over every weight.
+"""benchmarks/quantized_linear.py on the default model: all three paths over every weight, and
+with --dtype bfloat16 the bf16 block kernel against oneDNN.
 
 Timings depend on the host, so only their shape is checked: finite, non-negative numbers.
 """
@@ -10,6 +11,10 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from tokenserve.kernels import cpu_isa
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "quantized_linear.py"
 
@@ -42,3 +47,24 @@ def test_quantized_linear_refuses_a_model_without_blocks(tiny_model_dirs):
     )
     assert result.returncode != 0
     assert "no weights in a quantized block form" in result.stderr
+
+
+def test_quantized_linear_times_the_bf16_block_kernel_against_onednn():
+    # A bf16 model where the CPU computes bf16 natively: its block kernel's column (AMX or
+    # vdpbf16ps) beside oneDNN's, projections and logits apart.
+    level = cpu_isa.resolve(None)
+    if not cpu_isa.native_bf16(level):
+        pytest.skip(f"no bf16 block kernel on the {level} level")
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dtype", "bfloat16", "--rows", "1", "3",
+         "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    name = "AMX" if level == "amx" else "vdpbf16ps"
+    assert f"{name} proj" in result.stdout and f"{name} logits" in result.stdout, result.stdout
+    number = r"([\d.]+)"
+    rows = re.findall(rf"^\s+(\d+)" + rf"\s+{number}" * 6 + "$", result.stdout, re.MULTILINE)
+    assert [int(row[0]) for row in rows] == [1, 3], result.stdout
+    figures = [float(value) for row in rows for value in row[1:]]
+    assert all(math.isfinite(value) and value > 0 for value in figures), result.stdout
