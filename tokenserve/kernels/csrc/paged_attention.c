@@ -344,9 +344,9 @@ static inline __attribute__((always_inline)) void weigh_values_dp(
  * `start` (all of those up to there at the first run) start coming from memory while the
  * run is computed: a block table is a pointer chase the hardware prefetcher cannot
  * follow. A float32 cache's keys go to L1, AHEAD tokens on; a bfloat16 cache's to L2,
- * AHEAD_BF16 tokens on (4-18% faster steps than the float32 cache's choice on an AMD EPYC,
- * where the float32 cache lost 5-8% with it: docs/PERFORMANCE_CPU.md). The values go to
- * L2. `element` is a constant where this is inlined, and so are the hints. */
+ * AHEAD_BF16 tokens on (on an AMD EPYC 1-13% faster than the float32 cache's choice at the
+ * engine's block size, 14-25% at 16, where a float32 cache lost 5-8% with it:
+ * docs/PERFORMANCE_CPU.md). The values go to L2. `element` is a constant where this is inlined, and so are the hints. */
 static inline __attribute__((always_inline)) void prefetch_ahead(
     const void *key_cache, const void *value_cache, const int64_t *table, int64_t start,
     int64_t count, int64_t seq_len, int64_t head_dim, int64_t block_stride,
