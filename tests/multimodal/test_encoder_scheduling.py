@@ -34,7 +34,10 @@ def workloads(draw):
     budget = draw(st.integers(4, 24))
     encoder_budget = draw(st.integers(1, 16))
     cache_size = draw(st.integers(1, 24))
-    num_blocks = draw(st.integers(12, 40))
+    # max_model_len is the pool's size: every prompt shorter than it, as the engine's input
+    # processor requires (a longer one is refused before it reaches the scheduler).
+    longest = max(tokens for _, tokens, _, _ in requests)
+    num_blocks = draw(st.integers(max(12, longest // BLOCK_SIZE + 1), 40))
     return requests, budget, encoder_budget, cache_size, num_blocks
 
 
