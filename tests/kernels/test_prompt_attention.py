@@ -113,9 +113,9 @@ def test_prompt_attention_matches_float64_attention(kernel, cpu_isa_level, case,
 
 def test_a_running_maximum_that_keeps_moving(kernel, cpu_isa_level):
     """Scores that grow along the context (the running maximum moves a little at many key
-    tiles: the AMX path then keeps a stale maximum, with probabilities above 1) and jump at
-    two keys (by far more: it moves), sharp enough that most weights underflow: still
-    float64 attention within the bf16 bound."""
+    tiles: the bf16 paths, AMX and `vdpbf16ps`, then keep a stale maximum, with
+    probabilities above 1) and jump at two keys (by far more: it moves), sharp enough that
+    most weights underflow: still float64 attention within the bf16 bound."""
     chunks = [(70, 400), (33, 33), (1, 260)]
     query, key_cache, value_cache, batch = _step(9, 3, 64, 16, chunks, torch.bfloat16)
     block_size = key_cache.shape[2]

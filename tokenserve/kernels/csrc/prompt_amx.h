@@ -17,7 +17,7 @@
  * tile is laid out once and used by all of its row blocks; the per-query state (bf16
  * queries, O, sums, maxima) lives in a per-thread scratch kept across calls. The queries
  * are rounded with vcvtneps2bf16 (nearest even; it reads a float32 denormal as 0, far
- * below any score's precision), their rows prefetched AHEAD rows early (a
+ * below any score's precision), their rows prefetched ROWS_AHEAD rows early (a
  * new page each: the hardware prefetch restarts there), and the output likewise.
  * Needs head_dim % 32 == 0 (whole A tiles); other sizes take the vdpbf16ps path.
  */
@@ -27,18 +27,10 @@
 #include "amx.h"
 
 #define AKT 64          /* keys per AMX key tile: four S tiles, two P tiles */
-#define LAZY_MAX 8.0f
-#define AHEAD 16         /* query and output rows prefetched ahead */
-
-/* Prefetch `count` floats from p into L1, for reading or (write) for writing. */
-static inline void prefetch_span(const float *p, int64_t count, int write) {
-    for (int64_t i = 0; i < count; i += 16)
-        if (write) _m_prefetchw((void *)(p + i));
-        else _mm_prefetch((const char *)(p + i), _MM_HINT_T0);
-}   /* how far a score may pass the running maximum before it moves */
+#define ROWS_AHEAD 16         /* query and output rows prefetched ahead */
 
 /* kp[d][j] = pair d of key j (rows[j]), for AKT keys and `pairs` (a multiple of 16) pairs:
- * 16 x 16 transposes in registers (amx.h). */
+ * 16 x 16 transposes in registers (avx512.h). */
 static inline void pack_keys(uint32_t *kp, const uint16_t *const *rows, int64_t pairs) {
     const Transpose16 order = transpose16_order();
     for (int j0 = 0; j0 < AKT; j0 += 16)
@@ -161,13 +153,13 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     const int64_t kv_offset = h * block_size * head_dim;
     /* A row's queries of this kv head are contiguous (group · head_dim floats); rows are
-     * strided, a new page each, where the hardware's prefetch restarts: fetched AHEAD
+     * strided, a new page each, where the hardware's prefetch restarts: fetched ROWS_AHEAD
      * rows early. */
     const int64_t span = group * head_dim;
     const float *q0 = query + (start + first_row) * query_stride + h * span;
-    for (int64_t i = 0; i < AHEAD && i < count; ++i) prefetch_span(q0 + i * query_stride, span, 0);
+    for (int64_t i = 0; i < ROWS_AHEAD && i < count; ++i) prefetch_span(q0 + i * query_stride, span, 0);
     for (int64_t i = 0; i < count; ++i) {
-        if (i + AHEAD < count) prefetch_span(q0 + (i + AHEAD) * query_stride, span, 0);
+        if (i + ROWS_AHEAD < count) prefetch_span(q0 + (i + ROWS_AHEAD) * query_stride, span, 0);
         const float *q = q0 + i * query_stride;
         for (int64_t e = 0; e < span; e += 16)
             _mm256_storeu_si256((__m256i *)(w->q + i * span + e),
@@ -246,9 +238,9 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
     }
     _tile_release();
     float *out0 = out + (start + first_row) * out_stride + h * span;
-    for (int64_t i = 0; i < AHEAD && i < count; ++i) prefetch_span(out0 + i * out_stride, span, 1);
+    for (int64_t i = 0; i < ROWS_AHEAD && i < count; ++i) prefetch_span(out0 + i * out_stride, span, 1);
     for (int64_t i = 0; i < count; ++i) {
-        if (i + AHEAD < count) prefetch_span(out0 + (i + AHEAD) * out_stride, span, 1);
+        if (i + ROWS_AHEAD < count) prefetch_span(out0 + (i + ROWS_AHEAD) * out_stride, span, 1);
         for (int64_t g = 0; g < group; ++g) {
             const int64_t m = i * group + g;
             const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(w->sum[m]));

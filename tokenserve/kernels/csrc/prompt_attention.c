@@ -49,6 +49,7 @@
 #define MAX_QV 6      /* 16-lane query vectors per item */
 #define MAX_QUERIES (MAX_QV * 16)
 #define MAX_DIM 256
+#define LAZY_MAX 8.0f /* how far a score may pass the running maximum before it moves */
 
 static int64_t rows_per_item(int64_t group) { return group >= MAX_QUERIES ? 1 : MAX_QUERIES / group; }
 
@@ -71,6 +72,8 @@ static int by_work_descending(const void *a, const void *b) {
 }
 
 #if PROMPT_BF16
+#include "avx512.h"
+
 /* The cache row of context position `pos` (bf16), or a row of zeros past the context. */
 static const uint16_t zero_row[MAX_DIM] __attribute__((aligned(64)));
 
@@ -94,27 +97,29 @@ static inline void tile_rows(const uint16_t **rows, int n, const uint16_t *cache
     }
 }
 
-/* Scores of keys rows[0 .. NK) against NQ query vectors (qp: [pairs][MAX_QV] vectors of
- * bf16 pairs): s[j * MAX_QV + v] = sum over pairs of q·k (unscaled). */
+/* Scores of keys rows[0 .. KT) against NQ query vectors (qp: [pairs][MAX_QV] vectors of
+ * bf16 pairs): s[j * MAX_QV + v] = sum over pairs of q·k (unscaled). SCORE_KEYS keys at a
+ * time: more keep the queries in registers no better (the sums then spill). */
+#define SCORE_KEYS 2
 static inline __attribute__((always_inline)) void score_tile(
     __m512 *s, const __m512i *qp, const uint16_t *const *rows, const int64_t pairs,
     const int NQ) {
-    for (int j0 = 0; j0 < KT; j0 += 4) {
-        __m512 acc[4][MAX_QV];
-        for (int j = 0; j < 4; ++j)
+    for (int j0 = 0; j0 < KT; j0 += SCORE_KEYS) {
+        __m512 acc[SCORE_KEYS][MAX_QV];
+        for (int j = 0; j < SCORE_KEYS; ++j)
             for (int v = 0; v < NQ; ++v) acc[j][v] = _mm512_setzero_ps();
-        const uint32_t *r[4];
-        for (int j = 0; j < 4; ++j) r[j] = (const uint32_t *)rows[j0 + j];
+        const uint32_t *r[SCORE_KEYS];
+        for (int j = 0; j < SCORE_KEYS; ++j) r[j] = (const uint32_t *)rows[j0 + j];
         for (int64_t d = 0; d < pairs; ++d) {
             __m512i q[MAX_QV];
             for (int v = 0; v < NQ; ++v) q[v] = qp[d * MAX_QV + v];
-            for (int j = 0; j < 4; ++j) {
+            for (int j = 0; j < SCORE_KEYS; ++j) {
                 const __m512bh k = (__m512bh)_mm512_set1_epi32((int)r[j][d]);
                 for (int v = 0; v < NQ; ++v)
                     acc[j][v] = _mm512_dpbf16_ps(acc[j][v], (__m512bh)q[v], k);
             }
         }
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < SCORE_KEYS; ++j)
             for (int v = 0; v < NQ; ++v) s[(j0 + j) * MAX_QV + v] = acc[j][v];
     }
 }
@@ -123,11 +128,12 @@ static inline __attribute__((always_inline)) void score_tile(
  * first .. first + ND and query vectors v0 .. v0 + NQ (vp: [KT / 2][head_dim] pairs). */
 static inline __attribute__((always_inline)) void weigh_tile(
     __m512 *o, const __m512 *alpha, const __m512i *pp, const uint32_t *vp, int64_t head_dim,
-    int64_t first, int v0, const int ND, const int NQ) {
+    int64_t first, int v0, const int ND, const int NQ, const int RESCALE) {
     __m512 acc[8][3];
     for (int d = 0; d < ND; ++d)
         for (int v = 0; v < NQ; ++v)
-            acc[d][v] = _mm512_mul_ps(o[(first + d) * MAX_QV + v0 + v], alpha[v0 + v]);
+            acc[d][v] = RESCALE ? _mm512_mul_ps(o[(first + d) * MAX_QV + v0 + v], alpha[v0 + v])
+                                : o[(first + d) * MAX_QV + v0 + v];
     for (int k = 0; k < KT / 2; ++k) {
         __m512i p[3];
         for (int v = 0; v < NQ; ++v) p[v] = pp[k * MAX_QV + v0 + v];
@@ -140,15 +146,30 @@ static inline __attribute__((always_inline)) void weigh_tile(
         for (int v = 0; v < NQ; ++v) o[(first + d) * MAX_QV + v0 + v] = acc[d][v];
 }
 
-static inline void weigh_dims(__m512 *o, const __m512 *alpha, const __m512i *pp,
-                              const uint32_t *vp, int64_t head_dim, int v0, const int NQ) {
+static inline __attribute__((always_inline)) void weigh_dims_n(
+    __m512 *o, const __m512 *alpha, const __m512i *pp, const uint32_t *vp, int64_t head_dim,
+    int v0, const int NQ, const int RESCALE) {
     int64_t d = 0;
-    for (; d + 8 <= head_dim; d += 8) weigh_tile(o, alpha, pp, vp, head_dim, d, v0, 8, NQ);
+    for (; d + 8 <= head_dim; d += 8) weigh_tile(o, alpha, pp, vp, head_dim, d, v0, 8, NQ, RESCALE);
     switch (head_dim - d) { /* head_dim is even */
-    case 6: weigh_tile(o, alpha, pp, vp, head_dim, d, v0, 6, NQ); break;
-    case 4: weigh_tile(o, alpha, pp, vp, head_dim, d, v0, 4, NQ); break;
-    case 2: weigh_tile(o, alpha, pp, vp, head_dim, d, v0, 2, NQ); break;
+    case 6: weigh_tile(o, alpha, pp, vp, head_dim, d, v0, 6, NQ, RESCALE); break;
+    case 4: weigh_tile(o, alpha, pp, vp, head_dim, d, v0, 4, NQ, RESCALE); break;
+    case 2: weigh_tile(o, alpha, pp, vp, head_dim, d, v0, 2, NQ, RESCALE); break;
     default: break;
+    }
+}
+
+/* The product with the values for query vectors v0 .. v0 + nq (nq <= 3); rescale: the
+ * output is first multiplied by alpha (a lane's maximum moved). */
+static void weigh_dims(__m512 *o, const __m512 *alpha, const __m512i *pp, const uint32_t *vp,
+                       int64_t head_dim, int v0, int nq, int rescale) {
+    switch (nq * 2 + rescale) {
+    case 2: weigh_dims_n(o, alpha, pp, vp, head_dim, v0, 1, 0); break;
+    case 3: weigh_dims_n(o, alpha, pp, vp, head_dim, v0, 1, 1); break;
+    case 4: weigh_dims_n(o, alpha, pp, vp, head_dim, v0, 2, 0); break;
+    case 5: weigh_dims_n(o, alpha, pp, vp, head_dim, v0, 2, 1); break;
+    case 6: weigh_dims_n(o, alpha, pp, vp, head_dim, v0, 3, 0); break;
+    default: weigh_dims_n(o, alpha, pp, vp, head_dim, v0, 3, 1); break;
     }
 }
 
@@ -184,6 +205,111 @@ typedef struct {
     const uint16_t *rows[KT];
 } Bf16Scratch;
 
+/* The item's queries as bf16 pairs, qp[d][v] lane i = pair d of query 16v + i (query m:
+ * row m / group, head m % group; the row's heads of this kv head are contiguous at
+ * q0 + row · query_stride): per 16 queries and 16 pairs, each query's 32 floats rounded
+ * to bf16 (vcvtne2ps2bf16: nearest even) and the 16 x 16 block transposed. Lanes past the
+ * item's queries are zero. */
+static void lay_out_queries(__m512i *qp, const float *q0, int64_t query_stride, int64_t group,
+                            int64_t queries, int nq, int64_t head_dim) {
+    const Transpose16 order = transpose16_order();
+    const int64_t pairs = head_dim / 2;
+    for (int v = 0; v < nq; ++v) {
+        /* The next 16 queries' lines into L1 (rows are strided: a new page each) */
+        for (int64_t m = 16 * (v + 1); m < 16 * (v + 2) && m < queries; ++m)
+            prefetch_span(q0 + (m / group) * query_stride + (m % group) * head_dim, head_dim, 0);
+        for (int64_t d0 = 0; d0 < pairs; d0 += 16) {
+            const int n = pairs - d0 < 16 ? (int)(pairs - d0) : 16;
+            const __mmask16 lo = n >= 8 ? 0xffff : (__mmask16)((1u << 2 * n) - 1);
+            const __mmask16 hi = n >= 16 ? 0xffff : n > 8 ? (__mmask16)((1u << 2 * (n - 8)) - 1) : 0;
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i) {
+                const int64_t m = 16 * v + i;
+                if (m >= queries) {
+                    r[i] = _mm512_setzero_si512();
+                    continue;
+                }
+                const float *q = q0 + (m / group) * query_stride + (m % group) * head_dim + 2 * d0;
+                r[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, q + 16),
+                                                    _mm512_maskz_loadu_ps(lo, q));
+            }
+            transpose16(r, &order);
+            for (int i = 0; i < n; ++i) qp[(d0 + i) * MAX_QV + v] = r[i];
+        }
+    }
+}
+
+/* The output: o[d][v] (lane i: query 16v + i) divided by the query's sum and written to
+ * its row, per 16 queries and 16 dims one 16 x 16 transpose. */
+static void write_out(float *o0, int64_t out_stride, const __m512 *o, const __m512 *sum,
+                      int64_t group, int64_t queries, int nq, int64_t head_dim) {
+    const Transpose16 order = transpose16_order();
+    for (int v = 0; v < nq; ++v) {
+        for (int64_t m = 16 * (v + 1); m < 16 * (v + 2) && m < queries; ++m)
+            prefetch_span(o0 + (m / group) * out_stride + (m % group) * head_dim, head_dim, 1);
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), sum[v]);
+        for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+            const int n = head_dim - d0 < 16 ? (int)(head_dim - d0) : 16;
+            __m512i r[16];
+            for (int i = 0; i < 16; ++i)
+                r[i] = i < n ? (__m512i)_mm512_mul_ps(o[(d0 + i) * MAX_QV + v], inv)
+                             : _mm512_setzero_si512();
+            transpose16(r, &order);
+            const __mmask16 keep = (__mmask16)((1u << n) - 1);
+            for (int i = 0; i < 16 && 16 * v + i < queries; ++i) {
+                const int64_t m = 16 * v + i;
+                _mm512_mask_storeu_ps(o0 + (m / group) * out_stride + (m % group) * head_dim + d0,
+                                      keep, (__m512)r[i]);
+            }
+        }
+    }
+}
+
+/* The online softmax of one key tile's scores for query vector v (w->s, unscaled) into bf16
+ * probabilities as pairs of keys (w->pp). The running maximum moves lazily, lane by lane:
+ * only where a score passes it by more than LAZY_MAX (then w->alpha's lane is the rescale
+ * of the lane's output and sum, else 1), exact all the same: a lane's probabilities and
+ * sum share its maximum, stale or not, which the final division cancels, and they stay
+ * below e^LAZY_MAX. Returns whether a lane moved (its output then needs the rescale). */
+static inline __attribute__((always_inline)) int softmax_tile(
+    Bf16Scratch *w, int v, int64_t k0, int masked, __m512 scales, __m512 scales_l2) {
+    __mmask16 keep[KT];
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < KT; ++j) {
+        keep[j] = masked ? _mm512_cmple_epi32_mask(_mm512_set1_epi32((int)(k0 + j)), w->limit[v])
+                         : (__mmask16)0xffff;
+        top = _mm512_mask_max_ps(top, keep[j], top, w->s[j * MAX_QV + v]);
+    }
+    top = _mm512_mul_ps(top, scales); /* unscaled above: scale > 0 keeps the order */
+    /* -inf + LAZY_MAX stays -inf: the first tile moves every lane (key 0 is everyone's). */
+    const __mmask16 moved =
+        _mm512_cmp_ps_mask(top, _mm512_add_ps(w->max[v], _mm512_set1_ps(LAZY_MAX)), _CMP_GT_OQ);
+    __m512 sum = w->sum[v];
+    if (moved) {
+        const __m512 now = _mm512_mask_mov_ps(w->max[v], moved, top);
+        /* e^(old - now): 0 where old is -inf (sum and output still 0), 1 where unmoved */
+        w->alpha[v] = (__m512)expw((vwf)_mm512_sub_ps(w->max[v], now));
+        w->max[v] = now;
+        sum = _mm512_mul_ps(sum, w->alpha[v]);
+    } else {
+        w->alpha[v] = _mm512_set1_ps(1.0f);
+    }
+    const __m512 now_l2 = _mm512_mul_ps(w->max[v], _mm512_set1_ps(1.44269504088896341f));
+    const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
+                                                25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
+                                                18, 2, 17, 1, 16, 0);
+    for (int k = 0; k < KT / 2; ++k) {
+        const __m512 p0 = exp_shifted(keep[2 * k], w->s[2 * k * MAX_QV + v], scales_l2, now_l2);
+        const __m512 p1 =
+            exp_shifted(keep[2 * k + 1], w->s[(2 * k + 1) * MAX_QV + v], scales_l2, now_l2);
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        w->pp[k * MAX_QV + v] =
+            _mm512_permutexvar_epi16(pair_order, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    w->sum[v] = sum;
+    return moved != 0;
+}
+
 /* One item on the bf16 path: `count` rows of a chunk from chunk row `first_row`, the query
  * heads of kv head h. */
 static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
@@ -198,29 +324,22 @@ static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
     const int nq = (int)((queries + 15) / 16);
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     const int64_t kv_offset = h * block_size * head_dim;
-    /* Queries as bf16 pairs, lane m = (row m / group, head m % group); padding lanes zero
-     * and with the last row's causal limit. */
-    uint32_t *qp = (uint32_t *)w->qp;
-    int32_t *limit = (int32_t *)w->limit;
-    for (int64_t m = 0; m < nq * 16; ++m) {
-        const int64_t row = m < queries ? m / group : count - 1;
-        limit[m] = (int32_t)(context + first_row + row);
-        const float *q = query + (start + first_row + row) * query_stride +
-                         (h * group + m % group) * head_dim;
-        for (int64_t d = 0; d < pairs; ++d)
-            qp[d * MAX_QUERIES + m] =
-                m < queries ? (uint32_t)bf16_round(q[2 * d]) | (uint32_t)bf16_round(q[2 * d + 1]) << 16
-                            : 0;
-    }
+    lay_out_queries(w->qp, query + (start + first_row) * query_stride + h * group * head_dim,
+                    query_stride, group, queries, nq, head_dim);
+    /* Lane i of vector v is query 16v + i; padding lanes take the last row's causal limit. */
     for (int v = 0; v < nq; ++v) {
+        int32_t limit[16];
+        for (int i = 0; i < 16; ++i) {
+            const int64_t m = 16 * v + i;
+            limit[i] = (int32_t)(context + first_row + (m < queries ? m / group : count - 1));
+        }
+        w->limit[v] = _mm512_loadu_si512(limit);
         w->max[v] = _mm512_set1_ps(-INFINITY);
         w->sum[v] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < head_dim; ++d) w->o[d * MAX_QV + v] = _mm512_setzero_ps();
     }
-    for (int64_t i = 0; i < head_dim * MAX_QV; ++i) w->o[i] = _mm512_setzero_ps();
     const __m512 scales = _mm512_set1_ps(scale);
-    const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10,
-                                                25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3,
-                                                18, 2, 17, 1, 16, 0);
+    const __m512 scales_l2 = _mm512_set1_ps(scale * 1.44269504088896341f);
     const int64_t last = context + first_row + count - 1; /* the last key any row sees */
     for (int64_t k0 = 0; k0 <= last; k0 += KT) {
         tile_rows(w->rows, KT, key_cache, table, k0, seq_len, block_stride, block_size,
@@ -237,48 +356,16 @@ static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
                   kv_offset, head_dim);
         pack_values(w->vp, w->rows, head_dim, KT);
         const int masked = k0 + KT - 1 > context + first_row;
-        for (int v = 0; v < nq; ++v) {
-            /* Scaled, masked scores; the tile's maximum per lane. */
-            __mmask16 keep[KT];
-            __m512 top = w->max[v];
-            for (int j = 0; j < KT; ++j) {
-                __m512 x = _mm512_mul_ps(w->s[j * MAX_QV + v], scales);
-                keep[j] = masked ? _mm512_cmple_epi32_mask(_mm512_set1_epi32((int)(k0 + j)),
-                                                          w->limit[v])
-                                 : (__mmask16)0xffff;
-                x = _mm512_mask_blend_ps(keep[j], _mm512_set1_ps(-INFINITY), x);
-                w->s[j * MAX_QV + v] = x;
-                top = _mm512_max_ps(top, x);
-            }
-            /* Every lane sees key 0, so top is finite from the first tile on. */
-            w->alpha[v] = (__m512)expw((vwf)_mm512_sub_ps(w->max[v], top));
-            w->max[v] = top;
-            __m512 sum = _mm512_mul_ps(w->sum[v], w->alpha[v]);
-            __m512 p[KT];
-            for (int j = 0; j < KT; ++j) {
-                p[j] = _mm512_maskz_mov_ps(
-                    keep[j], (__m512)expw((vwf)_mm512_sub_ps(w->s[j * MAX_QV + v], top)));
-                sum = _mm512_add_ps(sum, p[j]);
-            }
-            w->sum[v] = sum;
-            for (int k = 0; k < KT / 2; ++k)
-                w->pp[k * MAX_QV + v] = _mm512_permutexvar_epi16(
-                    pair_order, (__m512i)_mm512_cvtne2ps_pbh(p[2 * k + 1], p[2 * k]));
+        int rescale = 0;
+        for (int v = 0; v < nq; ++v) rescale |= softmax_tile(w, v, k0, masked, scales, scales_l2);
+        for (int v0 = 0; v0 < nq; v0 += 3) {
+            const int n = nq - v0 < 3 ? nq - v0 : 3;
+            if (rescale) weigh_dims(w->o, w->alpha, w->pp, w->vp, head_dim, v0, n, 1);
+            else weigh_dims(w->o, w->alpha, w->pp, w->vp, head_dim, v0, n, 0);
         }
-        for (int v0 = 0; v0 < nq; v0 += 3)
-            switch (nq - v0 < 3 ? nq - v0 : 3) {
-            case 1: weigh_dims(w->o, w->alpha, w->pp, w->vp, head_dim, v0, 1); break;
-            case 2: weigh_dims(w->o, w->alpha, w->pp, w->vp, head_dim, v0, 2); break;
-            default: weigh_dims(w->o, w->alpha, w->pp, w->vp, head_dim, v0, 3); break;
-            }
     }
-    const float *o = (const float *)w->o, *sum = (const float *)w->sum;
-    for (int64_t m = 0; m < queries; ++m) {
-        float *row = out + (start + first_row + m / group) * out_stride +
-                     (h * group + m % group) * head_dim;
-        const float inv = 1.0f / sum[m];
-        for (int64_t d = 0; d < head_dim; ++d) row[d] = o[d * MAX_QUERIES + m] * inv;
-    }
+    write_out(out + (start + first_row) * out_stride + h * group * head_dim, out_stride, w->o,
+              w->sum, group, queries, nq, head_dim);
 }
 #endif
 
