@@ -45,7 +45,7 @@ typedef struct {
  * tables and context lengths, the rotary tables, and scratch buffers. */
 typedef struct {
     int64_t num_rows, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int64_t block_size, kv_mode, block_table_stride, max_seq_len; /* kv_mode: decode_item's */
+    int64_t block_size, kv_mode, block_table_stride, max_seq_len; /* kv_mode: decode_item_then's */
     float eps, scale;
     const int64_t *positions, *slots, *block_tables, *seq_lens; /* [num_rows] / tables */
     const float *cos, *sin;                                     /* [max_position, head_dim] */
@@ -122,6 +122,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                              : NULL;
     if ((amx || dp) && xp == NULL) return -1;
     int failed = 0;
+    int64_t claimed = 0; /* decode_items' */
 #pragma omp parallel
     {
         _Alignas(64) float panel[PANEL_K * PANEL];
@@ -146,17 +147,12 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                            q + q_size + kv_size, step->slots[r], step->num_kv_heads,
                            step->block_size, D, step->kv_mode);
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < M * step->num_kv_heads; ++item) {
-            const int64_t r = item / step->num_kv_heads;
-            if (scores != NULL)
-                decode_item(step->attn + r * q_size, step->qkv + r * qkv_width,
-                            layer->key_cache, layer->value_cache,
-                            step->block_tables + r * step->block_table_stride,
-                            step->seq_lens[r], item % step->num_kv_heads, step->num_heads,
-                            step->num_kv_heads, D, step->block_size, step->scale, scores,
-                            step->kv_mode);
-        }
+        decode_items(&claimed, step->attn, q_size, step->qkv, qkv_width, NULL,
+                     layer->key_cache, layer->value_cache, step->block_tables,
+                     step->block_table_stride, step->seq_lens, M, step->num_heads,
+                     step->num_kv_heads, D, step->block_size, step->scale, scores,
+                     step->kv_mode);
+#pragma omp barrier
         project(step->o, step->attn, M, &layer->o, panel, sums, xp, a);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r)

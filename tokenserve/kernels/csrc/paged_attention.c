@@ -160,6 +160,33 @@ static inline float softmax_unnormalised(float *s, int64_t n) {
     return sum;
 }
 
+/* The work item a thread does after this one, whose keys and values it streams into L2
+ * while computing this one (ts_paged_decode): the block table, context length and kv head
+ * offset it reads with. */
+typedef struct {
+    const int64_t *table;
+    int64_t seq_len, kv_offset;
+} NextItem;
+
+/* The part of the next item's keys or values (cache) that corresponds to tokens
+ * [from, to) of the current one's n (its m tokens spread over the current item's), into L2. */
+static inline __attribute__((always_inline)) void prefetch_next(
+    const void *cache, const NextItem *next, int64_t from, int64_t to, int64_t n,
+    int64_t head_dim, int64_t block_stride, int64_t block_size, const int64_t element) {
+    const int64_t m = next->seq_len;
+    const int64_t until = to >= n ? m : to * m / n;
+    for (int64_t at = from * m / n; at < until;) {
+        const int64_t at_offset = at % block_size;
+        const int64_t row = next->table[at / block_size] * block_stride + next->kv_offset +
+                            at_offset * head_dim;
+        int64_t count = block_size - at_offset;
+        count = until - at < count ? until - at : count;
+        for (int64_t b = 0; b < count * head_dim * element; b += 64)
+            __builtin_prefetch((const char *)cache + row * element + b, 0, 2);
+        at += count;
+    }
+}
+
 /* The most vectors of output one value pass keeps in registers, over all its heads, and
  * per head (a wider head is done in slices of SLICE_VECTORS * VW elements). */
 #define VALUE_VECTORS (VW == 16 ? 24 : 8)
@@ -172,7 +199,7 @@ static inline __attribute__((always_inline)) void weigh_values(
     float *o, const float *p, int64_t stride, const float *inv, const void *value_cache,
     const int64_t *table, int64_t seq_len, const int64_t head_dim, const int64_t first,
     const int64_t width, int64_t block_stride, int64_t block_size, int64_t kv_offset,
-    const int heads, int bf16) {
+    const int heads, int bf16, const NextItem *next) {
     const int64_t chunks = width / CHUNK(bf16);
     const int parts = bf16 ? 2 : 1;
     vwf acc[4][SLICE_VECTORS]; /* heads <= 4 */
@@ -183,6 +210,10 @@ static inline __attribute__((always_inline)) void weigh_values(
         const int64_t count = seq_len - start < block_size ? seq_len - start : block_size;
         for (int64_t i = 0; i < count; ++i) {
             const int64_t row = block + i * head_dim;
+            if (next && i % 16 == 0)
+                prefetch_next(value_cache, next, start + i,
+                              start + (i + 16 < count ? i + 16 : count), seq_len, head_dim,
+                              block_stride, block_size, bf16 ? 2 : 4);
 #pragma GCC unroll 16
             for (int64_t c = 0; c < chunks; ++c) {
                 vwf v[2];
@@ -301,7 +332,7 @@ static inline __attribute__((always_inline)) void weigh_values_dp(
     float *o, const uint32_t *pp, int64_t stride, const float *inv,
     const uint16_t *value_cache, const int64_t *table, int64_t seq_len,
     const int64_t head_dim, const int64_t first, const int64_t width, int64_t block_stride,
-    int64_t block_size, int64_t kv_offset, const int heads) {
+    int64_t block_size, int64_t kv_offset, const int heads, const NextItem *next) {
     const int64_t chunks = width / 32; /* 2 * chunks <= SLICE_VECTORS */
     __m512 acc[4][SLICE_VECTORS]; /* heads <= 4 */
     for (int h = 0; h < heads; ++h)
@@ -312,6 +343,10 @@ static inline __attribute__((always_inline)) void weigh_values_dp(
         const int64_t count = seq_len - start < block_size ? seq_len - start : block_size;
         int64_t i = 0;
         for (; i + 2 <= count; i += 2) {
+            if (next && i % 16 == 0)
+                prefetch_next(value_cache, next, start + i,
+                              start + (i + 16 < count ? i + 16 : count), seq_len, head_dim,
+                              block_stride, block_size, 2);
             __m512bh w[4];
             for (int h = 0; h < heads; ++h)
                 w[h] = (__m512bh)_mm512_set1_epi32((int)pp[h * stride + (start + i) / 2]);
@@ -319,6 +354,9 @@ static inline __attribute__((always_inline)) void weigh_values_dp(
                           heads);
         }
         if (i < count) { /* the context's last position, paired with a zero */
+            if (next && i % 16 == 0)
+                prefetch_next(value_cache, next, start + i, start + count, seq_len, head_dim,
+                              block_stride, block_size, 2);
             __m512bh w[4];
             for (int h = 0; h < heads; ++h)
                 w[h] = (__m512bh)_mm512_set1_epi32((int)pp[h * stride + (start + i) / 2]);
@@ -379,13 +417,14 @@ static inline __attribute__((always_inline)) void attend_item(
     float *o, const float *q, const void *key_cache, const void *value_cache,
     const int64_t *table, int64_t seq_len, int64_t group, const int64_t head_dim,
     int64_t block_stride, int64_t block_size, int64_t kv_offset,
-    float scale, float *scores, int bf16) {
+    float scale, float *scores, int bf16, int own, const NextItem *next) {
     const int64_t element = bf16 ? 2 : 4;
     const int dp = bf16 == KV_BF16_DP;
     /* The queries scaled, and for bf16 de-interleaved per chunk as kv_chunk reads keys; on
      * the dot-product path rounded to bf16 instead (the scores are scaled). */
     float qs[dp ? 1 : group * head_dim] __attribute__((aligned(64)));
     uint16_t qb[dp ? group * head_dim : 1] __attribute__((aligned(64)));
+    (void)qb; /* read on the dot-product path only (PAGED_DP builds) */
     if (dp)
         for (int64_t g = 0; g < group * head_dim; ++g) qb[g] = bf16_round(q[g]);
     else
@@ -400,8 +439,12 @@ static inline __attribute__((always_inline)) void attend_item(
                               offset * head_dim;
         int64_t count = block_size - offset < RUN ? block_size - offset : RUN;
         count = seq_len - start < count ? seq_len - start : count;
-        prefetch_ahead(key_cache, value_cache, table, start, count, seq_len, head_dim,
-                       block_stride, block_size, kv_offset, element);
+        if (own)
+            prefetch_ahead(key_cache, value_cache, table, start, count, seq_len, head_dim,
+                           block_stride, block_size, kv_offset, element);
+        if (next)
+            prefetch_next(key_cache, next, start, start + count, seq_len, head_dim,
+                          block_stride, block_size, element);
         for (int64_t g = 0; g < group; g += SCORE_HEADS) {
             float *s = scores + g * seq_len + start;
             const float *qg = qs + g * head_dim;
@@ -439,14 +482,17 @@ static inline __attribute__((always_inline)) void attend_item(
         for (int64_t g = 0; g < group;) {
             const int64_t heads = group - g < most ? group - g : most;
             const int64_t slice = head_dim - first < width ? head_dim - first : width;
+            /* The next item's values stream in during the first pass over these. */
+            const NextItem *values_next = first == 0 && g == 0 ? next : NULL;
 #define WEIGH_F32(n)                                                                          \
     weigh_values(o + g * head_dim, scores + g * seq_len, seq_len, inv + g, value_cache, table, \
-                 seq_len, head_dim, first, slice, block_stride, block_size, kv_offset, n, bf16)
+                 seq_len, head_dim, first, slice, block_stride, block_size, kv_offset, n, bf16,  \
+                 values_next)
 #if PAGED_DP
 #define WEIGH(n)                                                                              \
     (dp ? weigh_values_dp(o + g * head_dim, (const uint32_t *)(scores + g * seq_len), seq_len, \
                           inv + g, value_cache, table, seq_len, head_dim, first, slice,         \
-                          block_stride, block_size, kv_offset, n)                               \
+                          block_stride, block_size, kv_offset, n, values_next)                  \
         : WEIGH_F32(n))
 #else
 #define WEIGH(n) WEIGH_F32(n)
@@ -511,12 +557,13 @@ int ts_paged_decode_dot_products(int64_t head_dim, int64_t block_size) {
  * decode row `row` (its query at q, its output at o), over the row's seq_len positions;
  * `scores` holds group * seq_len floats. kv_bf16 is the cache's mode: KV_F32, KV_BF16 or
  * KV_BF16_DP (bf16 numerics: the dot-product path where the build and shapes allow it,
- * else as KV_BF16). */
-static void decode_item(float *o, const float *q, const void *key_cache,
-                        const void *value_cache, const int64_t *table, int64_t seq_len,
-                        int64_t kv_head, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t head_dim, int64_t block_size, float scale, float *scores,
-                        int64_t kv_bf16) {
+ * else as KV_BF16). own: whether its keys and values still have to be fetched (none
+ * streamed them in ahead); next: the item to stream into L2 meanwhile, or NULL. */
+static void decode_item_then(float *o, const float *q, const void *key_cache,
+                             const void *value_cache, const int64_t *table, int64_t seq_len,
+                             int64_t kv_head, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t block_size, float scale, float *scores,
+                             int64_t kv_bf16, int own, const NextItem *next) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     const int64_t kv_offset = kv_head * block_size * head_dim;
@@ -525,7 +572,7 @@ static void decode_item(float *o, const float *q, const void *key_cache,
     /* Head size and element type constants in each call, for the compiler. */
 #define ATTEND(dim, bf16)                                                                     \
     attend_item(o, q, key_cache, value_cache, table, seq_len, group, dim, block_stride,        \
-                block_size, kv_offset, scale, scores, bf16)
+                block_size, kv_offset, scale, scores, bf16, own, next)
 #if PAGED_DP
     if (kv_bf16 == KV_BF16_DP && ts_paged_decode_dot_products(head_dim, block_size)) {
         if (head_dim == 64)
@@ -555,10 +602,61 @@ static void decode_item(float *o, const float *q, const void *key_cache,
 #undef ATTEND
 }
 
+/* One item on its own: its keys and values fetched as it goes. */
+static inline void decode_item(float *o, const float *q, const void *key_cache,
+                        const void *value_cache, const int64_t *table, int64_t seq_len,
+                        int64_t kv_head, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t head_dim, int64_t block_size, float scale, float *scores,
+                        int64_t kv_bf16) {
+    decode_item_then(o, q, key_cache, value_cache, table, seq_len, kv_head, num_heads,
+                     num_kv_heads, head_dim, block_size, scale, scores, kv_bf16, 1, NULL);
+}
+
+/* A decode step's work items, (row, kv head) for each of num_rows rows, called by every
+ * thread of a parallel region, *claimed 0 before it: the items as a dynamic schedule hands
+ * them out, but each thread claims its next one ahead, so that the next one's keys and
+ * values stream into L2 while this one computes (a block table is a pointer chase the
+ * hardware prefetcher cannot follow, and an item alone waits on memory in its first pass
+ * and leaves memory idle in the rest). Row r reads its query at query + i * query_stride
+ * and writes out + i * out_stride, i = rows[r] (r where rows is NULL). No barrier at the
+ * end. With scores NULL (the thread's allocation failed) items are claimed, not done. */
+static void decode_items(int64_t *claimed, float *out, int64_t out_stride, const float *query,
+                         int64_t query_stride, const int64_t *rows, const void *key_cache,
+                         const void *value_cache, const int64_t *block_tables,
+                         int64_t block_table_stride, const int64_t *seq_lens, int64_t num_rows,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size, float scale, float *scores, int64_t kv_bf16) {
+    const int64_t num_items = num_rows * num_kv_heads;
+    int64_t item, next;
+#pragma omp atomic capture
+    item = (*claimed)++;
+#pragma omp atomic capture
+    next = (*claimed)++;
+    for (int own = 1; item < num_items; own = 0) {
+        const int64_t row = item / num_kv_heads, at = rows ? rows[row] : row;
+        NextItem ahead = {0};
+        if (next < num_items)
+            ahead = (NextItem){block_tables + next / num_kv_heads * block_table_stride,
+                               seq_lens[next / num_kv_heads],
+                               next % num_kv_heads * block_size * head_dim};
+        if (scores != NULL)
+            decode_item_then(out + at * out_stride, query + at * query_stride, key_cache,
+                             value_cache, block_tables + row * block_table_stride,
+                             seq_lens[row], item % num_kv_heads, num_heads, num_kv_heads,
+                             head_dim, block_size, scale, scores, kv_bf16, own,
+                             next < num_items ? &ahead : NULL);
+        item = next;
+        if (item < num_items) {
+#pragma omp atomic capture
+            next = (*claimed)++;
+        }
+    }
+}
+
 /* Returns 0, or -1 if a scratch buffer could not be allocated. Decode row r reads its
  * query at query + rows[r] * query_stride and writes out + rows[r] * out_stride (rows index
  * the step's flat token dimension; query may be a view into a fused QKV tensor). kv_bf16:
- * the caches' mode (decode_item). */
+ * the caches' mode (decode_item_then). */
 int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t query_stride,
                     const int64_t *rows, const void *key_cache, const void *value_cache,
                     const int64_t *block_tables, int64_t block_table_stride,
@@ -566,11 +664,11 @@ int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t 
                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                     int64_t kv_bf16) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t num_items = num_rows * num_kv_heads;
     int64_t max_seq_len = 0;
     for (int64_t r = 0; r < num_rows; ++r)
         max_seq_len = seq_lens[r] > max_seq_len ? seq_lens[r] : max_seq_len;
     int failed = 0;
+    int64_t claimed = 0; /* items handed out: each thread claims its next one ahead */
 #pragma omp parallel
     {
         /* Each thread's scores, for the longest context: allocated once, not per item. */
@@ -579,15 +677,9 @@ int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t 
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_items; ++item) {
-            const int64_t row = item / num_kv_heads;
-            if (scores != NULL)
-                decode_item(out + rows[row] * out_stride, query + rows[row] * query_stride,
-                            key_cache, value_cache, block_tables + row * block_table_stride,
-                            seq_lens[row], item % num_kv_heads, num_heads, num_kv_heads,
-                            head_dim, block_size, scale, scores, kv_bf16);
-        }
+        decode_items(&claimed, out, out_stride, query, query_stride, rows, key_cache,
+                     value_cache, block_tables, block_table_stride, seq_lens, num_rows,
+                     num_heads, num_kv_heads, head_dim, block_size, scale, scores, kv_bf16);
         free(scores);
     }
     return failed ? -1 : 0;
