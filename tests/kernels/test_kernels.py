@@ -209,11 +209,16 @@ def test_argmax_rows_answers_as_torch_max_indices(ops, rows, cols):
     negative_infinity = torch.full((rows, cols), float("-inf"))
     for x in (random, ties, with_nans, negative_infinity):
         assert torch.equal(ops.argmax_rows(x), x.max(dim=-1).indices)
+        # bf16 logits (a bf16 LM head's): rounding makes more ties, the first must still win.
+        x = x.to(torch.bfloat16)
+        assert torch.equal(ops.argmax_rows(x), x.max(dim=-1).indices)
 
 
 def test_argmax_rows_refuses_what_it_cannot_read(ops):
     with pytest.raises(ValueError):
-        ops.argmax_rows(torch.zeros(2, 4, dtype=torch.bfloat16))
+        ops.argmax_rows(torch.zeros(2, 4, dtype=torch.float16))
+    with pytest.raises(ValueError):
+        ops.argmax_rows(torch.zeros(4, 2).t())
     with pytest.raises(ValueError):
         ops.argmax_rows(torch.zeros(4))
     with pytest.raises(ValueError):

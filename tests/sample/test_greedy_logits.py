@@ -73,7 +73,7 @@ def test_the_c_argmax_samples_what_greedy_tokens_does():
     sampler = Sampler(ops.argmax_rows)
     logits = _tied_logits(64, 4099, torch.float32)
     assert torch.equal(sampler(logits, _greedy_metadata(64)).token_ids, greedy_tokens(logits))
-    # With a processor in the way (the sampler's float32 copy), and on bf16 logits (torch's).
+    # With a processor in the way (the sampler's float32 copy), and on bf16 logits.
     banned = BannedTokens(rows=torch.tensor([0]), token_ids=logits[0].argmax().reshape(1))
     out = sampler(logits, _greedy_metadata(64, LogitsProcessorInputs(banned=banned)))
     assert torch.equal(out.token_ids, Sampler()(logits, _greedy_metadata(

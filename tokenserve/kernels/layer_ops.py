@@ -48,6 +48,9 @@ class LayerOps:
         self._argmax_rows = library.ts_argmax_rows_f32
         self._argmax_rows.restype = None
         self._argmax_rows.argtypes = [ptr, ptr, i64, i64]
+        self._argmax_rows_bf16 = library.ts_argmax_rows_bf16
+        self._argmax_rows_bf16.restype = None
+        self._argmax_rows_bf16.argtypes = [ptr, ptr, i64, i64]
 
     def rms_norm(
         self,
@@ -163,14 +166,16 @@ class LayerOps:
         return out
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Each row's index of its largest value, x [rows, cols] float32 → int64 [rows]: the
-        first of equal maxima, the first NaN where a row has one (torch's
-        `max(dim=-1).indices`), in one pass over x (greedy sampling's logits)."""
-        check_f32(x)
+        """Each row's index of its largest value, x [rows, cols] float32 or bfloat16 → int64
+        [rows]: the first of equal maxima, the first NaN where a row has one (torch's
+        `max(dim=-1).indices`), in one pass over x (greedy sampling's logits), on all the
+        threads (torch's bf16 `max` runs on one)."""
+        check_f32_or_bf16(x)
         if x.dim() != 2 or x.shape[1] == 0:
             raise ValueError("argmax_rows needs x [rows, cols] with at least one column.")
         out = torch.empty(x.shape[0], dtype=torch.int64)
-        self._argmax_rows(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1])
+        argmax = self._argmax_rows if x.dtype == torch.float32 else self._argmax_rows_bf16
+        argmax(out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1])
         return out
 
 

@@ -40,15 +40,16 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, argmax_rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """`argmax_rows`: a one-pass argmax of float32 rows with `greedy_tokens`' answers (the
-        C kernel of kernels/layer_ops.py, ~3x faster on [64, 49152] here), taken for float32
-        logits; `greedy_tokens` for the others, or when None."""
+        """`argmax_rows`: a one-pass argmax of float32 or bfloat16 rows with
+        `greedy_tokens`' answers (the C kernel of kernels/layer_ops.py, ~3x faster on [64,
+        49152] float32 here), taken for such logits; `greedy_tokens` for the others, or when
+        None."""
         self.argmax_rows = argmax_rows
 
     def greedy(self, logits: torch.Tensor) -> torch.Tensor:
         if (
             self.argmax_rows is not None
-            and logits.dtype == torch.float32
+            and logits.dtype in (torch.float32, torch.bfloat16)
             and logits.is_cpu
             and logits.is_contiguous()
             and logits.shape[-1] > 0

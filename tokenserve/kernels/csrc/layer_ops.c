@@ -266,21 +266,36 @@ void ts_rotary_from_bf16(float *out, const uint16_t *qkv, int64_t width, const i
     }
 }
 
-/* Row x's argmax over `cols` float32 values, as torch's max(dim=-1).indices: the first of
- * equal maxima, and the first NaN where the row has one. Each lane keeps the first index of
- * its own strict maximum; the lanes are then merged by value, ties to the lower index. */
-static inline int64_t argmax_row(const float *x, int64_t cols) {
+/* VW values from element j of x (float32, or bfloat16 widened: exact). */
+typedef uint16_t vwh __attribute__((vector_size(VW * 2)));
+static inline __attribute__((always_inline)) vwf load_values(const void *x, int64_t j, int bf16) {
+    if (!bf16) return loadw((const float *)x + j);
+    vwh h;
+    memcpy(&h, (const uint16_t *)x + j, sizeof h);
+    return (vwf)(__builtin_convertvector(h, vwi) << 16);
+}
+
+static inline float load_value(const void *x, int64_t j, int bf16) {
+    return bf16 ? bf16_load((const uint16_t *)x, j) : ((const float *)x)[j];
+}
+
+/* Row x's argmax over `cols` float32 or bfloat16 values, as torch's max(dim=-1).indices:
+ * the first of equal maxima, and the first NaN where the row has one. Each lane keeps the
+ * first index of its own strict maximum; the lanes are then merged by value, ties to the
+ * lower index. bf16 values compare as the float32 they widen to, so the answer is the same. */
+static inline __attribute__((always_inline)) int64_t argmax_row(const void *x, int64_t cols,
+                                                               const int bf16) {
     int64_t j = 0, best = 0;
-    float best_value = x[0];
+    float best_value = load_value(x, 0, bf16);
     int nan = 0;
     if (cols >= VW) {
-        vwf values = loadw(x);
+        vwf values = load_values(x, 0, bf16);
         vwi indices, at;
         for (int lane = 0; lane < VW; ++lane) indices[lane] = lane;
         at = indices;
         vwi nans = values != values;
         for (j = VW; j + VW <= cols; j += VW) {
-            const vwf v = loadw(x + j);
+            const vwf v = load_values(x, j, bf16);
             at += VW;
             const vwi greater = v > values;
             values = selectw(greater, v, values);
@@ -295,20 +310,27 @@ static inline int64_t argmax_row(const float *x, int64_t cols) {
         }
     } else {
         j = 1;
-        nan = x[0] != x[0];
+        nan = best_value != best_value;
     }
     for (; j < cols; ++j) {
-        nan |= x[j] != x[j];
-        if (x[j] > best_value) best_value = x[j], best = j;
+        const float value = load_value(x, j, bf16);
+        nan |= value != value;
+        if (value > best_value) best_value = value, best = j;
     }
     if (nan)
         for (j = 0; j < cols; ++j)
-            if (x[j] != x[j]) return j;
+            if (load_value(x, j, bf16) != load_value(x, j, bf16)) return j;
     return best;
 }
 
 /* out[r] = argmax_row(x[r]) for each of num_rows rows (greedy sampling's token ids). */
 void ts_argmax_rows_f32(int64_t *out, const float *x, int64_t num_rows, int64_t cols) {
 #pragma omp parallel for schedule(static) if (num_rows * cols >= PARALLEL_MIN)
-    for (int64_t r = 0; r < num_rows; ++r) out[r] = argmax_row(x + r * cols, cols);
+    for (int64_t r = 0; r < num_rows; ++r) out[r] = argmax_row(x + r * cols, cols, 0);
+}
+
+/* The same of bfloat16 rows (a bf16 LM head's logits). */
+void ts_argmax_rows_bf16(int64_t *out, const uint16_t *x, int64_t num_rows, int64_t cols) {
+#pragma omp parallel for schedule(static) if (num_rows * cols >= PARALLEL_MIN)
+    for (int64_t r = 0; r < num_rows; ++r) out[r] = argmax_row(x + r * cols, cols, 1);
 }
