@@ -4,9 +4,10 @@
  * One query token per row attends to the row's whole context, read in place from the
  * cache blocks its block table names: nothing is gathered or padded. Work items are
  * (row, kv head) pairs, spread over the OpenMP threads of the process (the same libgomp
- * runtime torch uses, so one thread pool serves both). The query heads that share a kv
- * head (grouped-query attention) are done together, so each key and value is read once
- * from memory.
+ * runtime torch uses, so one thread pool serves both), each thread claiming its next item
+ * one ahead and streaming that item's keys and values into L2 while it computes the
+ * current one (decode_items). The query heads that share a kv head (grouped-query
+ * attention) are done together, so each key and value is read once from memory.
  *
  * Two passes per item, each reading every key (value) once for all the query heads of the
  * group: scores q.k for the whole context (KEYS keys by up to SCORE_HEADS heads of
