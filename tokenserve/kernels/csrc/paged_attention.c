@@ -162,7 +162,7 @@ static inline float softmax_unnormalised(float *s, int64_t n) {
 }
 
 /* The work item a thread does after this one, whose keys and values it streams into L2
- * while computing this one (ts_paged_decode): the block table, context length and kv head
+ * while computing this one (decode_items): the block table, context length and kv head
  * offset it reads with. */
 typedef struct {
     const int64_t *table;
