@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tokenserve.engine.core_client import EngineCoreProcess
+from tokenserve.engine.core_process import EngineCoreProcess
 from tokenserve.engine.engine_args import EngineArgs
 
 

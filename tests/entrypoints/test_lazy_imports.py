@@ -64,6 +64,16 @@ def test_cli_module_imports_nothing_heavy():
     assert found(modules, HEAVY + FEATURES + MODEL_SIDE + HTTP_SIDE) == []
 
 
+def test_the_engine_process_starts_before_anything_but_the_standard_library_is_imported():
+    # `tokenserve serve` spawns the engine-core process first thing; whatever is imported
+    # before the spawn (~0.1 s for asyncio, zmq and the messages) delays the whole start.
+    modules = imported_after("import tokenserve.engine.core_process")
+    packages = {"tokenserve", "tokenserve.version", "tokenserve.engine"}  # the lazy roots
+    ours = sorted(m for m in modules if m.startswith("tokenserve.") and m not in packages)
+    assert ours == ["tokenserve.engine.core_process"]
+    assert found(modules, HEAVY + ["asyncio", "msgspec"]) == []
+
+
 def test_package_root_is_lazy_and_complete():
     modules = imported_after(
         "import tokenserve\n"
@@ -128,7 +138,7 @@ def test_the_engine_process_of_a_gguf_model_configures_itself_without_transforme
         "from tokenserve.executor.backends import import_executor_class\n"
         "import tokenserve.core.engine_core_proc\n"
         "import_executor_class('uni')\n"
-        "from tokenserve.engine.core_client import _configuration\n"
+        "from tokenserve.engine.core_process import _configuration\n"
         "from tokenserve.engine.engine_args import EngineArgs\n"
         "config, load_tokenizer = _configuration(EngineArgs())\n"
         "assert config.model_config.files.format == 'gguf'\n"

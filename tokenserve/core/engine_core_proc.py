@@ -87,8 +87,8 @@ def run_engine_core(
     # The configuration it runs, for the API process to check against its own.
     ready_pipe.send({"status": "ready", "pid": os.getpid(), "config": config})
     ready_pipe.close()
-    # After "ready": the API process is still starting, so this is off the start's path.
-    freeze_startup_heap()
+    # After "ready" the first request is on its way: no full collection delays it.
+    freeze_startup_heap(full=False)
     exit_code = 0
     try:
         proc.run_busy_loop()

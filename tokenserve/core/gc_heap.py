@@ -20,10 +20,16 @@ import gc
 from collections.abc import Iterator
 
 
-def freeze_startup_heap() -> int:
+def freeze_startup_heap(full: bool = True) -> int:
     """Collect what start-up left behind, then freeze the rest; returns how many objects
-    the collector no longer walks."""
-    gc.collect()
+    the collector no longer walks.
+
+    `full=False` collects only the young generations (the objects made since the last
+    collection of the oldest one), for a process whose every moment is on the start's path
+    (the engine core's, after "ready"). The full collection walks every object, ~0.1 s for
+    the engine core's ~185k, and on the default model finds 20 objects of garbage among
+    them: what became garbage after surviving into the oldest generation stays frozen."""
+    gc.collect() if full else gc.collect(1)
     gc.freeze()
     return gc.get_freeze_count()
 

@@ -20,7 +20,8 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from tokenserve.config import EngineConfig
-from tokenserve.engine.core_client import EngineCoreProcess, EngineDeadError
+from tokenserve.engine.core_client import EngineDeadError
+from tokenserve.engine.core_process import EngineCoreProcess
 from tokenserve.engine.dp_client import make_engine_core_client
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.engine.output_processor import OutputProcessor
@@ -140,10 +141,13 @@ class AsyncLLM:
         stat_loggers: list[StatLogger] | None = None,
         request_observers: list[RequestObserver] | None = None,
         engine_process: EngineCoreProcess | None = None,
+        wait_for_engine: bool = True,
     ) -> None:
         """`request_observers` hear of each engine-core request's arrival, every message of
         the engine core and aborts (`--request-trace`, /dashboard); `engine_process`: an
-        engine-core process started earlier (core_client.py), loading while this one starts."""
+        engine-core process started earlier (core_client.py), loading while this one starts.
+        `wait_for_engine=False`: return while the engine core may still be loading (the
+        server builds its app meanwhile); call `wait_until_ready` before serving."""
         self.config = config
         self.tokenizer = load_tokenizer(config.model_config.files, config.model_config.tokenizer)
         self.processor = Processor(config, self.tokenizer)
@@ -157,7 +161,7 @@ class AsyncLLM:
         # The engine core's latest scheduler stats (None before its first message).
         self.scheduler_stats: SchedulerStats | None = None
         # One engine core, or data_parallel_size of them behind a router (engine/dp_client.py).
-        self.engine_core = make_engine_core_client(config, engine_process)
+        self.engine_core = make_engine_core_client(config, engine_process, wait=wait_for_engine)
         self._background_tasks: set[asyncio.Task[Any]] = set()
         self._output_handler: asyncio.Task[None] | None = None
         self._death_callbacks: list[Any] = []
@@ -167,6 +171,10 @@ class AsyncLLM:
         return cls(engine_args.create_engine_config(), **kwargs)
 
     # ---- lifecycle -----------------------------------------------------------------
+
+    def wait_until_ready(self) -> None:
+        """Block until the engine core(s) can take requests (at once if they already can)."""
+        self.engine_core.wait_until_ready()
 
     def start(self) -> None:
         """Start the output handler and the stats log on the running loop (idempotent)."""

@@ -22,7 +22,8 @@ import zmq
 import zmq.asyncio
 
 from tokenserve.config import EngineConfig
-from tokenserve.engine.core_client import EngineCoreClient, EngineCoreProcess, EngineLiveness
+from tokenserve.engine.core_client import EngineCoreClient, EngineLiveness
+from tokenserve.engine.core_process import EngineCoreProcess
 from tokenserve.engine.dp_router import DataParallelRouter
 from tokenserve.messages.engine_core import EngineCoreOutputs, EngineCoreRequest
 
@@ -43,15 +44,17 @@ def split_cpus(num_engines: int, cpu_ids: list[int]) -> list[list[int]]:
 
 
 def make_engine_core_client(
-    config: EngineConfig, engine_process: EngineCoreProcess | None = None
+    config: EngineConfig, engine_process: EngineCoreProcess | None = None, wait: bool = True
 ) -> EngineCoreClient | DataParallelCoreClient:
     """One engine core (in `engine_process` when one was started earlier), or
-    `data_parallel_size` of them behind a router."""
+    `data_parallel_size` of them behind a router. `wait=False`: one engine core may still be
+    loading when this returns (the client's `wait_until_ready` waits); data-parallel engines
+    are always ready."""
     if config.parallel_config.data_parallel_size > 1:
         if engine_process is not None:
             raise ValueError("Data parallelism starts its own engine core processes.")
         return DataParallelCoreClient(config)
-    return EngineCoreClient(config, engine_process)
+    return EngineCoreClient(config, engine_process, wait=wait)
 
 
 class DataParallelCoreClient(EngineLiveness):
@@ -84,6 +87,9 @@ class DataParallelCoreClient(EngineLiveness):
     @property
     def num_engines(self) -> int:
         return len(self.engines)
+
+    def wait_until_ready(self) -> None:
+        """Nothing to wait for: the engines were ready when this client was built."""
 
     def watch_process(self, on_death: Callable[[str], None]) -> None:
         """Call `on_death(reason)` once, as soon as any engine's process ends."""

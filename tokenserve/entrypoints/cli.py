@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tokenserve.engine.core_client import EngineCoreProcess
+    from tokenserve.engine.core_process import EngineCoreProcess
 
 
 def _run_chat(args: argparse.Namespace) -> int:
@@ -263,7 +263,7 @@ def _prestart_engine_process(argv: list[str]) -> Any:
     so that both processes import their stacks at once (it waits for its configuration)."""
     if argv[:1] != ["serve"] or any(flag in argv for flag in ("-h", "--help")):
         return None
-    from tokenserve.engine.core_client import EngineCoreProcess
+    from tokenserve.engine.core_process import EngineCoreProcess
 
     return EngineCoreProcess()
 

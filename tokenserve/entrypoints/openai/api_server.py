@@ -36,7 +36,7 @@ from starlette.types import Receive, Scope, Send
 
 from tokenserve.core.gc_heap import freeze_startup_heap
 from tokenserve.engine.async_llm import AsyncLLM
-from tokenserve.engine.core_client import EngineCoreProcess
+from tokenserve.engine.core_process import EngineCoreProcess
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.entrypoints.chat_utils import ChatContentConfig, load_chat_template
 from tokenserve.entrypoints.openai.assistant_message import ChatParsing
@@ -346,8 +346,10 @@ async def run_server(
     if getattr(args, "request_trace", None):
         observers.append(RequestTraceRecorder(args.request_trace))
     try:
+        # Not waiting for the engine core yet: the app is built while it loads (below).
         engine = AsyncLLM(config, log_stats=not args.disable_log_stats, stat_loggers=[metrics],
-                          request_observers=observers, engine_process=engine_process)
+                          request_observers=observers, engine_process=engine_process,
+                          wait_for_engine=False)
     except BaseException:
         listen_socket.close()
         raise
@@ -391,6 +393,14 @@ async def run_server(
                 timeout_graceful_shutdown=args.shutdown_timeout,
             )
         )
+        # What start-up built is frozen while the engine core loads (a full collection here
+        # takes ~0.1 s), then this process waits for it, still stoppable by a signal.
+        freeze_startup_heap()  # no full collection walks the app between streamed chunks
+        try:
+            engine.wait_until_ready()
+        except BaseException:
+            listen_socket.close()
+            raise
         exit_code = 0
 
         def engine_died() -> None:
@@ -406,7 +416,6 @@ async def run_server(
         # it, so that the engine below is still shut down and the exit code stays ours.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, frame: None)
-        freeze_startup_heap()  # no full collection walks the app between streamed chunks
         await server.serve(sockets=[listen_socket])
         if not server.started:
             exit_code = exit_code or 1
