@@ -126,3 +126,44 @@ def test_the_entry_records_the_added_tokens_and_reads_as_without_them(
     del config["added_tokens_decoder"]
     config_path.write_text(json.dumps(config), encoding="utf-8")
     assert_same_tokenizer(ours, gguf_loader.load_cached_tokenizer(str(entry)))
+
+
+def test_a_llama_gguf_converts_without_autotokenizer_to_what_autotokenizer_converts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # AutoTokenizer first builds the file's model config with gguf's GGUFReader (seconds);
+    # for a llama-architecture file it then converts with TokenizersBackend, which the
+    # loader now calls directly: the same tokenizer, and the same entry on disk.
+    path = default_model_path()
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    calls = spy_autotokenizer(monkeypatch)
+    ours = gguf_loader.load_gguf_tokenizer(path)
+    assert calls == []
+    monkeypatch.undo()
+    auto = transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
+    )
+    assert_same_tokenizer(ours, auto)
+    ours.save_pretrained(tmp_path / "ours")
+    auto.save_pretrained(tmp_path / "auto")
+    names = sorted(os.listdir(tmp_path / "auto"))
+    assert sorted(os.listdir(tmp_path / "ours")) == names
+    for name in names:
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "auto" / name).read_bytes()
+
+
+def test_a_gguf_with_a_tokenizer_config_beside_it_converts_through_autotokenizer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # A tokenizer_config.json in the file's directory may name another class: AutoTokenizer
+    # decides, as before.
+    directory = tmp_path / "model"
+    directory.mkdir()
+    path = directory / "model.gguf"
+    os.symlink(default_model_path(), path)
+    (directory / "tokenizer_config.json").write_text("{}", encoding="utf-8")
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    assert not gguf_loader._converts_as_tokenizers_backend(str(path))
+    calls = spy_autotokenizer(monkeypatch)
+    gguf_loader.load_gguf_tokenizer(str(path))
+    assert calls == [str(directory)]

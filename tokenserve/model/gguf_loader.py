@@ -189,14 +189,39 @@ def load_gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
     cache_dir = tokenizer_cache_dir(path)
     if os.path.isdir(cache_dir):
         return load_cached_tokenizer(cache_dir)
+    directory, name = os.path.dirname(path), os.path.basename(path)
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True
-        )
+        if _converts_as_tokenizers_backend(path):
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+            tokenizer = TokenizersBackend.from_pretrained(
+                directory, gguf_file=name, local_files_only=True
+            )
+        else:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(
+                directory, gguf_file=name, local_files_only=True
+            )
     except Exception as error:  # the GGUF parser reports corruption as assorted errors
         raise ValueError(f"Cannot read a tokenizer from GGUF file {path}: {error}") from error
     _write_tokenizer_cache(tokenizer, cache_dir)
     return tokenizer
+
+
+def _converts_as_tokenizers_backend(path: str) -> bool:
+    """Whether AutoTokenizer would convert this file's tokenizer with `TokenizersBackend`:
+    a llama-architecture file (transformers maps no specialized tokenizer class to a llama
+    or mistral config) with no tokenizer_config.json beside it (which could name another
+    class). AutoTokenizer first builds the file's model config with gguf's `GGUFReader`,
+    which parses every string of the vocabulary (~5 of its ~8 s on the default model, on
+    the API process's path at a first start); the class then converts the tokenizer with
+    transformers' own fast reader. Same tokenizer, same saved entry
+    (tests/model/test_gguf_tokenizer_cache.py)."""
+    if os.path.exists(os.path.join(os.path.dirname(path), "tokenizer_config.json")):
+        return False
+    try:
+        return _metadata(_open_reader(path), "general.architecture") == "llama"
+    except (OSError, ValueError):
+        return False  # AutoTokenizer reports what is wrong with the file
 
 
 def load_cached_tokenizer(cache_dir: str) -> transformers.PreTrainedTokenizerBase:
