@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.entrypoints.openai.remote_server import RemoteServer, data_events, metric_value
+from tests.entrypoints.openai.remote_server import (
+    RemoteServer,
+    data_events,
+    free_port,
+    metric_value,
+)
 
 OVERRIDE_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 
@@ -175,3 +182,24 @@ def test_engine_death_is_reported_and_requests_fail_fast(tiny_model_dirs):
         pytest.fail(f"the server did not exit after its engine died:\n{server.log_text()[-3000:]}")
     finally:
         server.stop()
+
+
+def test_an_engine_that_fails_to_load_stops_the_server_with_its_error(tiny_model_dirs, tmp_path):
+    # The API process builds its app while the engine core loads, then waits for it: an
+    # engine that fails there (weights cut short: the configuration and the tokenizer are
+    # fine) ends the server with a non-zero exit code and the engine's error, and frees the
+    # port it had bound.
+    model = tmp_path / "cut"
+    shutil.copytree(tiny_model_dirs["llama"], model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    port = free_port()
+    done = subprocess.run(
+        [sys.executable, "-m", "tokenserve.entrypoints.cli", "serve", str(model),
+         "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "64MiB"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    assert "The engine core failed to start" in output, output[-3000:]
+    assert not accepts_connections(port)
