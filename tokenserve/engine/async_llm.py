@@ -145,7 +145,7 @@ class AsyncLLM:
     ) -> None:
         """`request_observers` hear of each engine-core request's arrival, every message of
         the engine core and aborts (`--request-trace`, /dashboard); `engine_process`: an
-        engine-core process started earlier (core_client.py), loading while this one starts.
+        engine-core process started earlier (core_process.py), loading while this one starts.
         `wait_for_engine=False`: return while the engine core may still be loading (the
         server builds its app meanwhile); call `wait_until_ready` before serving."""
         self.config = config

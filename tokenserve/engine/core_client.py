@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import zmq
 import zmq.asyncio
 
+from tokenserve.engine.core_process import EngineCoreProcess
 from tokenserve.messages.engine_core import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -25,7 +26,6 @@ from tokenserve.messages.engine_core import (
     make_encoder,
     make_outputs_decoder,
 )
-from tokenserve.engine.core_process import EngineCoreProcess
 
 if TYPE_CHECKING:
     from tokenserve.config import EngineConfig
