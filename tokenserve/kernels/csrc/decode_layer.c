@@ -69,7 +69,7 @@ static void project(float *y, const float *x, int64_t M, const ts_projection *w,
 #elif QUANT_DP
     (void)a;
     if (w->dp && M > w->few_rows) {
-        dp_pack_rows(xp, x, M, w->in);
+        dp_pack_rows(xp, x, M, w->in, (int)w->q4_1);
         dp_columns(y, xp, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1);
     } else
 #else

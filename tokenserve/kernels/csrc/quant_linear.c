@@ -394,7 +394,7 @@ static int quant_linear_dp(float *y, const float *x, int64_t M, int64_t K, int64
     if (xp == NULL) return 2;
 #pragma omp parallel
     {
-        dp_pack_rows(xp, x, M, K);
+        dp_pack_rows(xp, x, M, K, q4_1);
         dp_columns(y, xp, M, K, N, qs, scales, q4_1);
     }
     free(xp);
