@@ -9,13 +9,21 @@ steps, in which the first ones already decode); the rest of each is then aborted
 wall clock: run it with `OMP_NUM_THREADS=1` and the figure is what a step costs, whatever
 else the machine runs.
 
+`--other-csrc DIR` sets another tree's C kernels (its tokenserve/kernels/csrc) beside this
+one's in the same engine: the fused decode layer's library (kernels/csrc/decode_layer.c,
+which holds every operator of a decode step but the logits) alternates between the two
+builds step by step, and each build's median is printed with their ratio. This machine's
+speed drifts by more than a kernel change moves a step from one run to the next; steps
+taking turns in one process see the same drift.
+
 usage: python benchmarks/decode_step_cost.py [--batches 1,4,8,16,32,64] [--input-len 256]
-           [--steps 20] [--cpu-time] [engine flags as for bench throughput]
+           [--steps 20] [--cpu-time] [--other-csrc DIR] [engine flags as for bench throughput]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 
@@ -23,6 +31,9 @@ from tokenserve import SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
 from tokenserve.engine.cli_args import add_engine_arguments, engine_args_from
 from tokenserve.engine.llm_engine import LLMEngine
+from tokenserve.kernels import build
+from tokenserve.kernels.decode_layer import DecodeLayerOps
+from tokenserve.model.fused_decode import FusedDecodeLayerStack
 
 
 def main() -> None:
@@ -32,6 +43,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="Decode steps timed per batch.")
     parser.add_argument("--cpu-time", action="store_true",
                         help="The calling thread's CPU time, not wall-clock time.")
+    parser.add_argument("--other-csrc", default=None,
+                        help="Another tree's kernels/csrc: its decode layer takes every other step.")
     add_engine_arguments(parser, positional_model=False)
     args = parser.parse_args()
     batches = [int(n) for n in args.batches.split(",")]
@@ -40,12 +53,30 @@ def main() -> None:
     clock = time.thread_time if args.cpu_time else time.perf_counter
 
     engine = LLMEngine.from_engine_args(engine_args_from(args))
+    builds = [None]  # the fused decode layer's operators by turn; None: this tree's
+    stack = None
+    if args.other_csrc is not None:
+        (stack,) = engine.engine_core.collective_rpc(
+            lambda worker: next((getattr(module, "layer_stack", None)
+                                 for module in worker.model_runner.model.modules()
+                                 if isinstance(getattr(module, "layer_stack", None),
+                                               FusedDecodeLayerStack)), None))
+        if stack is None or stack.max_rows == 0:
+            raise SystemExit("--other-csrc: this model takes no fused decode steps (the fused "
+                             "layer runs a GGUF model's blocks).")
+        other_library = build.build("decode_layer", source_dir=args.other_csrc)
+        print(f"other tree's decode layer: {other_library}")
+        builds = [stack.ops, DecodeLayerOps(ctypes.CDLL(other_library))]
     vocab_size = engine.config.model_config.vocab_size
     # Room for every step until the last prompt is in (at least a token each) and the timed
     # ones: the first requests decode while the later prompts' chunks are computed.
     max_tokens = args.steps + 2 + max(batches) * args.input_len
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    print("decode rows   median ms   fastest ms")
+    if len(builds) == 1:
+        print("decode rows   median ms   fastest ms")
+    else:
+        print("decode rows   median ms   fastest ms   other's:  median ms   fastest ms"
+              "   median / other's")
     for batch in batches:
         prompts = random_token_prompts(batch, args.input_len, vocab_size, seed=batch)
         for index, prompt in enumerate(prompts):
@@ -53,15 +84,24 @@ def main() -> None:
         started: set[str] = set()
         while len(started) < batch:  # until every request has its first token
             started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
-        times = []
-        for _ in range(args.steps):
+        times: list[list[float]] = [[] for _ in builds]
+        for step in range(args.steps * len(builds)):
+            turn = step % len(builds)
+            if stack is not None:
+                stack.ops = builds[turn]
             begin = clock()
             engine.step()
-            times.append(clock() - begin)
+            times[turn].append(clock() - begin)
         engine.abort_request([f"{batch}-{index}" for index in range(batch)])
         while engine.has_unfinished_requests():
             engine.step()
-        print(f"{batch:11d}   {statistics.median(times) * 1e3:9.1f}   {min(times) * 1e3:10.1f}")
+        if stack is not None:
+            stack.ops = builds[0]
+        medians = [statistics.median(t) * 1e3 for t in times]
+        columns = "".join(f"   {median:9.1f}   {min(t) * 1e3:10.1f}"
+                          for median, t in zip(medians, times))
+        ratio = f"   {medians[0] / medians[1]:16.3f}" if len(builds) > 1 else ""
+        print(f"{batch:11d}{columns}{ratio}")
 
 
 if __name__ == "__main__":

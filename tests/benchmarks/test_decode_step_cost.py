@@ -1,5 +1,6 @@
 """benchmarks/decode_step_cost.py on a tiny model: decode steps of each batch size, timed for
-real, with every row running."""
+real, with every row running; with `--other-csrc`, on the default model, two builds of the
+fused decode layer taking turns."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+from tokenserve.kernels import build
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_step_cost.py"
 
@@ -29,3 +32,42 @@ def test_a_batch_of_zero_is_refused(tiny_model_dirs):
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode != 0 and "at least 1" in result.stderr
+
+
+def test_another_trees_fused_layer_takes_turns_with_this_ones(tmp_path):
+    # The other tree: this one's sources with a C comment more, so its own build.
+    other = tmp_path / "csrc"
+    other.mkdir()
+    for source in Path(build.SOURCE_DIR).iterdir():
+        if source.suffix in (".c", ".h"):
+            (other / source.name).write_bytes(source.read_bytes())
+    with open(other / "decode_layer.c", "a") as file:
+        file.write("/* the other tree */\n")
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--kv-cache-memory", "64MiB", "--batches", "1,3",
+         "--input-len", "24", "--steps", "2", "--other-csrc", str(other)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    number = r"\s+([\d.]+)"
+    rows = re.findall(r"^\s+(\d+)" + number * 5 + "$", result.stdout, re.MULTILINE)
+    assert [int(row[0]) for row in rows] == [1, 3], result.stdout
+    for _, median, fastest, other_median, other_fastest, ratio in rows:
+        assert float(median) >= float(fastest) > 0
+        assert float(other_median) >= float(other_fastest) > 0
+        # The medians are printed to 0.1 ms, the ratio of the unrounded ones to 0.001.
+        this, that = float(median), float(other_median)
+        slack = (0.05 / this + 0.05 / that) * this / that + 5e-4
+        assert abs(float(ratio) - this / that) <= slack
+    (library,) = re.findall(r"^other tree's decode layer: (\S+)$", result.stdout, re.MULTILINE)
+    assert library == build.build("decode_layer", source_dir=str(other))
+    assert library != build.build("decode_layer")
+
+
+def test_other_csrc_needs_a_model_with_fused_steps(tiny_model_dirs):
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", tiny_model_dirs["llama"], "--kv-cache-memory",
+         "64MiB", "--batches", "1", "--steps", "1", "--other-csrc", build.SOURCE_DIR],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode != 0 and "takes no fused decode steps" in result.stderr

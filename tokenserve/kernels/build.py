@@ -73,18 +73,19 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
 
 
-def build(name: str, isa: str | None = None) -> str:
+def build(name: str, isa: str | None = None, source_dir: str = SOURCE_DIR) -> str:
     """Compile `name`.c for `isa` (default: the selected level) into the cache (if not
-    there yet); returns the shared library's path."""
+    there yet); returns the shared library's path. `source_dir`: another tree's csrc/, for
+    benchmarks that set two builds of a kernel side by side."""
     isa = selected_isa() if isa is None else cpu_isa.resolve(isa)
     flags = _flags(isa)
     compiler = _compiler()
     if compiler is None:
         raise KernelBuildError(f"no C compiler found (looked for {os.environ.get('CC', 'cc')!r})")
     sources = []  # every source the kernel may include (decode_layer.c includes the others)
-    for file_name in sorted(os.listdir(SOURCE_DIR)):
+    for file_name in sorted(os.listdir(source_dir)):
         if file_name.endswith((".c", ".h")):
-            with open(os.path.join(SOURCE_DIR, file_name), "rb") as file:
+            with open(os.path.join(source_dir, file_name), "rb") as file:
                 sources.append(file_name.encode() + b"\0" + file.read())
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
@@ -103,7 +104,7 @@ def build(name: str, isa: str | None = None) -> str:
     os.close(handle)
     try:
         result = subprocess.run(
-            [compiler, *flags, os.path.join(SOURCE_DIR, f"{name}.c"), "-o", partial, "-lm"],
+            [compiler, *flags, os.path.join(source_dir, f"{name}.c"), "-o", partial, "-lm"],
             capture_output=True,
             text=True,
             check=False,

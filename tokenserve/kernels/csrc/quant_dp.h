@@ -17,12 +17,12 @@
  * result; the two are added, their lanes summed and the sum rounded to bf16 at the row's
  * end. A row's result depends neither on M nor on the other rows.
  *
- * On an AMD EPYC (Zen 4) the loop issues about one 512-bit operation per cycle: five per
- * Q4_1 block to expand it and one per row. Expanded in the natural order
- * (bf16_expand_block, eight) and with one accumulator per row, which had a single row wait
- * on vdpbf16ps's latency, the default model's projections took 3.6-3.8x less time than
- * oneDNN's bf16 product at 1 row and 2.4-2.8x at 4; now 4.6-4.8x and 3.2-3.5x
- * (`python benchmarks/quantized_linear.py --dtype bfloat16`, three runs each).
+ * On an AMD EPYC (Zen 4, 2.6 GHz nominal) the loop's time is about a cycle per 512-bit
+ * operation: five per Q4_1 block to expand it, one per row to multiply. Expanded in the
+ * natural order (bf16_expand_block: eight) and with one accumulator per row (a single row
+ * then waits on vdpbf16ps's latency), the default model's projections ran 3.6-3.8x as fast
+ * as oneDNN's bf16 product at 1 row and 2.4-2.8x at 4; now 4.6-4.8x and 3.2-3.5x
+ * (`python benchmarks/quantized_linear.py --dtype bfloat16`, three runs of each build).
  */
 #ifndef TOKENSERVE_QUANT_DP_H
 #define TOKENSERVE_QUANT_DP_H
