@@ -67,7 +67,7 @@ def _rounded_within(out: torch.Tensor, centre: torch.Tensor, bound: torch.Tensor
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("num_rows", [1, 3, 16, 17, 64, 65, 130])
+@pytest.mark.parametrize("num_rows", [1, 3, 7, 8, 16, 17, 64, 65, 130])
 @pytest.mark.parametrize("out_features,in_features", [(16, 32), (48, 576), (32, 1536)])
 def test_the_kernel_sums_the_bf16_operands(kernel, kind, num_rows, out_features,
                                            in_features):

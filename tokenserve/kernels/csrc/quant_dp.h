@@ -29,7 +29,7 @@
 
 #include "quant_bf16.h"
 
-#define DP_ROWS 6 /* rows of x per pass over a weight row: DP_ROWS accumulators */
+#define DP_ROWS 8 /* rows of x per pass over a weight row: 2 DP_ROWS accumulators */
 
 /* Q4_1 block b of one weight row → its 32 weights as bf16, in the order DP_Q4_1_ORDER names
  * (the vector's position p holds weight DP_Q4_1_ORDER[p]), with bf16_expand_block's

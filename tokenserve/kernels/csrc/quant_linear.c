@@ -151,7 +151,7 @@ static inline __attribute__((always_inline)) void tile(
     for (int i = 0; i < rows; ++i) y[i * y_stride] = hsum8(even[i] + odd[i]);
 }
 
-/* The tile functions with the row count (1..max, max at most 6) as a constant, so the
+/* The tile functions with the row count (1..max, max at most 8) as a constant, so the
  * accumulators stay in registers. */
 #define DISPATCH_ROWS(tile, rows, max, ...)                      \
     switch (rows) {                                              \
@@ -160,6 +160,8 @@ static inline __attribute__((always_inline)) void tile(
     case 3: tile(__VA_ARGS__, 3 < (max) ? 3 : (max)); break;     \
     case 4: tile(__VA_ARGS__, 4 < (max) ? 4 : (max)); break;     \
     case 5: tile(__VA_ARGS__, 5 < (max) ? 5 : (max)); break;     \
+    case 6: tile(__VA_ARGS__, 6 < (max) ? 6 : (max)); break;     \
+    case 7: tile(__VA_ARGS__, 7 < (max) ? 7 : (max)); break;     \
     default: tile(__VA_ARGS__, max); break;                      \
     }
 
