@@ -66,7 +66,11 @@ def main() -> None:
                              "layer runs a GGUF model's blocks).")
         other_library = build.build("decode_layer", source_dir=args.other_csrc)
         print(f"other tree's decode layer: {other_library}")
-        builds = [stack.ops, DecodeLayerOps(ctypes.CDLL(other_library))]
+        try:
+            builds = [stack.ops, DecodeLayerOps(ctypes.CDLL(other_library))]
+        except AttributeError as error:  # a tree from before ts_decode_layers
+            raise SystemExit(f"--other-csrc: {error} (a tree from before it): time the two "
+                             "trees in separate runs.") from error
     vocab_size = engine.config.model_config.vocab_size
     # Room for every step until the last prompt is in (at least a token each) and the timed
     # ones: the first requests decode while the later prompts' chunks are computed.

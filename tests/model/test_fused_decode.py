@@ -70,6 +70,19 @@ def test_bf16_model_fuses_the_decode_steps_with_the_same_results(fused_calls):
     assert fused_calls and set(fused_calls) <= {1, 2, 3, 4, 5}
 
 
+@pytest.mark.parametrize("num_layers", [1, 3])
+def test_a_stack_of_any_number_of_layers_fuses_with_the_same_results(num_layers, fused_calls):
+    # The C call hands the layers' outputs between two buffers by turns: an odd number of
+    # layers (a pipeline stage's share) ends in the other one than the model's 30.
+    llm = LLM(kv_cache_memory="128MiB", enable_prefix_caching=False)
+    model = _model(llm).model
+    model.layer_stack = FusedDecodeLayerStack(
+        torch.nn.ModuleList(list(model.layers)[:num_layers]), KernelConfig())
+    expected = _generate(llm, fused=False, num_prompts=3)
+    assert _generate(llm, fused=True, num_prompts=3) == expected
+    assert fused_calls
+
+
 def test_avx2_forced_on_a_better_cpu_fuses_with_the_same_results(fused_calls):
     # The AVX2 build of every kernel (kernels/cpu_isa.py), on a host that may have more.
     llm = LLM(dtype="float32", cpu_isa="avx2", kv_cache_memory="128MiB",

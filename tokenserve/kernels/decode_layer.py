@@ -38,15 +38,21 @@ class _Step(ctypes.Structure):
 
 
 class DecodeLayerOps:
-    """decode_layer.c: a whole Llama decoder layer of a decode step of few rows in one call.
-    `layer()` checks and binds a layer's tensors once; `step()` a step's shared tensors (and
-    allocates its scratch buffers) once for all layers; `run()` then only passes pointers."""
+    """decode_layer.c: the Llama decoder layers of a decode step of few rows in one call.
+    `layer()` checks and binds a layer's tensors once, `stack()` the bound layers into one
+    array; `step()` a step's shared tensors (and allocates its scratch buffers) once for all
+    layers; `run_layers()` then only passes pointers."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._run = library.ts_decode_layer
         self._run.restype = ctypes.c_int
         self._run.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), ptr, ptr, i64,
                               ptr]
+        self._run_all = library.ts_decode_layers
+        self._run_all.restype = ctypes.c_int
+        self._run_all.argtypes = [ctypes.POINTER(ctypes.POINTER(_Layer)), i64,
+                                  ctypes.POINTER(_Step), ptr, ptr, ptr, ptr,
+                                  ctypes.POINTER(i64)]
 
     def layer(
         self,
@@ -116,16 +122,34 @@ class DecodeLayerOps:
         )
         return bound, (positions, slots, decode_rows, cos, sin, scratch)
 
-    def run(self, layer: _Layer, step: _Step, hidden: torch.Tensor, residual: torch.Tensor,
-            add_input: bool, out: torch.Tensor) -> None:
-        """out = the layer on hidden (all [rows, hidden_size], contiguous float32; residual
-        updated in place; for the first layer add_input=False and residual is hidden)."""
-        status = self._run(ctypes.byref(layer), ctypes.byref(step), hidden.data_ptr(),
-                           residual.data_ptr(), int(add_input), out.data_ptr())
-        if status == 1:
-            raise ValueError("decode layer: the weights' shapes do not fit the step's.")
-        if status != 0:
-            raise MemoryError("decode layer could not allocate its scratch buffers.")
+    @staticmethod
+    def stack(layers: list[_Layer]) -> ctypes.Array:
+        """The layers' pointers as `run_layers` takes them (the array does not keep the
+        layers alive: hold them as long as it is used)."""
+        return (ctypes.POINTER(_Layer) * len(layers))(*(ctypes.pointer(l) for l in layers))
+
+    def run_layers(self, stack: ctypes.Array, step: _Step, hidden: torch.Tensor,
+                   residual: torch.Tensor, out: torch.Tensor, spare: torch.Tensor
+                   ) -> torch.Tensor:
+        """The stacked layers in turn on hidden, the residual stream itself (all [rows,
+        hidden_size], contiguous float32; residual updated in place), each layer's output
+        the next one's input; `out` and `spare` take the layers' outputs by turns. Returns
+        the last layer's output (one of them)."""
+        if not len(stack):
+            return hidden
+        last = i64(0)
+        status = self._run_all(stack, len(stack), ctypes.byref(step), hidden.data_ptr(),
+                               residual.data_ptr(), out.data_ptr(), spare.data_ptr(),
+                               ctypes.byref(last))
+        _check_status(status)
+        return spare if last.value else out
+
+
+def _check_status(status: int) -> None:
+    if status == 1:
+        raise ValueError("decode layer: the weights' shapes do not fit the step's.")
+    if status != 0:
+        raise MemoryError("decode layer could not allocate its scratch buffers.")
 
 
 def load(isa: str | None = None) -> DecodeLayerOps | None:

@@ -171,3 +171,23 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
     free(xp);
     return failed ? -1 : 0;
 }
+
+/* The step's layers in turn, in one call instead of one per layer (each layer as
+ * ts_decode_layer). Layer 0 reads `hidden`, the residual stream itself; the layers' outputs
+ * then take turns between `out` and `spare`, each layer reading the one before's. *last: 0
+ * where the last layer's output is in `out`, 1 where it is in `spare`. Returns the first
+ * failing layer's status (see ts_decode_layer), 0 when all ran. */
+int ts_decode_layers(const ts_layer *const *layers, int64_t num_layers,
+                     const ts_decode_step *step, float *hidden, float *residual, float *out,
+                     float *spare, int64_t *last) {
+    float *input = hidden, *output = out;
+    for (int64_t i = 0; i < num_layers; ++i) {
+        const int status = ts_decode_layer(layers[i], step, input, residual, i > 0, output);
+        if (status != 0) return status;
+        float *next = i == 0 ? spare : input; /* hidden is the stream: never written */
+        input = output;
+        output = next;
+    }
+    *last = input == spare;
+    return 0;
+}
