@@ -14,7 +14,9 @@ one's in the same engine: the fused decode layer's library (kernels/csrc/decode_
 which holds every operator of a decode step but the logits) alternates between the two
 builds step by step, and each build's median is printed with their ratio. This machine's
 speed drifts by more than a kernel change moves a step from one run to the next; steps
-taking turns in one process see the same drift.
+taking turns in one process see the same drift. Both trees need `ts_decode_layers`, the
+one-call entry point (against a tree from before it, run this script from a commit before
+it too).
 
 usage: python benchmarks/decode_step_cost.py [--batches 1,4,8,16,32,64] [--input-len 256]
            [--steps 20] [--cpu-time] [--other-csrc DIR] [engine flags as for bench throughput]
