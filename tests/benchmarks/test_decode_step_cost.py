@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.kernel_sources import other_kernel_sources
 from tokenserve.kernels import build
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_step_cost.py"
@@ -36,13 +37,7 @@ def test_a_batch_of_zero_is_refused(tiny_model_dirs):
 
 def test_another_trees_fused_layer_takes_turns_with_this_ones(tmp_path):
     # The other tree: this one's sources with a C comment more, so its own build.
-    other = tmp_path / "csrc"
-    other.mkdir()
-    for source in Path(build.SOURCE_DIR).iterdir():
-        if source.suffix in (".c", ".h"):
-            (other / source.name).write_bytes(source.read_bytes())
-    with open(other / "decode_layer.c", "a") as file:
-        file.write("/* the other tree */\n")
+    other = other_kernel_sources(tmp_path, "decode_layer.c", "/* the other tree */\n")
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--kv-cache-memory", "64MiB", "--batches", "1,3",
          "--input-len", "24", "--steps", "2", "--other-csrc", str(other)],

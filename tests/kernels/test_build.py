@@ -7,10 +7,10 @@ from __future__ import annotations
 import ctypes
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.kernel_sources import other_kernel_sources
 from tokenserve.kernels import build
 
 
@@ -28,13 +28,8 @@ def test_build_is_cached_and_keyed_by_machine(tmp_path, monkeypatch: pytest.Monk
 def test_another_source_directory_gets_its_own_build(tmp_path, monkeypatch: pytest.MonkeyPatch):
     # As benchmarks/decode_step_cost.py --other-csrc builds another tree's kernels.
     monkeypatch.setenv("TOKENSERVE_CACHE_DIR", str(tmp_path / "cache"))
-    other = tmp_path / "csrc"
-    other.mkdir()
-    for source in Path(build.SOURCE_DIR).iterdir():
-        if source.suffix in (".c", ".h"):
-            (other / source.name).write_bytes(source.read_bytes())
-    with open(other / "layer_ops.c", "a") as file:
-        file.write("int ts_other_tree(void) { return 7; }\n")
+    other = other_kernel_sources(tmp_path, "layer_ops.c",
+                                 "int ts_other_tree(void) { return 7; }\n")
     ours, theirs = build.build("layer_ops"), build.build("layer_ops", source_dir=str(other))
     assert ours != theirs
     assert ctypes.CDLL(theirs).ts_other_tree() == 7
