@@ -44,10 +44,6 @@ class DecodeLayerOps:
     layers; `run_layers()` then only passes pointers."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._run = library.ts_decode_layer
-        self._run.restype = ctypes.c_int
-        self._run.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), ptr, ptr, i64,
-                              ptr]
         self._run_all = library.ts_decode_layers
         self._run_all.restype = ctypes.c_int
         self._run_all.argtypes = [ctypes.POINTER(ctypes.POINTER(_Layer)), i64,
