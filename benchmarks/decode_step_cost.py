@@ -58,11 +58,7 @@ def main() -> None:
     builds = [None]  # the fused decode layer's operators by turn; None: this tree's
     stack = None
     if args.other_csrc is not None:
-        (stack,) = engine.engine_core.collective_rpc(
-            lambda worker: next((getattr(module, "layer_stack", None)
-                                 for module in worker.model_runner.model.modules()
-                                 if isinstance(getattr(module, "layer_stack", None),
-                                               FusedDecodeLayerStack)), None))
+        (stack,) = engine.engine_core.collective_rpc(_fused_stack)
         if stack is None or stack.max_rows == 0:
             raise SystemExit("--other-csrc: this model takes no fused decode steps (the fused "
                              "layer runs a GGUF model's blocks).")
@@ -108,6 +104,15 @@ def main() -> None:
                           for median, t in zip(medians, times))
         ratio = f"   {medians[0] / medians[1]:16.3f}" if len(builds) > 1 else ""
         print(f"{batch:11d}{columns}{ratio}")
+
+
+def _fused_stack(worker) -> FusedDecodeLayerStack | None:
+    """The worker's model's fused decode layer stack, if it has one."""
+    for module in worker.model_runner.model.modules():
+        stack = getattr(module, "layer_stack", None)
+        if isinstance(stack, FusedDecodeLayerStack):
+            return stack
+    return None
 
 
 if __name__ == "__main__":
