@@ -18,8 +18,14 @@ taking turns in one process see the same drift. Both trees need `ts_decode_layer
 one-call entry point (against a tree from before it, run this script from a commit before
 it too).
 
+`--other-bf16-quantized-max-rows N` takes turns the same way between a bfloat16 model's
+row limit for its GGUF blocks' bf16 kernel (AMX or vdpbf16ps; `--bf16-quantized-max-rows`)
+as the engine set it and N: steps of more rows than N then run operator by operator, their
+products on oneDNN's bf16 GEMM.
+
 usage: python benchmarks/decode_step_cost.py [--batches 1,4,8,16,32,64] [--input-len 256]
-           [--steps 20] [--cpu-time] [--other-csrc DIR] [engine flags as for bench throughput]
+           [--steps 20] [--cpu-time] [--other-csrc DIR | --other-bf16-quantized-max-rows N]
+           [engine flags as for bench throughput]
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from tokenserve.engine.llm_engine import LLMEngine
 from tokenserve.kernels import build
 from tokenserve.kernels.decode_layer import DecodeLayerOps
 from tokenserve.model.fused_decode import FusedDecodeLayerStack
+from tokenserve.model.layers.quantization.gguf import QuantizedWeight
 
 
 def main() -> None:
@@ -47,11 +54,17 @@ def main() -> None:
                         help="The calling thread's CPU time, not wall-clock time.")
     parser.add_argument("--other-csrc", default=None,
                         help="Another tree's kernels/csrc: its decode layer takes every other step.")
+    parser.add_argument("--other-bf16-quantized-max-rows", type=int, default=None,
+                        help="Every other step with this row limit for the bf16 block kernel.")
     add_engine_arguments(parser, positional_model=False)
     args = parser.parse_args()
     batches = [int(n) for n in args.batches.split(",")]
     if args.steps < 1 or any(b < 1 for b in batches):
         raise SystemExit("--steps and every batch size must be at least 1.")
+    other_limit = args.other_bf16_quantized_max_rows
+    if other_limit is not None and (other_limit < 1 or args.other_csrc is not None):
+        raise SystemExit("--other-bf16-quantized-max-rows takes a limit of at least 1, and not "
+                         "with --other-csrc.")
     clock = time.thread_time if args.cpu_time else time.perf_counter
 
     engine = LLMEngine.from_engine_args(engine_args_from(args))
@@ -69,6 +82,17 @@ def main() -> None:
         except AttributeError as error:  # a tree from before ts_decode_layers
             raise SystemExit(f"--other-csrc: {error} (a tree from before it): time the two "
                              "trees in separate runs.") from error
+    limits: list[int] = []  # the bf16 block kernel's row limit by turn
+    if other_limit is not None:
+        (blocks,) = engine.engine_core.collective_rpc(_bf16_blocks)
+        (stack,) = engine.engine_core.collective_rpc(_fused_stack)
+        if not blocks:
+            raise SystemExit("--other-bf16-quantized-max-rows: no products on a bf16 block "
+                             "kernel here (a bfloat16 GGUF model on the amx or avx512_bf16 "
+                             "level).")
+        limits = [_bf16_row_limit(blocks), other_limit]
+        builds = [None, None]
+        print(f"bf16 block kernel's row limit: {limits[0]}, other: {limits[1]}")
     vocab_size = engine.config.model_config.vocab_size
     # Room for every step until the last prompt is in (at least a token each) and the timed
     # ones: the first requests decode while the later prompts' chunks are computed.
@@ -89,7 +113,9 @@ def main() -> None:
         times: list[list[float]] = [[] for _ in builds]
         for step in range(args.steps * len(builds)):
             turn = step % len(builds)
-            if stack is not None:
+            if limits:
+                _set_bf16_row_limit(blocks, stack, limits[turn])
+            elif stack is not None:
                 stack.ops = builds[turn]
             begin = clock()
             engine.step()
@@ -97,13 +123,38 @@ def main() -> None:
         engine.abort_request([f"{batch}-{index}" for index in range(batch)])
         while engine.has_unfinished_requests():
             engine.step()
-        if stack is not None:
+        if limits:
+            _set_bf16_row_limit(blocks, stack, limits[0])
+        elif stack is not None:
             stack.ops = builds[0]
         medians = [statistics.median(t) * 1e3 for t in times]
         columns = "".join(f"   {median:9.1f}   {min(t) * 1e3:10.1f}"
                           for median, t in zip(medians, times))
         ratio = f"   {medians[0] / medians[1]:16.3f}" if len(builds) > 1 else ""
         print(f"{batch:11d}{columns}{ratio}")
+
+
+def _bf16_blocks(worker) -> list[QuantizedWeight]:
+    """The worker's model's GGUF weights whose products take a bf16 block kernel."""
+    return [module.blocks for module in worker.model_runner.model.modules()
+            if isinstance(getattr(module, "blocks", None), QuantizedWeight)
+            and (module.blocks.uses_amx or module.blocks.uses_dp)]
+
+
+def _bf16_row_limit(blocks: list[QuantizedWeight]) -> int:
+    return blocks[0].amx_max_rows if blocks[0].uses_amx else blocks[0].dp_max_rows
+
+
+def _set_bf16_row_limit(blocks: list[QuantizedWeight], stack: FusedDecodeLayerStack | None,
+                        limit: int) -> None:
+    """The bf16 block kernel's row limit, on every weight and the fused layer stack."""
+    for weight in blocks:
+        if weight.uses_amx:
+            weight.amx_max_rows = limit
+        else:
+            weight.dp_max_rows = limit
+    if stack is not None:
+        stack.reset_row_limit()
 
 
 def _fused_stack(worker) -> FusedDecodeLayerStack | None:

@@ -3,7 +3,8 @@ GGUF's blocks through kernels/csrc/quant_linear.c's few-row and many-row (panel)
 and oneDNN's prepacked GEMM: float32, or with `--dtype bfloat16` the bf16 model's own bf16
 products (rows padded as the layers pad them; AMX where the CPU has it). With `--dtype
 bfloat16` on the amx level the blocks' AMX kernel (csrc/quant_amx.h), on the avx512_bf16
-level their vdpbf16ps kernel (csrc/quant_dp.h) instead, both with the bf16 model's
+level their vdpbf16ps kernel (csrc/quant_dp.h; its dot-product form up to DP_FEW_ROWS rows,
+its panel form above, as the model routes them) instead, both with the bf16 model's
 numerics, and its time beside oneDNN's for the projections and the logits apart.
 
 This is how the GGUF method's row limits (model/layers/quantization/gguf.py) were chosen: the weights stream from memory,
@@ -108,8 +109,10 @@ def _pass(weights: list, inputs: dict[int, torch.Tensor], path: str) -> None:
         x = inputs[quantized.shape[1]]
         if path == "oneDNN":
             _ONEDNN.apply(layer, x)
-        elif path in ("amx", "dp"):
-            quantized.matmul(x, **{path: True})
+        elif path == "amx":
+            quantized.matmul(x, amx=True)
+        elif path == "dp":  # its dot-product or panel form by rows, as the model routes them
+            quantized.matmul(x)
         else:
             quantized.matmul(x, panels=path == "many-row")
 

@@ -266,11 +266,14 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
 DEFAULT_QUANTIZED_MAX_ROWS = 10
 DEFAULT_QUANTIZED_GEMM_MAX_ROWS = 192
 # bfloat16 models: the most rows of a product that still reads the GGUF blocks, oneDNN's bf16
-# GEMM above (docs/PERFORMANCE_CPU.md). By level: on amx the blocks' AMX kernel (bf16
-# numerics) leads oneDNN's bf16 GEMM up to ~this many rows; elsewhere the blocks' kernels
-# (vdpbf16ps with bf16 numerics on avx512_bf16, float32 below) lead it only in the smallest
-# decode steps (KernelConfig.bf16_block_max_rows).
+# GEMM above (docs/PERFORMANCE_CPU.md). By the blocks' kernel (KernelConfig.
+# bf16_block_max_rows): on amx the AMX kernel (bf16 numerics) leads oneDNN's bf16 GEMM up to
+# ~128 rows; on avx512_bf16 the vdpbf16ps kernel (the same numerics; its panel form above 16
+# rows) makes decode steps faster up to ~96 (a fused step of the default model, against
+# oneDNN above 16 rows: 1.05-1.25x at 24-96 rows, even at 128); below those levels the
+# float32 block kernels lead it only in the smallest decode steps.
 DEFAULT_BF16_QUANTIZED_MAX_ROWS = 128
+BF16_QUANTIZED_MAX_ROWS_DP = 96
 BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX = 16
 # --cpu-isa: the instruction-set levels the C kernels build for (kernels/cpu_isa.py).
 CPU_ISAS = ("auto", "avx2", "avx512", "avx512_bf16", "amx", "native")
@@ -313,20 +316,21 @@ class KernelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
 
-    def bf16_block_max_rows(self, amx: bool) -> int:
-        """The most rows of a bfloat16 model's product on the GGUF blocks: the setting, or
-        by default DEFAULT_BF16_QUANTIZED_MAX_ROWS where the blocks' AMX kernel runs (amx),
-        BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX elsewhere."""
+    def bf16_block_max_rows(self, kernel: str) -> int:
+        """The most rows of a bfloat16 model's product on the GGUF blocks' `kernel` ("amx",
+        "dp": vdpbf16ps, "float32"): the setting, or by default DEFAULT_BF16_QUANTIZED_MAX_ROWS,
+        BF16_QUANTIZED_MAX_ROWS_DP or BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX."""
         if self.bf16_quantized_max_rows is not None:
             return self.bf16_quantized_max_rows
-        return DEFAULT_BF16_QUANTIZED_MAX_ROWS if amx else BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX
+        return {"amx": DEFAULT_BF16_QUANTIZED_MAX_ROWS, "dp": BF16_QUANTIZED_MAX_ROWS_DP,
+                "float32": BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX}[kernel]
 
     def block_row_limits(self, bf16_products: bool) -> tuple[int, int]:
         """The most rows of a product on the GGUF float32 few-row and many-row kernels, for a
         model whose dense products are float32 or (bf16_products) bfloat16 without AMX."""
         if not bf16_products:
             return self.quantized_max_rows, self.quantized_gemm_max_rows
-        cap = self.bf16_block_max_rows(amx=False)
+        cap = self.bf16_block_max_rows("float32")
         return min(self.quantized_max_rows, cap), min(self.quantized_gemm_max_rows, cap)
 
 

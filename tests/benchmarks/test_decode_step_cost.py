@@ -1,6 +1,7 @@
 """benchmarks/decode_step_cost.py on a tiny model: decode steps of each batch size, timed for
 real, with every row running; with `--other-csrc`, on the default model, two builds of the
-fused decode layer taking turns."""
+fused decode layer taking turns, and with `--other-bf16-quantized-max-rows` two row limits of
+the bf16 block kernel."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.kernel_sources import other_kernel_sources
-from tokenserve.kernels import build
+from tokenserve.config import BF16_QUANTIZED_MAX_ROWS_DP
+from tokenserve.kernels import build, cpu_isa
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_step_cost.py"
 
@@ -66,3 +70,31 @@ def test_other_csrc_needs_a_model_with_fused_steps(tiny_model_dirs):
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode != 0 and "takes no fused decode steps" in result.stderr
+
+
+@pytest.mark.skipif(not set(cpu_isa.ISA_LEVELS["avx512_bf16"][0]) <= cpu_isa.cpu_flags(),
+                    reason="no AVX512_BF16 on this CPU")
+def test_another_bf16_row_limit_takes_turns_with_the_engines():
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--kv-cache-memory", "64MiB", "--dtype", "bfloat16",
+         "--cpu-isa", "avx512_bf16", "--batches", "20", "--input-len", "24", "--steps", "2",
+         "--other-bf16-quantized-max-rows", "16"],
+        capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(rf"^bf16 block kernel's row limit: {BF16_QUANTIZED_MAX_ROWS_DP}, "
+                     r"other: 16$", result.stdout, re.MULTILINE), result.stdout
+    rows = re.findall(r"^\s+(\d+)" + r"\s+([\d.]+)" * 5 + "$", result.stdout, re.MULTILINE)
+    assert [int(row[0]) for row in rows] == [20], result.stdout
+
+
+def test_another_bf16_row_limit_needs_a_bf16_block_kernel(tiny_model_dirs):
+    command = [sys.executable, str(SCRIPT), "--model", tiny_model_dirs["llama"],
+               "--kv-cache-memory", "64MiB", "--batches", "1", "--steps", "1",
+               "--other-bf16-quantized-max-rows"]
+    result = subprocess.run(command + ["4"], capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert result.returncode != 0 and "no products on a bf16 block kernel" in result.stderr
+    result = subprocess.run(command + ["0"], capture_output=True, text=True, timeout=300,
+                            check=False)
+    assert result.returncode != 0 and "at least 1" in result.stderr

@@ -2,7 +2,8 @@
 expanded as gguf dequantizes it, then rounded to bf16; x rounded to bf16; float32 sums,
 each rounded to bf16 at the end as oneDNN's bf16 GEMM hands its sums on), on AMX tiles on
 the amx level (kernels/csrc/quant_amx.h) and by vdpbf16ps on the avx512_bf16 level
-(kernels/csrc/quant_dp.h), each test once per kernel the host runs. How a bf16 model routes
+(kernels/csrc/quant_dp.h: its dot-product form, "dp", and its panel form, "dp_panels"), each
+test once per kernel the host runs. How a bf16 model routes
 its products to them: tests/model/test_bf16_amx.py, tests/model/test_bf16_decode.py.
 
 Tolerance of the sums. Every product of two bf16 values is exact in float32 (8 + 8
@@ -28,7 +29,9 @@ KINDS = ("Q4_1", "Q8_0")
 
 
 # Each bf16 kernel and the level whose build has it.
-LEVELS = {"amx": "amx", "dp": "avx512_bf16"}
+LEVELS = {"amx": "amx", "dp": "avx512_bf16", "dp_panels": "avx512_bf16"}
+# The QuantLinearOps flag that says whether a kernel runs.
+FLAGS = {"amx": "amx", "dp": "dp", "dp_panels": "dp"}
 
 
 @pytest.fixture(scope="module", autouse=True, params=list(LEVELS))
@@ -40,7 +43,7 @@ def kernel(request) -> str:
     previous = build.selected_isa()
     build.select_isa(level)
     ops = quant_linear.load()
-    assert ops is not None and getattr(ops, name), f"the {level} build did not run {name}"
+    assert ops is not None and getattr(ops, FLAGS[name]), f"the {level} build did not run {name}"
     assert not (ops.amx and ops.dp)
     yield name
     build.select_isa(previous)
@@ -68,7 +71,8 @@ def _rounded_within(out: torch.Tensor, centre: torch.Tensor, bound: torch.Tensor
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("num_rows", [1, 3, 7, 8, 16, 17, 64, 65, 130])
-@pytest.mark.parametrize("out_features,in_features", [(16, 32), (48, 576), (32, 1536)])
+# 16, 48, 32 and 80 output rows: panels of 1, 3 and 2 vectors of 16 and one of each.
+@pytest.mark.parametrize("out_features,in_features", [(16, 32), (48, 576), (32, 1536), (80, 64)])
 def test_the_kernel_sums_the_bf16_operands(kernel, kind, num_rows, out_features,
                                            in_features):
     weight, reference = random_quantized(kind, out_features, in_features, seed=num_rows)
@@ -137,15 +141,15 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kernel, kind):
         assert torch.equal(_bf16(weight, x[rows].contiguous(), kernel), full[rows])
 
 
-def test_amx_kernel_refuses_shapes_off_its_tiles(kernel):
-    if kernel != "amx":
-        pytest.skip("the vdpbf16ps kernel takes any number of output rows")
+def test_the_panel_kernels_refuse_shapes_off_their_panels(kernel):
+    if kernel == "dp":
+        pytest.skip("the vdpbf16ps kernel's dot-product form takes any number of output rows")
     weight, _ = random_quantized("Q8_0", 24, 64)  # 24 output rows: not whole 16-row panels
     with pytest.raises(ValueError, match="multiple of 16 output rows"):
         _bf16(weight, torch.randn(3, 64), kernel)
     # K off the 32-weight blocks: the C entry point's refusal code (the bindings never get
     # that far: a weight's width is whole blocks).
-    entry = quant_linear.load()._kernels["Q8_0", "amx"]
+    entry = quant_linear.load()._kernels["Q8_0", kernel]
     y, x = torch.empty(1, 16), torch.randn(1, 48)
     qs, d = torch.zeros(16, 48, dtype=torch.int8), torch.ones(16, 2)
     assert entry(y.data_ptr(), x.data_ptr(), 1, 48, 16, qs.data_ptr(), d.data_ptr()) == 1
@@ -153,7 +157,7 @@ def test_amx_kernel_refuses_shapes_off_its_tiles(kernel):
 
 def test_the_vdpbf16ps_kernel_takes_any_number_of_output_rows(kernel):
     if kernel != "dp":
-        pytest.skip("the AMX kernel takes whole 16-row panels")
+        pytest.skip("the panel kernels take whole 16-row panels")
     weight, reference = random_quantized("Q8_0", 24, 64)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8))
     exact = x.bfloat16().double() @ reference.bfloat16().double().T
@@ -170,24 +174,28 @@ def test_other_levels_have_neither_bf16_kernel(kernel):
         bound(torch.randn(2, 64), amx=True)
     with pytest.raises(RuntimeError, match="vdpbf16ps quantized kernel is not available"):
         bound(torch.randn(2, 64), dp=True)
+    with pytest.raises(RuntimeError, match="vdpbf16ps quantized kernel is not available"):
+        bound(torch.randn(2, 64), dp_panels=True)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_bf16_weight_routes_by_rows(kernel, kind):
     # A bf16 model's weight on amx (amx_max_rows set): 1-4 rows on the float32 few-row
     # kernel (whatever max_rows says, as the fused layer), AMX_MIN_ROWS and up on AMX.
-    # On avx512_bf16 (dp_max_rows set): every product up to the limit on vdpbf16ps.
+    # On avx512_bf16 (dp_max_rows set): every product up to the limit on vdpbf16ps, in its
+    # dot-product form up to DP_FEW_ROWS rows and in its panel form above.
     from dataclasses import replace
 
-    from tokenserve.model.layers.quantization.gguf import AMX_MIN_ROWS
+    from tokenserve.model.layers.quantization.gguf import AMX_MIN_ROWS, DP_FEW_ROWS
 
-    if kernel == "dp":
+    if kernel in ("dp", "dp_panels"):
         weight, _ = random_quantized(kind, 32, 64, seed=5)
-        bf16 = replace(weight, dp_max_rows=16, max_rows=2)
-        assert bf16.uses_dp and bf16.row_limit == 16 and bf16.takes(16) and not bf16.takes(17)
-        for rows in (1, 3, 16):
+        bf16 = replace(weight, dp_max_rows=40, max_rows=2)
+        assert bf16.uses_dp and bf16.row_limit == 40 and bf16.takes(40) and not bf16.takes(41)
+        for rows in (1, 3, DP_FEW_ROWS, DP_FEW_ROWS + 1, 40):
             x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
-            assert torch.equal(bf16.matmul(x), _bf16(weight, x, kernel))
+            form = "dp" if rows <= DP_FEW_ROWS else "dp_panels"
+            assert torch.equal(bf16.matmul(x), _bf16(weight, x, form))
             assert not torch.equal(bf16.matmul(x), weight.matmul(x, panels=False))
         return
 

@@ -11,7 +11,7 @@ import torch
 
 from tokenserve import LLM, SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
-from tokenserve.config import BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX, DEFAULT_BF16_QUANTIZED_MAX_ROWS
+from tokenserve.config import BF16_QUANTIZED_MAX_ROWS_DP, DEFAULT_BF16_QUANTIZED_MAX_ROWS
 from tokenserve.kernels import cpu_isa
 from tokenserve.model.layers.quantization.gguf import QuantizedWeight
 
@@ -85,7 +85,7 @@ def test_the_avx512_bf16_level_takes_the_vdpbf16ps_block_kernel():
     model = _model(llm)
     assert not any(b.uses_amx for b in _blocks(model))
     assert all(b.uses_dp for b in _blocks(model))
-    assert model.model.layer_stack.max_rows == BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX
+    assert model.model.layer_stack.max_rows == BF16_QUANTIZED_MAX_ROWS_DP
 
 
 def test_the_amx_weights_are_the_bf16_models_dense_weights():

@@ -60,10 +60,12 @@ def test_bf16_model_fuses_the_decode_steps_with_the_same_results(fused_calls):
     # (bf16_quantized_max_rows): those steps are fused, on the same float32 operators as one
     # by one.
     llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=False)
-    # The level's default limit: the AMX block kernel's where it runs (amx), else the
-    # float32 kernels'.
+    # The level's default limit: the AMX block kernel's where it runs (amx), the vdpbf16ps
+    # kernel's where that runs (avx512_bf16), else the float32 kernels'.
     ops = quant_linear.load()
-    limit = KernelConfig().bf16_block_max_rows(amx=ops is not None and ops.amx)
+    kernel = "amx" if ops is not None and ops.amx else "dp" if ops is not None and ops.dp \
+        else "float32"
+    limit = KernelConfig().bf16_block_max_rows(kernel)
     assert _model(llm).model.layer_stack.max_rows == limit
     expected = _generate(llm, fused=False, num_prompts=5)
     assert _generate(llm, fused=True, num_prompts=5) == expected

@@ -1,8 +1,9 @@
 """Bindings of csrc/quant_linear.c: y = x · Wᵀ with W in GGUF's Q4_1 or Q8_0 blocks, in the
 layouts of model/layers/quantization/gguf.py's `QuantizedWeight` (see quant_linear.c).
-Three kernels per format: the float32 few-row and many-row ones, and with a bfloat16
-model's numerics on the amx level the AMX one (csrc/quant_amx.h; `QuantLinearOps.amx`), on
-the avx512_bf16 level the vdpbf16ps one (csrc/quant_dp.h; `QuantLinearOps.dp`)."""
+The float32 few-row and many-row kernels per format, and with a bfloat16 model's numerics
+on the amx level the AMX one (csrc/quant_amx.h; `QuantLinearOps.amx`), on the avx512_bf16
+level the vdpbf16ps ones (csrc/quant_dp.h; `QuantLinearOps.dp`): its dot-product form for
+few rows and its panel form for many."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ BLOCK = 32  # weights per GGUF block
 class QuantLinearOps:
     """The kernels per format: the few-row kernel, with `panels=True` the many-row one
     (output rows a multiple of `PANEL`), with `amx=True` the bf16 AMX one (the same
-    multiple; only where `amx` is true), with `dp=True` the bf16 vdpbf16ps one (only where
-    `dp` is true)."""
+    multiple; only where `amx` is true), with `dp=True` the bf16 vdpbf16ps one and with
+    `dp_panels=True` its panel form (a multiple of 16 output rows; both only where `dp` is
+    true)."""
 
     PANEL = 16
 
@@ -35,6 +37,8 @@ class QuantLinearOps:
             ("Q8_0", "amx"): library.ts_q8_0_gemm_amx,
             ("Q4_1", "dp"): library.ts_q4_1_linear_dp,
             ("Q8_0", "dp"): library.ts_q8_0_linear_dp,
+            ("Q4_1", "dp_panels"): library.ts_q4_1_gemm_dp,
+            ("Q8_0", "dp_panels"): library.ts_q8_0_gemm_dp,
         }
         for function in self._kernels.values():
             function.restype = ctypes.c_int
@@ -53,28 +57,34 @@ class QuantLinearOps:
         check_weight(kind, qs, scales)
         return BoundQuantLinear(self._kernels[kind, "few"], self._kernels[kind, "panels"],
                                 self._kernels[kind, "amx"] if self.amx else None,
-                                self._kernels[kind, "dp"] if self.dp else None, qs, scales)
+                                self._kernels[kind, "dp"] if self.dp else None,
+                                self._kernels[kind, "dp_panels"] if self.dp else None,
+                                qs, scales)
 
 
 class BoundQuantLinear:
     """y = x · Wᵀ for one checked weight (`QuantLinearOps.bind`): each call checks only x."""
 
-    __slots__ = ("_amx", "_dp", "_few", "_many", "_num_out", "_qs", "_scales", "_width")
+    __slots__ = ("_amx", "_dp", "_dp_panels", "_few", "_many", "_num_out", "_qs", "_scales",
+                 "_width")
 
-    def __init__(self, few, many, amx, dp, qs: torch.Tensor, scales: torch.Tensor) -> None:
+    def __init__(self, few, many, amx, dp, dp_panels, qs: torch.Tensor,
+                 scales: torch.Tensor) -> None:
         self._few, self._many, self._amx, self._dp = few, many, amx, dp
+        self._dp_panels = dp_panels
         # The tensors are held so that their memory outlives the pointers passed to C.
         self._qs, self._scales = qs, scales
         self._num_out, self._width = qs.shape[0], scales.shape[1] * BLOCK
 
     def __call__(self, x: torch.Tensor, panels: bool = False, amx: bool = False,
-                 dp: bool = False) -> torch.Tensor:
+                 dp: bool = False, dp_panels: bool = False) -> torch.Tensor:
         """x [M, K] float32, contiguous → [M, N] float32; `panels` picks the many-row kernel,
-        `amx` the AMX one and `dp` the vdpbf16ps one (both: x and the weights rounded to
-        bf16, float32 sums, each rounded to bf16 as oneDNN's bf16 GEMM hands its sums on)."""
+        `amx` the AMX one, `dp` the vdpbf16ps one and `dp_panels` its panel form (those
+        three: x and the weights rounded to bf16, float32 sums, each rounded to bf16 as
+        oneDNN's bf16 GEMM hands its sums on)."""
         if amx and self._amx is None:
             raise RuntimeError("the AMX quantized kernel is not available on this level/CPU.")
-        if dp and self._dp is None:
+        if (dp or dp_panels) and self._dp is None:
             raise RuntimeError("the vdpbf16ps quantized kernel is not available on this level.")
         if x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous():
             raise ValueError("C kernels need contiguous float32 CPU tensors.")
@@ -84,7 +94,8 @@ class BoundQuantLinear:
                 f"{tuple(x.shape)}, the weight takes [rows, {self._width}])."
             )
         out = torch.empty((x.shape[0], self._num_out), dtype=torch.float32)
-        kernel = self._amx if amx else self._dp if dp else self._many if panels else self._few
+        kernel = (self._amx if amx else self._dp if dp else self._dp_panels if dp_panels
+                  else self._many if panels else self._few)
         status = kernel(
             out.data_ptr(), x.data_ptr(), x.shape[0], self._width, self._num_out,
             self._qs.data_ptr(), self._scales.data_ptr(),

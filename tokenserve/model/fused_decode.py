@@ -6,7 +6,7 @@ Python and each forking and joining the OpenMP threads, cost about as much as th
 (docs/benchmarks/cpu-hot-path.md). When a step is decode only on the CPU attention backend's
 C kernels, has at most as many rows as the GGUF block kernels take (192 by default; for a
 bfloat16 model `bf16_quantized_max_rows`: 128 on amx, where its products take the AMX block
-kernel, 16 elsewhere, on avx512_bf16 through the vdpbf16ps block kernel), and every layer's
+kernel, 96 on avx512_bf16, through the vdpbf16ps block kernel, 16 elsewhere), and every layer's
 projections keep GGUF blocks, the layer stack runs
 the layers in one call instead (`ts_decode_layers`: each layer in one OpenMP region, its
 output handed to the next in C; one call per layer cost ~5-8 us of Python and ctypes a
@@ -29,6 +29,7 @@ from tokenserve.kernels import decode_layer, paged_attention
 from tokenserve.model.layers.layer_stack import LayerStack
 from tokenserve.model.layers.quantization.gguf import (
     AMX_MIN_ROWS,
+    DP_FEW_ROWS,
     GGUFLinearMethod,
     QuantizedWeight,
 )
@@ -75,6 +76,11 @@ class FusedDecodeLayerStack(LayerStack):
         if self._max_rows is None:
             self._max_rows = self._row_limit()
         return self._max_rows
+
+    def reset_row_limit(self) -> None:
+        """Work max_rows out again at the next step (the blocks' row limits were changed:
+        benchmarks/decode_step_cost.py)."""
+        self._max_rows = None
 
     def _row_limit(self) -> int:
         rotary = self.layers[0].self_attn.rotary_emb
@@ -157,8 +163,9 @@ class FusedDecodeLayerStack(LayerStack):
             # Above max_rows the many-row kernel, as the GGUF method picks (the weight fits
             # its panels when the step's rows passed takes()); a bf16 model's on the amx
             # level the AMX kernel above AMX_MIN_ROWS - 1, on the avx512_bf16 level the
-            # vdpbf16ps kernel from one row (QuantizedWeight.matmul).
-            few_rows = (AMX_MIN_ROWS - 1 if blocks.uses_amx else 0 if blocks.uses_dp
+            # vdpbf16ps kernel from one row, in its panel form above DP_FEW_ROWS
+            # (QuantizedWeight.matmul).
+            few_rows = (AMX_MIN_ROWS - 1 if blocks.uses_amx else DP_FEW_ROWS if blocks.uses_dp
                         else blocks.max_rows)
             projections[part] = (blocks.kind, blocks.qs, blocks.scales, linear.bias, few_rows,
                                  blocks.uses_amx, blocks.uses_dp)

@@ -150,7 +150,7 @@ def test_the_method_follows_the_model_format_and_the_kernel_settings():
     assert isinstance(bf16, GGUFLinearMethod) and bf16.weight_dtype == torch.bfloat16
     # ... whose rows stop at bf16_quantized_max_rows: oneDNN's bf16 GEMM above.
     assert (bf16.max_rows, bf16.gemm_max_rows) == (
-        KernelConfig().quantized_max_rows, KernelConfig().bf16_block_max_rows(amx=False))
+        KernelConfig().quantized_max_rows, KernelConfig().bf16_block_max_rows("float32"))
     assert KernelConfig().block_row_limits(False) == (
         KernelConfig().quantized_max_rows, KernelConfig().quantized_gemm_max_rows)
     capped = get_linear_method(gguf, torch.bfloat16, KernelConfig(bf16_quantized_max_rows=4))

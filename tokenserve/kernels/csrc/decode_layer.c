@@ -25,8 +25,9 @@
 /* A projection: [out, in] in Q4_1 (q4_1 = 1) or Q8_0 blocks, and an optional bias [out].
  * Products of more than few_rows rows take the many-row (panel) kernel, as linear() sends
  * them (out a multiple of PANEL there); with amx = 1 those take the AMX kernel instead
- * (out a multiple of AMX_PANEL; the amx level only), with dp = 1 the vdpbf16ps kernel (the
- * avx512_bf16 level only). */
+ * (out a multiple of AMX_PANEL; the amx level only). With dp = 1 (the avx512_bf16 level
+ * only) every product takes the vdpbf16ps kernel: up to few_rows rows its dot-product form,
+ * more its panel form. */
 typedef struct {
     const uint8_t *qs;
     const float *scales;
@@ -58,7 +59,8 @@ typedef struct {
 } ts_decode_step;
 
 /* `panel` and `sums` (M * PANEL floats) are the calling thread's, for the many-row kernel;
- * `xp` (x packed, shared) and `a` (the thread's expanded panel) the AMX kernel's. */
+ * `xp` (x packed, shared) and `a` (the thread's expanded panel) the AMX kernel's and the
+ * vdpbf16ps kernel's panel form's. */
 static void project(float *y, const float *x, int64_t M, const ts_projection *w, float *panel,
                     float *sums, uint16_t *xp, uint16_t *a) {
 #if QUANT_AMX
@@ -67,10 +69,12 @@ static void project(float *y, const float *x, int64_t M, const ts_projection *w,
         amx_columns(y, xp, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1, a);
     } else
 #elif QUANT_DP
-    (void)a;
-    if (w->dp && M > w->few_rows) {
+    if (w->dp) {
         dp_pack_rows(xp, x, M, w->in, (int)w->q4_1);
-        dp_columns(y, xp, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1);
+        if (M > w->few_rows)
+            dp_panels(y, xp, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1, (uint32_t *)a);
+        else
+            dp_columns(y, xp, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1);
     } else
 #else
     (void)xp, (void)a;
@@ -98,13 +102,14 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
     const int64_t group = step->num_heads / step->num_kv_heads;
     const ts_projection *projections[] = {&layer->qkv, &layer->o, &layer->gate_up,
                                           &layer->down};
-    int64_t amx = 0, dp = 0, widest = 0;
+    int64_t amx = 0, dp = 0, dp_panels = 0, widest = 0;
     for (int i = 0; i < 4; ++i) {
         if (projections[i]->in % BLOCK || (M > projections[i]->few_rows &&
                                            projections[i]->out % PANEL))
             return 1;
         amx |= projections[i]->amx;
         dp |= projections[i]->dp;
+        dp_panels |= projections[i]->dp && M > projections[i]->few_rows;
         widest = projections[i]->in > widest ? projections[i]->in : widest;
     }
 #if QUANT_AMX
@@ -128,8 +133,13 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
         _Alignas(64) float panel[PANEL_K * PANEL];
         float *scores = (float *)malloc(sizeof(float) * (size_t)(group * step->max_seq_len));
         float *sums = (float *)malloc(sizeof(float) * (size_t)(M * PANEL));
-        uint16_t *a = amx ? (uint16_t *)aligned_alloc(64, (size_t)(16 * widest * 2)) : NULL;
-        if (scores == NULL || sums == NULL || (amx && a == NULL)) {
+#if QUANT_DP
+        const int64_t a_rows = dp_panels ? DP_PANEL_COLS : 0;
+#else
+        const int64_t a_rows = amx ? 16 : 0;
+#endif
+        uint16_t *a = a_rows ? (uint16_t *)aligned_alloc(64, (size_t)(a_rows * widest * 2)) : NULL;
+        if (scores == NULL || sums == NULL || (a_rows && a == NULL)) {
 #pragma omp atomic write
             failed = 1;
         }

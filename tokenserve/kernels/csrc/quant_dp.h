@@ -27,9 +27,13 @@
 #ifndef TOKENSERVE_QUANT_DP_H
 #define TOKENSERVE_QUANT_DP_H
 
+#include "avx512.h"
 #include "quant_bf16.h"
 
 #define DP_ROWS 8 /* rows of x per pass over a weight row: 2 DP_ROWS accumulators */
+#define DP_PANEL_VECS 3 /* the panel kernel's column vectors: 16 weight rows each */
+#define DP_PANEL_COLS (16 * DP_PANEL_VECS) /* weight rows per panel */
+#define DP_PANEL_ROWS 8 /* rows of x per pass over a panel: DP_PANEL_ROWS x 3 accumulators */
 
 /* Q4_1 block b of one weight row → its 32 weights as bf16, in the order DP_Q4_1_ORDER names
  * (the vector's position p holds weight DP_Q4_1_ORDER[p]), with bf16_expand_block's
@@ -158,6 +162,136 @@ static void dp_columns(float *y, const uint16_t *xp, int64_t M, int64_t K, int64
     } else {
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; ++n) dp_column(y, xp, M, K, N, qs, scales, n, expanded, 0);
+    }
+}
+
+/* The panel kernel (ts_*_gemm_dp): the dot-product form above sums each output across a
+ * vector's lanes at its end, some ten operations per output beside K / 32 vdpbf16ps, and
+ * loads x once per vdpbf16ps; with many rows those dominate (the default model's
+ * projections at 64 rows took 1.5x oneDNN's time). Here each lane is an output column
+ * instead: a panel of DP_PANEL_COLS weight rows is expanded once per call into pairs of k,
+ * [K / 2][DP_PANEL_COLS] (dp_expand_block, then a 16 x 16 transpose per block of 16 rows),
+ * and a register tile of DP_PANEL_ROWS rows x DP_PANEL_VECS vectors of 16 columns
+ * accumulates, per pair of k, one vdpbf16ps of each panel vector with the row's pair
+ * broadcast (an outer product, as in a GEMM micro-kernel): no sums across lanes, and one
+ * load of x per DP_PANEL_VECS vdpbf16ps. Each output is one float32 sum over the pairs of k
+ * in order (x in dp_pack_rows' layout, the weights in the same order), rounded to bf16 at
+ * the end: the same numerics as the dot-product form but another order of the float32 sums,
+ * so a row's result depends neither on M nor on the other rows here either, but may differ
+ * in the last bit of bf16 from the dot-product form's. */
+
+/* Weight rows 0..16 vecs - 1 (their blocks at qs and scales) expanded into panel
+ * [K / 2][16 vecs]: entry (s, j) holds weights 2s and 2s + 1 of row j in dp_expand_block's
+ * order, the layout the panel tile multiplies. `next_qs` and `next_scales`, the next
+ * panel's, are fetched into L2 block by block meanwhile (past the weight's end harmless:
+ * prefetches do not fault). */
+static inline __attribute__((always_inline)) void dp_expand_panel(
+    uint32_t *panel, const uint8_t *qs, const float *scales, int64_t K, int vecs, int q4_1,
+    const Transpose16 *order) {
+    const int64_t row_bytes = q4_1 ? K / 2 : K, blocks = K / BLOCK;
+    const int64_t row_scales = q4_1 ? blocks * 2 : blocks, width = 16 * vecs;
+    const int64_t block_bytes = q4_1 ? BLOCK / 2 : BLOCK, scale_floats = q4_1 ? 2 : 1;
+    const uint8_t *next_qs = qs + width * row_bytes;
+    const float *next_scales = scales + width * row_scales;
+    for (int64_t b = 0; b < blocks; ++b) {
+        if ((b * block_bytes) % 64 == 0)
+            for (int64_t j = 0; j < width; ++j)
+                __builtin_prefetch(next_qs + j * row_bytes + b * block_bytes, 0, 2);
+        if ((b * scale_floats * 4) % 64 == 0)
+            for (int64_t j = 0; j < width; ++j)
+                __builtin_prefetch(next_scales + j * row_scales + b * scale_floats, 0, 2);
+        for (int v = 0; v < vecs; ++v) {
+            __m512i r[16];
+            for (int j = 0; j < 16; ++j) {
+                const int64_t row = v * 16 + j;
+                r[j] = dp_expand_block(qs + row * row_bytes, scales + row * row_scales, b, q4_1);
+            }
+            transpose16(r, order); /* r[s]: pair s of the block, for each of the 16 rows */
+            for (int s = 0; s < 16; ++s)
+                _mm512_store_si512(panel + (b * 16 + s) * width + v * 16, r[s]);
+        }
+    }
+}
+
+/* `rows` (1..DP_PANEL_ROWS) rows of xp times a panel of 16 vecs columns, into y (y: the
+ * tile's first row and column). */
+static inline __attribute__((always_inline)) void dp_panel_tile(
+    float *y, int64_t N, const uint16_t *xp, int64_t K, const uint32_t *panel, int vecs,
+    int rows) {
+    const uint32_t *x = (const uint32_t *)xp; /* pairs of k */
+    const int64_t pairs = K / 2, width = 16 * vecs;
+    __m512 acc[DP_PANEL_ROWS][DP_PANEL_VECS];
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < vecs; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < pairs; ++s) {
+        __m512bh w[DP_PANEL_VECS];
+        for (int v = 0; v < vecs; ++v)
+            w[v] = (__m512bh)_mm512_load_si512(panel + s * width + v * 16);
+        for (int r = 0; r < rows; ++r) {
+            const __m512bh pair = (__m512bh)_mm512_set1_epi32((int)x[r * pairs + s]);
+            for (int v = 0; v < vecs; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], w[v], pair);
+        }
+    }
+    for (int r = 0; r < rows; ++r)
+        for (int v = 0; v < vecs; ++v)
+            _mm512_storeu_ps(y + r * N + v * 16, bf16_round_ps(acc[r][v]));
+}
+
+/* All M rows of xp times one expanded panel, DP_PANEL_ROWS at a time. */
+static inline __attribute__((always_inline)) void dp_panel_rows(
+    float *y, const uint16_t *xp, int64_t M, int64_t K, int64_t N, const uint32_t *panel,
+    int vecs) {
+    for (int64_t m = 0; m < M; m += DP_PANEL_ROWS) {
+        const int rows = M - m < DP_PANEL_ROWS ? (int)(M - m) : DP_PANEL_ROWS;
+        DISPATCH_ROWS(dp_panel_tile, rows, DP_PANEL_ROWS, y + m * N, N, xp + m * K, K, panel,
+                      vecs)
+    }
+}
+
+/* Panel p (y's columns p * DP_PANEL_COLS.., fewer in the last panel where N is not a
+ * multiple) expanded into `panel` (the calling thread's: DP_PANEL_COLS * K bf16) and
+ * multiplied into every row. */
+static inline __attribute__((always_inline)) void dp_panel(
+    float *y, const uint16_t *xp, int64_t M, int64_t K, int64_t N, const uint8_t *qs,
+    const float *scales, int64_t p, uint32_t *panel, const Transpose16 *order, int q4_1) {
+    const int64_t n = p * DP_PANEL_COLS;
+    const int64_t row_bytes = q4_1 ? K / 2 : K;
+    const int64_t row_scales = q4_1 ? K / BLOCK * 2 : K / BLOCK;
+    const int vecs = N - n < DP_PANEL_COLS ? (int)((N - n) / 16) : DP_PANEL_VECS;
+    qs += n * row_bytes;
+    scales += n * row_scales;
+    switch (vecs) {
+    case 1:
+        dp_expand_panel(panel, qs, scales, K, 1, q4_1, order);
+        dp_panel_rows(y + n, xp, M, K, N, panel, 1);
+        break;
+    case 2:
+        dp_expand_panel(panel, qs, scales, K, 2, q4_1, order);
+        dp_panel_rows(y + n, xp, M, K, N, panel, 2);
+        break;
+    default:
+        dp_expand_panel(panel, qs, scales, K, DP_PANEL_VECS, q4_1, order);
+        dp_panel_rows(y + n, xp, M, K, N, panel, DP_PANEL_VECS);
+        break;
+    }
+}
+
+/* The panels of y = x · Wᵀ (x packed by dp_pack_rows; N a multiple of 16) shared out over
+ * the threads of the enclosing region (an orphaned `omp for`, ending in a barrier), the
+ * format a constant in each branch. `panel` (DP_PANEL_COLS * K bf16, 64-byte aligned) is
+ * the calling thread's; NULL (its allocation failed, which the caller reports) skips. */
+static void dp_panels(float *y, const uint16_t *xp, int64_t M, int64_t K, int64_t N,
+                      const uint8_t *qs, const float *scales, int q4_1, uint32_t *panel) {
+    const Transpose16 order = transpose16_order();
+    const int64_t panels = (N + DP_PANEL_COLS - 1) / DP_PANEL_COLS;
+    if (q4_1) {
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p)
+            if (panel != NULL) dp_panel(y, xp, M, K, N, qs, scales, p, panel, &order, 1);
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p)
+            if (panel != NULL) dp_panel(y, xp, M, K, N, qs, scales, p, panel, &order, 0);
     }
 }
 

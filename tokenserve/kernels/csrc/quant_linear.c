@@ -417,6 +417,45 @@ int ts_q8_0_linear_dp(float *y, const float *x, int64_t M, int64_t K, int64_t N,
     return quant_linear_dp(y, x, M, K, N, (const uint8_t *)qs, d, 0);
 }
 
+/* y = x · Wᵀ with bf16 numerics by vdpbf16ps in its panel form (quant_dp.h, dp_panels),
+ * for many rows; N a multiple of 16. */
+static int quant_gemm_dp(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                         const uint8_t *qs, const float *scales, int q4_1) {
+#if QUANT_DP
+    if (K % BLOCK != 0 || N % 16 != 0) return 1;
+    if (M == 0) return 0;
+    uint16_t *xp = (uint16_t *)aligned_alloc(64, (size_t)(M * K * 2)); /* K % 32 == 0 */
+    if (xp == NULL) return 2;
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint32_t *panel = (uint32_t *)aligned_alloc(64, (size_t)(DP_PANEL_COLS * K * 2));
+        if (panel == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        dp_pack_rows(xp, x, M, K, q4_1);
+        dp_panels(y, xp, M, K, N, qs, scales, q4_1, panel);
+        free(panel);
+    }
+    free(xp);
+    return failed ? 2 : 0;
+#else
+    (void)y, (void)x, (void)M, (void)K, (void)N, (void)qs, (void)scales, (void)q4_1;
+    return 3;
+#endif
+}
+
+int ts_q4_1_gemm_dp(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                    const uint8_t *qs, const float *dm) {
+    return quant_gemm_dp(y, x, M, K, N, qs, dm, 1);
+}
+
+int ts_q8_0_gemm_dp(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                    const int8_t *qs, const float *d) {
+    return quant_gemm_dp(y, x, M, K, N, (const uint8_t *)qs, d, 0);
+}
+
 /* 1 where the AMX kernel runs: built for the amx level and the tiles granted. */
 int ts_quant_amx_available(void) {
 #if QUANT_AMX

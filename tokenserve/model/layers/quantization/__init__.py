@@ -31,11 +31,11 @@ def get_linear_method(
     ops = None if kernel_config.disable_c_kernels else quant_linear.load()
     # The AMX kernel for a bf16 model where it runs (both float32 limits 0 turn the blocks off).
     blocks_wanted = kernel_config.quantized_max_rows or kernel_config.quantized_gemm_max_rows
-    amx_max_rows = (kernel_config.bf16_block_max_rows(amx=True)
+    amx_max_rows = (kernel_config.bf16_block_max_rows("amx")
                     if weight_dtype is not None and blocks_wanted and ops is not None and ops.amx
                     else 0)
     # Elsewhere with AVX512_BF16 its vdpbf16ps kernel, the same numerics.
-    dp_max_rows = (kernel_config.bf16_block_max_rows(amx=False)
+    dp_max_rows = (kernel_config.bf16_block_max_rows("dp")
                    if weight_dtype is not None and blocks_wanted and ops is not None and ops.dp
                    else 0)
     if (

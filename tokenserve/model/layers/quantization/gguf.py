@@ -53,6 +53,13 @@ from tokenserve.model.layers.weight_loading import Rows
 # docs/PERFORMANCE_CPU.md, "Packing x for the AMX block kernel").
 AMX_MIN_ROWS = 2
 
+# A bf16 model on avx512_bf16: products of up to this many rows take the vdpbf16ps kernel's
+# dot-product form, more its panel form (csrc/quant_dp.h), which expands a panel of weight
+# rows once per call and needs more rows to repay that (the default model's projections,
+# both forms: 16 rows 18.3 vs 20.4 ms, 24 rows 24.5 vs 25.0, 32 rows 38.8 vs 30.3;
+# docs/PERFORMANCE_CPU.md, "The vdpbf16ps kernel's panel form").
+DP_FEW_ROWS = 16
+
 # GGML type names → the bytes of one 32-weight block.
 _BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 QUANTIZED_KINDS = tuple(_BLOCK_BYTES)
@@ -179,18 +186,19 @@ class QuantizedWeight:
                amx: bool | None = None, dp: bool | None = None) -> torch.Tensor:
         """x [rows, in] float32 → x · Wᵀ [rows, out] float32. By default where the AMX
         kernel applies (uses_amx) it for AMX_MIN_ROWS rows or more and the few-row kernel
-        below; where the vdpbf16ps kernel applies (uses_dp) it; elsewhere the many-row kernel
-        for more than max_rows rows where it applies, else the few-row one. `amx`, `dp` or
+        below; where the vdpbf16ps kernel applies (uses_dp) it, in its panel form above
+        DP_FEW_ROWS rows; elsewhere the many-row kernel for more than max_rows rows where it
+        applies, else the few-row one. `amx`, `dp` (with `panels` the panel form) or
         `panels` pick one (benchmarks, tests)."""
         if amx is None and dp is None and panels is None and self.uses_amx:
             # (The few-row kernel below AMX_MIN_ROWS whatever max_rows: as the fused layer.)
             amx, panels = x.shape[0] >= AMX_MIN_ROWS, False
         if amx is None and dp is None and panels is None and self.uses_dp:
-            dp = True
+            dp, panels = True, x.shape[0] > DP_FEW_ROWS
         if amx:
             return self._kernels(x.contiguous(), amx=True)
         if dp:
-            return self._kernels(x.contiguous(), dp=True)
+            return self._kernels(x.contiguous(), **{"dp_panels" if panels else "dp": True})
         if panels is None:
             panels = x.shape[0] > self.max_rows and self._fits_panels
         return self._kernels(x.contiguous(), panels)
