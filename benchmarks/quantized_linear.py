@@ -30,6 +30,7 @@ import torch
 
 from tokenserve import LLM
 from tokenserve.model.layers.quantization import UnquantizedLinearMethod
+from tokenserve.model.layers.quantization.gguf import DP_FEW_ROWS
 
 
 def main() -> None:
@@ -101,6 +102,20 @@ def _bf16_table(kernel: str, projections: list, head: list, rows_list: list[int]
              for group in groups for path in (kernel, "oneDNN")], repeats)
         print(f"{rows:>5} {block_p:>14.1f} {onednn_p:>12.1f} {onednn_p / block_p:>6.2f} "
               f"{block_h:>16.2f} {onednn_h:>14.2f} {onednn_h / block_h:>6.2f}")
+    if kernel == "dp":
+        _dp_forms(projections, rows_list, repeats)
+
+
+def _dp_forms(projections: list, rows_list: list[int], repeats: int) -> None:
+    """The vdpbf16ps kernel's two forms on the projections at each row count, whichever the
+    model routes it to: how DP_FEW_ROWS was chosen."""
+    print(f"vdpbf16ps forms, projections (DP_FEW_ROWS = {DP_FEW_ROWS}):")
+    print(f"{'rows':>5} {'dot-product ms':>15} {'panel ms':>9} {'dot / panel':>12}")
+    for rows in rows_list:
+        inputs = {width: torch.randn(rows, width) for width in {q.shape[1] for _, q in projections}}
+        dot, panel = _best_ms([functools.partial(_pass, projections, inputs, path)
+                               for path in ("dp-dot", "dp-panels")], repeats)
+        print(f"{rows:>5} {dot:>15.1f} {panel:>9.1f} {dot / panel:>12.2f}")
 
 
 def _pass(weights: list, inputs: dict[int, torch.Tensor], path: str) -> None:
@@ -113,6 +128,8 @@ def _pass(weights: list, inputs: dict[int, torch.Tensor], path: str) -> None:
             quantized.matmul(x, amx=True)
         elif path == "dp":  # its dot-product or panel form by rows, as the model routes them
             quantized.matmul(x)
+        elif path in ("dp-dot", "dp-panels"):
+            quantized.matmul(x, dp=True, panels=path == "dp-panels")
         else:
             quantized.matmul(x, panels=path == "many-row")
 

@@ -1,5 +1,5 @@
 """A bfloat16 GGUF model on the avx512_bf16 level (AVX512_BF16 without AMX, or that level
-forced): its products of at most `bf16_quantized_max_rows` rows (96 there by default) read
+forced): its products of at most `bf16_quantized_max_rows` rows (128 there by default) read
 the GGUF blocks through the vdpbf16ps kernel (kernels/csrc/quant_dp.h) with the model's bf16
 numerics, from one row, in its panel form above DP_FEW_ROWS rows; decode steps up to that
 many rows run fused with the same results as operator by operator."""

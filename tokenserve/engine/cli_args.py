@@ -98,7 +98,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                               "block kernel, on avx512_bf16 through the vdpbf16ps one, both "
                               "with bf16 numerics; else the float32 ones, within the two "
                               "limits above), more rows go to oneDNN's bf16 GEMM. Default: "
-                              "128 on amx, 96 on avx512_bf16, 16 on other levels.")
+                              "128 on amx and avx512_bf16, 16 on other levels.")
     kernels.add_argument("--cpu-isa", choices=list(CPU_ISAS), default=defaults.cpu_isa,
                          help="Instruction set the C kernels are built for: auto (the best the "
                               "CPU has) or a lower level forced (docs/PERFORMANCE_CPU.md).")

@@ -32,13 +32,12 @@
 /* kp[d][j] = pair d of key j (rows[j]), for AKT keys and `pairs` (a multiple of 16) pairs:
  * 16 x 16 transposes in registers (avx512.h). */
 static inline void pack_keys(uint32_t *kp, const uint16_t *const *rows, int64_t pairs) {
-    const Transpose16 order = transpose16_order();
     for (int j0 = 0; j0 < AKT; j0 += 16)
         for (int64_t d0 = 0; d0 < pairs; d0 += 16) {
             __m512i r[16];
             for (int i = 0; i < 16; ++i)
                 r[i] = _mm512_loadu_si512((const uint32_t *)rows[j0 + i] + d0);
-            transpose16(r, &order);
+            transpose16(r);
             for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kp + (d0 + i) * AKT + j0, r[i]);
         }
 }

@@ -212,7 +212,6 @@ typedef struct {
  * item's queries are zero. */
 static void lay_out_queries(__m512i *qp, const float *q0, int64_t query_stride, int64_t group,
                             int64_t queries, int nq, int64_t head_dim) {
-    const Transpose16 order = transpose16_order();
     const int64_t pairs = head_dim / 2;
     for (int v = 0; v < nq; ++v) {
         /* The next 16 queries' lines into L1 (rows are strided: a new page each) */
@@ -233,7 +232,7 @@ static void lay_out_queries(__m512i *qp, const float *q0, int64_t query_stride, 
                 r[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, q + 16),
                                                     _mm512_maskz_loadu_ps(lo, q));
             }
-            transpose16(r, &order);
+            transpose16(r);
             for (int i = 0; i < n; ++i) qp[(d0 + i) * MAX_QV + v] = r[i];
         }
     }
@@ -243,7 +242,6 @@ static void lay_out_queries(__m512i *qp, const float *q0, int64_t query_stride, 
  * its row, per 16 queries and 16 dims one 16 x 16 transpose. */
 static void write_out(float *o0, int64_t out_stride, const __m512 *o, const __m512 *sum,
                       int64_t group, int64_t queries, int nq, int64_t head_dim) {
-    const Transpose16 order = transpose16_order();
     for (int v = 0; v < nq; ++v) {
         for (int64_t m = 16 * (v + 1); m < 16 * (v + 2) && m < queries; ++m)
             prefetch_span(o0 + (m / group) * out_stride + (m % group) * head_dim, head_dim, 1);
@@ -254,7 +252,7 @@ static void write_out(float *o0, int64_t out_stride, const __m512 *o, const __m5
             for (int i = 0; i < 16; ++i)
                 r[i] = i < n ? (__m512i)_mm512_mul_ps(o[(d0 + i) * MAX_QV + v], inv)
                              : _mm512_setzero_si512();
-            transpose16(r, &order);
+            transpose16(r);
             const __mmask16 keep = (__mmask16)((1u << n) - 1);
             for (int i = 0; i < 16 && 16 * v + i < queries; ++i) {
                 const int64_t m = 16 * v + i;

@@ -34,7 +34,6 @@
  * tile: with few rows that was as slow as the products.) */
 static void amx_pack_rows(uint16_t *xp, const float *x, int64_t M, int64_t K) {
     const int64_t blocks = K / 32, items = (M + 15) / 16 * blocks;
-    const Transpose16 order = transpose16_order();
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < items; ++item) {
         const int64_t t = item / blocks, k = item % blocks * 32;
@@ -48,7 +47,7 @@ static void amx_pack_rows(uint16_t *xp, const float *x, int64_t M, int64_t K) {
                 r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
             }
         }
-        transpose16(r, &order); /* r[p]: pair p of the block, for each of the 16 rows */
+        transpose16(r); /* r[p]: pair p of the block, for each of the 16 rows */
         uint32_t *tile = (uint32_t *)xp + t * (K / 2) * 16 + k / 2 * 16;
         for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tile + p * 16, r[p]);
     }

@@ -186,8 +186,7 @@ static void dp_columns(float *y, const uint16_t *xp, int64_t M, int64_t K, int64
  * panel's, are fetched into L2 block by block meanwhile (past the weight's end harmless:
  * prefetches do not fault). */
 static inline __attribute__((always_inline)) void dp_expand_panel(
-    uint32_t *panel, const uint8_t *qs, const float *scales, int64_t K, int vecs, int q4_1,
-    const Transpose16 *order) {
+    uint32_t *panel, const uint8_t *qs, const float *scales, int64_t K, int vecs, int q4_1) {
     const int64_t row_bytes = q4_1 ? K / 2 : K, blocks = K / BLOCK;
     const int64_t row_scales = q4_1 ? blocks * 2 : blocks, width = 16 * vecs;
     const int64_t block_bytes = q4_1 ? BLOCK / 2 : BLOCK, scale_floats = q4_1 ? 2 : 1;
@@ -206,7 +205,7 @@ static inline __attribute__((always_inline)) void dp_expand_panel(
                 const int64_t row = v * 16 + j;
                 r[j] = dp_expand_block(qs + row * row_bytes, scales + row * row_scales, b, q4_1);
             }
-            transpose16(r, order); /* r[s]: pair s of the block, for each of the 16 rows */
+            transpose16(r); /* r[s]: pair s of the block, for each of the 16 rows */
             for (int s = 0; s < 16; ++s)
                 _mm512_store_si512(panel + (b * 16 + s) * width + v * 16, r[s]);
         }
@@ -253,7 +252,7 @@ static inline __attribute__((always_inline)) void dp_panel_rows(
  * multiplied into every row. */
 static inline __attribute__((always_inline)) void dp_panel(
     float *y, const uint16_t *xp, int64_t M, int64_t K, int64_t N, const uint8_t *qs,
-    const float *scales, int64_t p, uint32_t *panel, const Transpose16 *order, int q4_1) {
+    const float *scales, int64_t p, uint32_t *panel, int q4_1) {
     const int64_t n = p * DP_PANEL_COLS;
     const int64_t row_bytes = q4_1 ? K / 2 : K;
     const int64_t row_scales = q4_1 ? K / BLOCK * 2 : K / BLOCK;
@@ -262,15 +261,15 @@ static inline __attribute__((always_inline)) void dp_panel(
     scales += n * row_scales;
     switch (vecs) {
     case 1:
-        dp_expand_panel(panel, qs, scales, K, 1, q4_1, order);
+        dp_expand_panel(panel, qs, scales, K, 1, q4_1);
         dp_panel_rows(y + n, xp, M, K, N, panel, 1);
         break;
     case 2:
-        dp_expand_panel(panel, qs, scales, K, 2, q4_1, order);
+        dp_expand_panel(panel, qs, scales, K, 2, q4_1);
         dp_panel_rows(y + n, xp, M, K, N, panel, 2);
         break;
     default:
-        dp_expand_panel(panel, qs, scales, K, DP_PANEL_VECS, q4_1, order);
+        dp_expand_panel(panel, qs, scales, K, DP_PANEL_VECS, q4_1);
         dp_panel_rows(y + n, xp, M, K, N, panel, DP_PANEL_VECS);
         break;
     }
@@ -282,16 +281,15 @@ static inline __attribute__((always_inline)) void dp_panel(
  * the calling thread's; NULL (its allocation failed, which the caller reports) skips. */
 static void dp_panels(float *y, const uint16_t *xp, int64_t M, int64_t K, int64_t N,
                       const uint8_t *qs, const float *scales, int q4_1, uint32_t *panel) {
-    const Transpose16 order = transpose16_order();
     const int64_t panels = (N + DP_PANEL_COLS - 1) / DP_PANEL_COLS;
     if (q4_1) {
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; ++p)
-            if (panel != NULL) dp_panel(y, xp, M, K, N, qs, scales, p, panel, &order, 1);
+            if (panel != NULL) dp_panel(y, xp, M, K, N, qs, scales, p, panel, 1);
     } else {
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; ++p)
-            if (panel != NULL) dp_panel(y, xp, M, K, N, qs, scales, p, panel, &order, 0);
+            if (panel != NULL) dp_panel(y, xp, M, K, N, qs, scales, p, panel, 0);
     }
 }
 

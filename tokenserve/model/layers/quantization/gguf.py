@@ -55,10 +55,10 @@ AMX_MIN_ROWS = 2
 
 # A bf16 model on avx512_bf16: products of up to this many rows take the vdpbf16ps kernel's
 # dot-product form, more its panel form (csrc/quant_dp.h), which expands a panel of weight
-# rows once per call and needs more rows to repay that (the default model's projections,
-# both forms: 16 rows 18.3 vs 20.4 ms, 24 rows 24.5 vs 25.0, 32 rows 38.8 vs 30.3;
+# rows once per call and needs more rows to repay that: the forms tie at about 8 rows
+# (`python benchmarks/quantized_linear.py --dtype bfloat16` prints both;
 # docs/PERFORMANCE_CPU.md, "The vdpbf16ps kernel's panel form").
-DP_FEW_ROWS = 16
+DP_FEW_ROWS = 8
 
 # GGML type names → the bytes of one 32-weight block.
 _BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
