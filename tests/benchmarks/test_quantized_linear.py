@@ -68,3 +68,13 @@ def test_quantized_linear_times_the_bf16_block_kernel_against_onednn():
     assert [int(row[0]) for row in rows] == [1, 3], result.stdout
     figures = [float(value) for row in rows for value in row[1:]]
     assert all(math.isfinite(value) and value > 0 for value in figures), result.stdout
+    if level == "avx512_bf16":
+        # Then both vdpbf16ps forms on the projections, row by row.
+        assert "vdpbf16ps forms, projections (DP_FEW_ROWS = " in result.stdout, result.stdout
+        forms = re.findall(rf"^\s+(\d+)" + rf"\s+{number}" * 3 + "$", result.stdout,
+                           re.MULTILINE)
+        assert [int(row[0]) for row in forms] == [1, 3], result.stdout
+        dot, panel, ratio = (float(value) for value in forms[1][1:])
+        # Printed to 0.1 ms, the ratio of the unrounded times to 0.01.
+        slack = 0.005 + 0.05 / panel + 0.05 * dot / panel**2 + 1e-9
+        assert dot > 0 and panel > 0 and abs(ratio - dot / panel) <= slack
