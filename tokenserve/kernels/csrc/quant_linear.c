@@ -386,74 +386,58 @@ int ts_q8_0_gemm_f32(float *y, const float *x, int64_t M, int64_t K, int64_t N,
 /* 1 where the vdpbf16ps kernel is built (the avx512_bf16 level). */
 int ts_quant_dp_available(void) { return QUANT_DP; }
 
-/* y = x · Wᵀ with bf16 numerics by vdpbf16ps, split over output columns. */
+/* y = x · Wᵀ with bf16 numerics by vdpbf16ps (quant_dp.h): in its dot-product form split over
+ * output columns, or (panels) in its panel form split over panels, N a multiple of 16. */
 static int quant_linear_dp(float *y, const float *x, int64_t M, int64_t K, int64_t N,
-                           const uint8_t *qs, const float *scales, int q4_1) {
+                           const uint8_t *qs, const float *scales, int q4_1, int panels) {
 #if QUANT_DP
-    if (K % BLOCK != 0) return 1;
-    if (M == 0) return 0;
-    uint16_t *xp = (uint16_t *)aligned_alloc(64, (size_t)(M * K * 2)); /* K % 32 == 0 */
-    if (xp == NULL) return 2;
-#pragma omp parallel
-    {
-        dp_pack_rows(xp, x, M, K, q4_1);
-        dp_columns(y, xp, M, K, N, qs, scales, q4_1);
-    }
-    free(xp);
-    return 0;
-#else
-    (void)y, (void)x, (void)M, (void)K, (void)N, (void)qs, (void)scales, (void)q4_1;
-    return 3;
-#endif
-}
-
-int ts_q4_1_linear_dp(float *y, const float *x, int64_t M, int64_t K, int64_t N,
-                      const uint8_t *qs, const float *dm) {
-    return quant_linear_dp(y, x, M, K, N, qs, dm, 1);
-}
-
-int ts_q8_0_linear_dp(float *y, const float *x, int64_t M, int64_t K, int64_t N,
-                      const int8_t *qs, const float *d) {
-    return quant_linear_dp(y, x, M, K, N, (const uint8_t *)qs, d, 0);
-}
-
-/* y = x · Wᵀ with bf16 numerics by vdpbf16ps in its panel form (quant_dp.h, dp_panels),
- * for many rows; N a multiple of 16. */
-static int quant_gemm_dp(float *y, const float *x, int64_t M, int64_t K, int64_t N,
-                         const uint8_t *qs, const float *scales, int q4_1) {
-#if QUANT_DP
-    if (K % BLOCK != 0 || N % 16 != 0) return 1;
+    if (K % BLOCK != 0 || (panels && N % 16 != 0)) return 1;
     if (M == 0) return 0;
     uint16_t *xp = (uint16_t *)aligned_alloc(64, (size_t)(M * K * 2)); /* K % 32 == 0 */
     if (xp == NULL) return 2;
     int failed = 0;
 #pragma omp parallel
     {
-        uint32_t *panel = (uint32_t *)aligned_alloc(64, (size_t)(DP_PANEL_COLS * K * 2));
-        if (panel == NULL) {
+        uint32_t *panel =
+            panels ? (uint32_t *)aligned_alloc(64, (size_t)(DP_PANEL_COLS * K * 2)) : NULL;
+        if (panels && panel == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
         dp_pack_rows(xp, x, M, K, q4_1);
-        dp_panels(y, xp, M, K, N, qs, scales, q4_1, panel);
+        if (panels)
+            dp_panels(y, xp, M, K, N, qs, scales, q4_1, panel);
+        else
+            dp_columns(y, xp, M, K, N, qs, scales, q4_1);
         free(panel);
     }
     free(xp);
     return failed ? 2 : 0;
 #else
     (void)y, (void)x, (void)M, (void)K, (void)N, (void)qs, (void)scales, (void)q4_1;
+    (void)panels;
     return 3;
 #endif
 }
 
+int ts_q4_1_linear_dp(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                      const uint8_t *qs, const float *dm) {
+    return quant_linear_dp(y, x, M, K, N, qs, dm, 1, 0);
+}
+
+int ts_q8_0_linear_dp(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                      const int8_t *qs, const float *d) {
+    return quant_linear_dp(y, x, M, K, N, (const uint8_t *)qs, d, 0, 0);
+}
+
 int ts_q4_1_gemm_dp(float *y, const float *x, int64_t M, int64_t K, int64_t N,
                     const uint8_t *qs, const float *dm) {
-    return quant_gemm_dp(y, x, M, K, N, qs, dm, 1);
+    return quant_linear_dp(y, x, M, K, N, qs, dm, 1, 1);
 }
 
 int ts_q8_0_gemm_dp(float *y, const float *x, int64_t M, int64_t K, int64_t N,
                     const int8_t *qs, const float *d) {
-    return quant_gemm_dp(y, x, M, K, N, (const uint8_t *)qs, d, 0);
+    return quant_linear_dp(y, x, M, K, N, (const uint8_t *)qs, d, 0, 1);
 }
 
 /* 1 where the AMX kernel runs: built for the amx level and the tiles granted. */
