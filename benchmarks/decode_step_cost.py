@@ -68,6 +68,11 @@ def main() -> None:
     clock = time.thread_time if args.cpu_time else time.perf_counter
 
     engine = LLMEngine.from_engine_args(engine_args_from(args))
+    max_num_seqs = engine.config.scheduler_config.max_num_seqs
+    if max(batches) > max_num_seqs:
+        raise SystemExit(f"A batch of {max(batches)} rows needs --max-num-seqs of at least that "
+                         f"(it is {max_num_seqs}): the requests beyond it would wait for ones "
+                         "that never finish.")
     builds = [None]  # the fused decode layer's operators by turn; None: this tree's
     stack = None
     if args.other_csrc is not None:

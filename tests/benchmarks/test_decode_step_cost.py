@@ -31,6 +31,15 @@ def test_decode_step_cost_prints_a_row_per_batch(tiny_model_dirs):
     assert all(float(median) >= float(fastest) > 0 for _, median, fastest in rows)
 
 
+def test_a_batch_beyond_max_num_seqs_is_refused(tiny_model_dirs):
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", tiny_model_dirs["llama"], "--kv-cache-memory",
+         "64MiB", "--batches", "1,5", "--max-num-seqs", "4"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode != 0 and "--max-num-seqs of at least that" in result.stderr
+
+
 def test_a_batch_of_zero_is_refused(tiny_model_dirs):
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", tiny_model_dirs["llama"], "--batches", "0"],
