@@ -268,7 +268,7 @@ DEFAULT_QUANTIZED_GEMM_MAX_ROWS = 192
 # bfloat16 models: the most rows of a product that still reads the GGUF blocks, oneDNN's bf16
 # GEMM above (docs/PERFORMANCE_CPU.md). By the blocks' kernel (KernelConfig.
 # bf16_block_max_rows): on amx the AMX kernel (bf16 numerics) leads oneDNN's bf16 GEMM up to
-# ~128 rows; on avx512_bf16 the vdpbf16ps kernel (the same numerics; its panel form above 16
+# ~128 rows; on avx512_bf16 the vdpbf16ps kernel (the same numerics; its panel form above 8
 # rows) makes decode steps faster up to max_num_seqs' default, 128 (a fused step of the default
 # model against oneDNN above 16 rows: 1.16-1.88x faster at 17-128 rows); below those levels the
 # float32 block kernels lead it only in the smallest decode steps.

@@ -20,7 +20,7 @@ gguf dequantizes it, then rounded to bf16 exactly as the dense bf16 weight is; x
 bf16; float32 sums, each rounded to bf16 as oneDNN rounds its own), fused decode steps
 included, except products of one row, which stream the blocks faster in float32 (as
 below); on the avx512_bf16 level (128 rows) through the vdpbf16ps block kernel with the
-same bf16 numerics, from one row (above 16 rows in its panel form); on lower levels (16 rows) through the float32 block
+same bf16 numerics, from one row (above 8 rows in its panel form); on lower levels (16 rows) through the float32 block
 kernels, i.e. float32 weights and inputs. Larger products, prefill's chunks among them,
 take oneDNN's bf16 products. float16 stays float16
 throughout (the pure-torch path).

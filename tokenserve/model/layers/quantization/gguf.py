@@ -25,10 +25,10 @@ to bf16 costs more than it saves.
 
 On the avx512_bf16 level (AVX512_BF16 without AMX, or that level forced) a bfloat16 model
 sends its products of at most `dp_max_rows` rows (the same `bf16_block_max_rows` setting,
-16 there) to the vdpbf16ps kernel (csrc/quant_dp.h) with those same numerics, from one row:
-its small decode steps then compute what its larger ones do on oneDNN, up to the order of
-the float32 sums (tests/kernels/test_quant_linear_bf16.py: all but ~1e-4 of the outputs
-bit for bit).
+128 there) to the vdpbf16ps kernel (csrc/quant_dp.h) with those same numerics, from one
+row, in its dot-product form up to DP_FEW_ROWS rows and its panel form above: its decode
+steps then compute what its larger products do on oneDNN, up to the order of the float32
+sums (tests/kernels/test_quant_linear_bf16.py: all but ~1e-4 of the outputs bit for bit).
 """
 
 from __future__ import annotations
