@@ -132,6 +132,9 @@ class CacheConfig:
     prefix_caching_hash_algo: str
     # What the KV cache stores, by name: the model's dtype, or bfloat16 (--kv-cache-dtype).
     dtype: str = "float32"
+    # A CPU cache's pages faulted in while the engine core is idle, ahead of their first
+    # use (--kv-cache-prefault; worker/cpu_memory.py); else each on first use only.
+    prefault_when_idle: bool = True
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,14 +1,22 @@
-"""The CPU worker's malloc thresholds (worker/cpu_memory.py): freed activation-sized blocks
-are reused from the heap instead of being mapped, faulted in and zeroed again."""
+"""The CPU worker's memory (worker/cpu_memory.py): freed activation-sized blocks are reused
+from the heap instead of being mapped, faulted in and zeroed again; the KV cache's pages are
+faulted in ahead of use, lowest block first, their contents kept."""
 
 from __future__ import annotations
 
+import logging
+import mmap
 import platform
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
+
+from tests.memory_pages import needs_populate, resident_pages
+from tokenserve.attention.backend import zeros_on_first_touch
+from tokenserve.worker.cpu_memory import KVCachePrefault
 
 # A step's worth of 4 MiB activations allocated, written and freed, three times; prints the
 # page faults of the last two rounds (the first one maps the heap either way).
@@ -57,3 +65,77 @@ def test_the_worker_sets_them_on_cpu(monkeypatch):
     monkeypatch.setattr(worker, "ModelRunner", lambda *args: None)
     worker.Worker(config=SimpleNamespace(parallel_config=None))
     assert calls == [True]
+
+
+# ------------------------------------------------------------------ KV cache prefault
+
+@needs_populate
+def test_prefault_faults_blocks_in_lowest_first_and_keeps_their_contents():
+    # Two layers' caches as the CPU backend lays them out: [2 (K, V), blocks, ...]; a block
+    # of one half is 4 pages.
+    num_blocks, block_pages = 6, 4
+    shape = (2, num_blocks, block_pages * mmap.PAGESIZE // 4)
+    caches = [zeros_on_first_touch(shape, torch.float32, torch.device("cpu")) for _ in range(2)]
+    for cache in caches:
+        assert not any(resident_pages(cache))
+    caches[1][1, 4, 7] = 3.5  # a block in use already (its value page is in memory)
+
+    prefault = KVCachePrefault(caches, block_dim=1, num_blocks=num_blocks)
+    block_bytes = block_pages * mmap.PAGESIZE
+    assert prefault.bytes_per_block == 2 * 2 * block_bytes
+
+    def resident_blocks(cache, half):
+        pages = resident_pages(cache[half])
+        return [all(pages[b * block_pages:(b + 1) * block_pages]) for b in range(num_blocks)]
+
+    # Two blocks per call (every cache's K and V part of each), lowest first.
+    assert prefault.step(2 * prefault.bytes_per_block)
+    for cache in caches:
+        for half in (0, 1):
+            assert resident_blocks(cache, half)[:2] == [True, True]
+            assert not any(resident_blocks(cache, half)[2:4])
+    # Less than a block's bytes still takes one; the last call says nothing is left.
+    assert prefault.step(1)
+    assert prefault.step(2 * prefault.bytes_per_block)
+    assert not prefault.step(2 * prefault.bytes_per_block)
+    assert not prefault.step(2 * prefault.bytes_per_block)
+    for cache in caches:
+        assert all(resident_pages(cache))
+    # Contents unchanged: zeros, and the value written before.
+    assert caches[1][1, 4, 7].item() == 3.5
+    caches[1][1, 4, 7] = 0.0
+    assert all(not cache.any() for cache in caches)
+
+
+def test_prefault_refuses_a_layout_without_the_blocks():
+    with pytest.raises(ValueError, match="does not hold 8 blocks along dimension 1"):
+        KVCachePrefault([torch.zeros(2, 4, 16)], block_dim=1, num_blocks=8)
+    # No caches (an encoder-only model): nothing to do.
+    assert not KVCachePrefault([], block_dim=1, num_blocks=8).step(1 << 20)
+
+
+def test_prefault_gives_up_where_the_kernel_cannot(monkeypatch):
+    from tokenserve.worker import cpu_memory
+
+    attempts = []
+    monkeypatch.setattr(cpu_memory, "populate", lambda *range_: attempts.append(range_) and False)
+    # The line, read at the module's logger itself: a logging configuration applied earlier
+    # in the session (dictConfig) may have disabled the loggers that existed then, or cut
+    # their way to the root.
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    monkeypatch.setattr(cpu_memory.logger, "disabled", False)
+    cpu_memory.logger.addHandler(handler)
+    level = cpu_memory.logger.level
+    cpu_memory.logger.setLevel(logging.INFO)
+    try:
+        prefault = KVCachePrefault([torch.zeros(2, 4, 1024)], block_dim=1, num_blocks=4)
+        assert not prefault.step(1 << 20)
+    finally:
+        cpu_memory.logger.removeHandler(handler)
+        cpu_memory.logger.setLevel(level)
+    [line] = lines
+    assert "faulted in on first use from block 0 on" in line
+    # Nothing more is tried.
+    assert not prefault.step(1 << 20) and len(attempts) == 1

@@ -67,6 +67,10 @@ class AttentionBackend(ABC):
     ) -> tuple[int, ...]:
         """The shape of one layer's cache (keys and values together)."""
 
+    @abstractmethod
+    def kv_cache_block_dim(self) -> int:
+        """The dimension of `kv_cache_shape` that indexes the blocks."""
+
     def allocate_kv_cache(
         self,
         num_layers: int,

@@ -164,6 +164,9 @@ class TorchSDPABackend(AttentionBackend):
     ) -> tuple[int, ...]:
         return (2, num_blocks, num_kv_heads, block_size, head_size)
 
+    def kv_cache_block_dim(self) -> int:
+        return 1
+
     @staticmethod
     def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's cache as its key and value caches, each contiguous

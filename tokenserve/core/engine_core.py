@@ -109,6 +109,13 @@ class EngineCore:
             or bool(self.collected_outputs)
         )
 
+    def prefault_kv_cache(self, max_bytes: int) -> bool:
+        """Between steps only, while nothing is to compute: fault in about max_bytes more of
+        the workers' KV cache pages ahead of their first use (worker/cpu_memory.py), so that
+        a later step's K/V writes do not; whether any pages are left."""
+        assert not self.has_unfinished_requests(), "only while idle"
+        return self.executor.prefault_kv_cache(max_bytes)
+
     def step(self) -> list[EngineCoreOutput]:
         if self.max_concurrent_batches > 1:
             return self._step_with_batch_queue()

@@ -51,6 +51,10 @@ SOCKET_LINGER_MS = 2000
 ENGINE_CORE_LOG_FORMAT = "%(levelname)s %(asctime)s [engine core] %(name)s: %(message)s"
 
 _SHUTDOWN = "shutdown"  # an input-queue item that ends the busy loop
+# KV cache faulted in per call while idle (a block of the default model's bf16 cache is
+# ~3 MiB): ~1-2 ms on a VM whose fresh memory costs ~0.3 s/GiB, ~16 ms where it costs ~4
+# (docs/PERFORMANCE_CPU.md) — the longest an input arriving meanwhile waits for the loop.
+PREFAULT_CHUNK_BYTES = 4 << 20
 
 
 def run_engine_core(
@@ -157,6 +161,8 @@ class EngineCoreProc:
         self.output_queue: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
         # Requests added but not yet scheduled, for their queue time.
         self.unscheduled_request_ids: set[str] = set()
+        # Whether KV cache pages may be left to fault in while idle.
+        self.prefaulting = True
         # /dashboard's block map and queues ride on the stats a few times a second.
         self.snapshot_clock = SnapshotClock()
         self.context = zmq.Context()
@@ -178,17 +184,28 @@ class EngineCoreProc:
     # ---- main thread ---------------------------------------------------------------
 
     def run_busy_loop(self) -> None:
-        """Step while there is work; block on the input queue while there is none."""
+        """Step while there is work; wait on the input queue while there is none."""
         while True:
             if not self.engine_core.has_unfinished_requests():
                 # Idle: publish the final state (e.g. blocks freed by an abort), then wait.
                 self._publish(EngineCoreOutputs())
-                if not self._handle_input(*self.input_queue.get()):
+                if not self._handle_input(*self._next_input_while_idle()):
                     return
             while not self.input_queue.empty():
                 if not self._handle_input(*self.input_queue.get_nowait()):
                     return
             self._step()
+
+    def _next_input_while_idle(self) -> tuple[str, Any]:
+        """The next input. Until it comes, the KV cache's pages are faulted in ahead of use,
+        PREFAULT_CHUNK_BYTES at a time (an input waits for one chunk at most); once they all
+        are, block on the queue."""
+        while self.prefaulting:
+            try:
+                return self.input_queue.get_nowait()
+            except queue.Empty:
+                self.prefaulting = self.engine_core.prefault_kv_cache(PREFAULT_CHUNK_BYTES)
+        return self.input_queue.get()
 
     def _handle_input(self, kind: str, payload: Any) -> bool:
         """Apply one input; False means shut down."""

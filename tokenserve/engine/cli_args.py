@@ -47,6 +47,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                              "values rounded to 8 significant bits).")
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="Number of KV cache blocks (overrides --kv-cache-memory).")
+    parser.add_argument("--kv-cache-prefault", action=argparse.BooleanOptionalAction,
+                        default=defaults.kv_cache_prefault,
+                        help="Fault the CPU KV cache's memory in while the server is idle, "
+                             "ahead of use, so that steps do not (default on; the cache "
+                             "then becomes resident whole). Off: each page on first use.")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=defaults.enable_prefix_caching, help="Reuse KV of shared prefixes.")
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,

@@ -105,6 +105,9 @@ class EngineArgs:
     # (twice the tokens in the same memory, less to read per decode step).
     kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None
+    # A CPU cache's pages faulted in while the engine core is idle, ahead of their first
+    # use; False: each on first use only (the resident memory then grows with use).
+    kv_cache_prefault: bool = True
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
     enable_chunked_prefill: bool = True
@@ -252,6 +255,7 @@ class EngineArgs:
             enable_prefix_caching=settings.enable_prefix_caching,
             prefix_caching_hash_algo=self.prefix_caching_hash_algo,
             dtype=cache_dtype,
+            prefault_when_idle=self.kv_cache_prefault,
         )
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,

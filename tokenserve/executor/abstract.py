@@ -76,6 +76,11 @@ class Executor(ABC):
         """Allocate every worker's KV cache (`cache_config.num_blocks` blocks)."""
         self.collective_rpc("initialize_kv_cache")
 
+    def prefault_kv_cache(self, max_bytes: int) -> bool:
+        """Fault in about max_bytes more of each worker's KV cache ahead of its first use
+        (between steps only); whether any worker has pages left."""
+        return any(self.collective_rpc("prefault_kv_cache", args=(max_bytes,)))
+
     @property
     def max_concurrent_batches(self) -> int:
         """How many steps may be under way at once: one, unless pipeline stages overlap."""

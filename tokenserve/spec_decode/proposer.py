@@ -35,6 +35,10 @@ class ProposerRequest(Protocol):
 
 
 class Proposer(Protocol):
+    # The proposer's own KV caches (a draft model's; none for prompt lookup), laid out as
+    # the engine's attention backend lays them out.
+    kv_caches: list[torch.Tensor]
+
     def load_model(self) -> None: ...
 
     def initialize_kv_cache(self) -> None: ...
@@ -59,6 +63,7 @@ class NgramRunnerProposer:
         self.spec = config.speculative_config
         self.ngram = NgramProposer(self.spec)
         self.max_model_len = config.model_config.max_model_len
+        self.kv_caches: list[torch.Tensor] = []
 
     def load_model(self) -> None:
         """No model."""

@@ -7,6 +7,15 @@ about 100k page faults per 2048-token step of the default model, a fifth of its 
 (docs/PERFORMANCE_CPU.md). Raising the mmap threshold to glibc's maximum and the trim
 threshold well above a step's activations keeps freed blocks in the heap for the next
 operator, as the caching allocators vLLM recommends on CPU (tcmalloc, jemalloc) do.
+
+The KV cache is an anonymous mapping the kernel zeroes page by page on first use
+(attention/backend.py, `zeros_on_first_touch`), so that a 4 GiB cache costs no start time.
+A fresh page can cost far more than its zeroing, though: on a VM whose host hands out
+memory slowly, a prompt step's K/V writes spent most of their time faulting in new pages
+(docs/PERFORMANCE_CPU.md, "How much a first touch costs"). `KVCachePrefault` faults the
+cache in ahead of use, block by block in the order the block pool first hands blocks out,
+a bounded amount per call: the engine core calls it while it has nothing to compute
+(core/engine_core_proc.py), so the pages are paid for in idle time, not inside a step.
 """
 
 from __future__ import annotations
@@ -15,7 +24,14 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import math
+import mmap
+import os
 import platform
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -42,3 +58,78 @@ def keep_freed_memory() -> bool:
     if not done:
         logger.warning("mallopt refused the CPU worker's malloc thresholds; left as they were.")
     return done
+
+
+# madvise(2) advice (Linux 5.14 and later): fault the range's pages in as a write would,
+# leaving their contents as they are.
+_MADV_POPULATE_WRITE = 23
+
+
+@functools.cache
+def _madvise():
+    if platform.system() != "Linux":
+        return None
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
+def populate(address: int, length: int) -> bool:
+    """Fault in the pages of [address, address + length) as a write would, their contents
+    unchanged (a page already in memory is left alone); False where the kernel cannot (not
+    Linux, or Linux before 5.14)."""
+    madvise = _madvise()
+    if madvise is None:
+        return False
+    start = address // mmap.PAGESIZE * mmap.PAGESIZE
+    end = -(-(address + length) // mmap.PAGESIZE) * mmap.PAGESIZE
+    return end == start or madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
+
+
+class KVCachePrefault:
+    """Faults in the pages of a worker's KV caches ahead of their first use: blocks
+    0, 1, 2, ... in turn (the block pool's free queue starts in that order, so the blocks
+    handed out first are faulted in first), every cache's part of a block together.
+
+    `caches`: contiguous CPU tensors whose dimension `block_dim` indexes the `num_blocks`
+    blocks (the attention backend's layout, `kv_cache_block_dim`). Blocks already in use are
+    only faulted in where they are not yet: their contents are kept."""
+
+    def __init__(self, caches: list[torch.Tensor], block_dim: int, num_blocks: int) -> None:
+        # Per cache: its address, how many runs of blocks it holds (the dimensions before
+        # block_dim), the bytes from one run to the next, and one block's bytes in a run.
+        self._runs: list[tuple[int, int, int, int]] = []
+        for cache in caches:
+            if not cache.is_contiguous() or cache.shape[block_dim] != num_blocks:
+                raise ValueError(f"A KV cache of shape {tuple(cache.shape)} does not hold "
+                                 f"{num_blocks} blocks along dimension {block_dim}.")
+            block_bytes = math.prod(cache.shape[block_dim + 1:]) * cache.element_size()
+            self._runs.append((cache.data_ptr(), math.prod(cache.shape[:block_dim]),
+                               num_blocks * block_bytes, block_bytes))
+        self.bytes_per_block = sum(runs * block for _, runs, _, block in self._runs)
+        self.num_blocks = num_blocks
+        # The first block not yet faulted in.
+        self.next_block = 0 if self._runs else num_blocks
+
+    def step(self, max_bytes: int) -> bool:
+        """Fault in the next blocks: as many as max_bytes holds, at least one. Returns
+        whether blocks are left; False also where the kernel cannot (then nothing more is
+        tried: the pages are faulted in on first use, as without this)."""
+        if self.next_block >= self.num_blocks:
+            return False
+        first = self.next_block
+        end = min(first + max(1, max_bytes // max(self.bytes_per_block, 1)), self.num_blocks)
+        for address, runs, run_bytes, block_bytes in self._runs:
+            for run in range(runs):
+                if not populate(address + run * run_bytes + first * block_bytes,
+                                (end - first) * block_bytes):
+                    error = ctypes.get_errno()
+                    logger.info("The KV cache is faulted in on first use from block %d on: "
+                                "madvise(MADV_POPULATE_WRITE, Linux 5.14) failed (%s).",
+                                first, os.strerror(error) if error else "not Linux")
+                    self.next_block = self.num_blocks
+                    return False
+        self.next_block = end
+        return end < self.num_blocks

@@ -39,6 +39,7 @@ from tokenserve.sample.rejection_sampler import RejectionSampler
 from tokenserve.sample.sampler import Sampler
 from tokenserve.spec_decode.proposer import attention_rows
 from tokenserve.spec_decode.selector import build_proposer
+from tokenserve.worker.cpu_memory import KVCachePrefault
 from tokenserve.worker.encoder_runner import ChunkRows, EncoderRunner
 from tokenserve.worker.pooling_runner import PoolingRunner
 from tokenserve.worker.request_state import CachedRequestState
@@ -87,6 +88,7 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         # One per layer, in the attention backend's layout.
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_prefault: KVCachePrefault | None = None  # a CPU cache's, once allocated
         # --runner pooling: prompts pooled instead of tokens sampled (pooling_runner.py).
         self.pooling = PoolingRunner(config) if model_config.runner == "pooling" else None
         # With enable_lora: the adapters' slots in the wrapped layers (lora/manager.py).
@@ -131,6 +133,17 @@ class ModelRunner:
             self.proposer.initialize_kv_cache()
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches)
+        if self.device.type == "cpu" and self.config.cache_config.prefault_when_idle:
+            draft_caches = self.proposer.kv_caches if self.proposer is not None else []
+            self.kv_prefault = KVCachePrefault(
+                [*self.kv_caches, *draft_caches], self.attention.kv_cache_block_dim(),
+                self.config.cache_config.num_blocks,
+            )
+
+    def prefault_kv_cache(self, max_bytes: int) -> bool:
+        """Fault in about max_bytes more of the KV caches' pages ahead of their first use
+        (worker/cpu_memory.py); whether any are left. For the engine core's idle time."""
+        return self.kv_prefault is not None and self.kv_prefault.step(max_bytes)
 
     def shutdown(self) -> None:
         """Stop a KV connector's listeners and transfers."""

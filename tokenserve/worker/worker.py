@@ -46,6 +46,9 @@ class Worker:
     def initialize_kv_cache(self) -> None:
         self.model_runner.initialize_kv_cache()
 
+    def prefault_kv_cache(self, max_bytes: int) -> bool:
+        return self.model_runner.prefault_kv_cache(max_bytes)
+
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
     ) -> ModelRunnerOutput:
