@@ -24,7 +24,8 @@ def _kv_caches(core: EngineCore):
 
 
 def _greedy(core: EngineCore) -> list[int]:
-    core.add_request(Request("r", [5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=6), eos_token_id=None))
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    core.add_request(Request("r", [5, 6, 7, 8], params, eos_token_id=None))
     tokens = []
     while core.has_unfinished_requests():
         tokens += [t for output in core.step() for t in output.new_token_ids]
@@ -33,7 +34,8 @@ def _greedy(core: EngineCore) -> list[int]:
 
 @needs_populate
 def test_an_idle_engine_core_faults_its_whole_kv_cache_in(tiny_model_dirs):
-    config = EngineArgs(model=tiny_model_dirs["llama"], kv_cache_memory="8MiB").create_engine_config()
+    config = EngineArgs(model=tiny_model_dirs["llama"],
+                        kv_cache_memory="8MiB").create_engine_config()
     assert config.cache_config.prefault_when_idle
     core = EngineCore(config)
     caches = _kv_caches(core)
