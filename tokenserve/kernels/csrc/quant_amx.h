@@ -15,7 +15,9 @@
  * first pass over x's rows), reused for every row of x; B = x packed once per call as pairs of k ([M / 16][K / 2][16 rows][2]: the VNNI
  * layout, rows padded to 16 with zeros); C = [16 weight rows x 16 x rows], up to four of
  * them per pass (64 rows of x sharing each A load), transposed on their way to y. All
- * eight tiles are 16 rows x 64 bytes: 0-3 C, 4 A, 5-7 B.
+ * eight tiles are 16 rows x 64 bytes: 0-3 C, 4 A, 5-7 B. Up to 32 rows of x (decode
+ * steps of few requests) each expanded block is loaded into the A tile once, from a small
+ * buffer instead of the panel's rows (amx_panel; the same sums in the same order).
  */
 #ifndef TOKENSERVE_QUANT_AMX_H
 #define TOKENSERVE_QUANT_AMX_H
@@ -54,12 +56,14 @@ static void amx_pack_rows(uint16_t *xp, const float *x, int64_t M, int64_t K) {
 }
 
 /* Block b (32 weights) of AMX_PANEL weight rows (quant_linear.c's layouts, from the
- * panel's first row) → a[j][b * 32 ..] bf16, for the panel's rows j (bf16_expand_block). */
+ * panel's first row) → a[j * stride ..] bf16 (32 of them), for the panel's rows j
+ * (bf16_expand_block). */
 static inline __attribute__((always_inline)) void amx_expand_block(
-    uint16_t *a, const uint8_t *qs, const float *scales, int64_t K, int64_t b, int q4_1) {
+    uint16_t *a, const uint8_t *qs, const float *scales, int64_t stride, int64_t K, int64_t b,
+    int q4_1) {
     const int64_t row_bytes = q4_1 ? K / 2 : K, row_scales = q4_1 ? K / BLOCK * 2 : K / BLOCK;
     for (int j = 0; j < AMX_PANEL; ++j)
-        _mm512_storeu_si512(a + j * K + b * BLOCK,
+        _mm512_storeu_si512(a + j * stride,
                             bf16_expand_block(qs + j * row_bytes, scales + j * row_scales, b,
                                               q4_1));
 }
@@ -95,12 +99,21 @@ static inline void amx_store_c(float *y, int64_t N, int64_t m0, int64_t rows, fl
 
 /* One panel (y's columns n..n+15, its weight rows' blocks at qs and scales) times every
  * row of x (packed in xp), up to AMX_C row tiles per pass. The first pass expands the
- * weights into `a` block by block as it goes (the expansion then overlaps the tile
- * products' latency), later passes reuse them. */
+ * weights block by block as it goes (the expansion then overlaps the tile products'
+ * latency): into `a`, the panel's rows K * 2 bytes apart, where later passes reuse them.
+ * With at most two row tiles (M <= 32, a few requests' decode step: one pass, each block
+ * loaded into the A tile once or twice) into 16 rows of 64 bytes instead (1 KiB, two such
+ * buffers taking turns), from which the tile loads faster: expanding a block and loading
+ * the tile that reads it bound such a step's products, and with the strided rows decode
+ * steps of 2-4 rows of the default model took 4-6 % longer, of 8-32 rows 1-3 %; from 48
+ * rows on no difference (`benchmarks/decode_step_cost.py --other-csrc`,
+ * docs/PERFORMANCE_CPU.md). */
 static inline __attribute__((always_inline)) void amx_panel(
     float *y, const uint16_t *xp, uint16_t *a, const uint8_t *qs, const float *scales,
     int64_t M, int64_t K, int64_t N, float *c, int q4_1) {
     const int64_t tiles = (M + 15) / 16, tile_elems = K / 2 * 32; /* bf16 per packed x tile */
+    const int few = tiles <= 2;
+    _Alignas(64) uint16_t block[2][AMX_PANEL * BLOCK];
     for (int64_t t0 = 0; t0 < tiles; t0 += AMX_C) {
         const int64_t count = tiles - t0 < AMX_C ? tiles - t0 : AMX_C;
         const uint16_t *b = xp + t0 * tile_elems;
@@ -109,11 +122,18 @@ static inline __attribute__((always_inline)) void amx_panel(
         if (count > 2) _tile_zero(2);
         if (count > 3) _tile_zero(3);
         for (int64_t k = 0; k < K; k += 32) {
-            if (t0 == 0) {
+            if (few) {
+                uint16_t *ab = block[(k / BLOCK) & 1];
                 amx_prefetch_next_block(qs, scales, K, k / BLOCK, q4_1);
-                amx_expand_block(a, qs, scales, K, k / BLOCK, q4_1);
+                amx_expand_block(ab, qs, scales, BLOCK, K, k / BLOCK, q4_1);
+                _tile_loadd(4, ab, BLOCK * 2);
+            } else {
+                if (t0 == 0) {
+                    amx_prefetch_next_block(qs, scales, K, k / BLOCK, q4_1);
+                    amx_expand_block(a + k, qs, scales, K, K, k / BLOCK, q4_1);
+                }
+                _tile_loadd(4, a + k, K * 2);
             }
-            _tile_loadd(4, a + k, K * 2);
             _tile_loadd(5, b + k * 16, 64);
             _tile_dpbf16ps(0, 4, 5);
             if (count > 1) {
