@@ -32,4 +32,12 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
+/* ldtilecfg of a whole configuration. GCC 12's _tile_loadconfig tells the compiler that it
+ * reads the configuration's first 8 bytes only, so the stores of the rows and column widths
+ * may be dropped as dead (a configuration built in a small function of its own lost them,
+ * and ldtilecfg faulted on whatever the stack held there): here the asm reads all 64 bytes. */
+static inline __attribute__((always_inline)) void amx_load_config(const TileConfig *config) {
+    __asm__ volatile("ldtilecfg %0" : : "m"(*config));
+}
+
 #endif

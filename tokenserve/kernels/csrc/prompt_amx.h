@@ -182,7 +182,7 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
         config.colsb[t] = 64;
         config.rows[t] = 16;
     }
-    _tile_loadconfig(&config);
+    amx_load_config(&config);
     const __m512 scales = _mm512_set1_ps(scale);
     const __m512 scales_l2 = _mm512_set1_ps(scale * 1.44269504088896341f);
     const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);

@@ -182,7 +182,7 @@ static void amx_columns(float *y, const uint16_t *xp, int64_t M, int64_t K, int6
         if (a == NULL) continue;
         if (!configured) {
             /* Per call: oneDNN loads its own configuration on these threads in between. */
-            _tile_loadconfig(&config);
+            amx_load_config(&config);
             configured = 1;
         }
         /* The format a constant in each branch (OpenMP outlines a parallel body once). */
