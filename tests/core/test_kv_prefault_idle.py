@@ -92,6 +92,7 @@ class _IdleCore:
 def _idle_loop(chunks_left: int, input_after: int | None) -> tuple[EngineCoreProc, _IdleCore]:
     proc = EngineCoreProc.__new__(EngineCoreProc)  # no sockets: the loop's own state only
     proc.input_queue = queue.Queue()
+    proc.warming = False  # the products' warm-up: tests/core/test_product_warm_up.py
     proc.prefaulting = True
     proc.engine_core = _IdleCore(proc.input_queue, chunks_left, input_after)
     return proc, proc.engine_core

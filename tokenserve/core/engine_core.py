@@ -116,6 +116,13 @@ class EngineCore:
         assert not self.has_unfinished_requests(), "only while idle"
         return self.executor.prefault_kv_cache(max_bytes)
 
+    def warm_up_products(self) -> bool:
+        """Between steps only, while nothing is to compute: build one more of the workers'
+        oneDNN primitives for the bf16 products' row buckets (worker/product_warm_up.py), so
+        that the first step of each size does not; whether any are left."""
+        assert not self.has_unfinished_requests(), "only while idle"
+        return self.executor.warm_up_products()
+
     def step(self) -> list[EngineCoreOutput]:
         if self.max_concurrent_batches > 1:
             return self._step_with_batch_queue()

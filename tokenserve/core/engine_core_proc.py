@@ -161,7 +161,9 @@ class EngineCoreProc:
         self.output_queue: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
         # Requests added but not yet scheduled, for their queue time.
         self.unscheduled_request_ids: set[str] = set()
-        # Whether KV cache pages may be left to fault in while idle.
+        # Whether bf16 product primitives may be left to build, and KV cache pages to fault
+        # in, while idle.
+        self.warming = True
         self.prefaulting = True
         # /dashboard's block map and queues ride on the stats a few times a second.
         self.snapshot_clock = SnapshotClock()
@@ -197,14 +199,18 @@ class EngineCoreProc:
             self._step()
 
     def _next_input_while_idle(self) -> tuple[str, Any]:
-        """The next input. Until it comes, the KV cache's pages are faulted in ahead of use,
-        PREFAULT_CHUNK_BYTES at a time (an input waits for one chunk at most); once they all
-        are, block on the queue."""
-        while self.prefaulting:
+        """The next input. Until it comes, idle time goes to what later steps would
+        otherwise pay for, a small piece at a time (an input waits for one piece at most):
+        first the bf16 products' oneDNN primitives, one product per piece, then the KV
+        cache's pages, PREFAULT_CHUNK_BYTES a piece; once all is done, block on the queue."""
+        while self.warming or self.prefaulting:
             try:
                 return self.input_queue.get_nowait()
             except queue.Empty:
-                self.prefaulting = self.engine_core.prefault_kv_cache(PREFAULT_CHUNK_BYTES)
+                if self.warming:
+                    self.warming = self.engine_core.warm_up_products()
+                else:
+                    self.prefaulting = self.engine_core.prefault_kv_cache(PREFAULT_CHUNK_BYTES)
         return self.input_queue.get()
 
     def _handle_input(self, kind: str, payload: Any) -> bool:

@@ -81,6 +81,11 @@ class Executor(ABC):
         (between steps only); whether any worker has pages left."""
         return any(self.collective_rpc("prefault_kv_cache", args=(max_bytes,)))
 
+    def warm_up_products(self) -> bool:
+        """Build one more of each worker's bf16 product primitives ahead of the steps that
+        run them (between steps only); whether any worker has some left."""
+        return any(self.collective_rpc("warm_up_products"))
+
     @property
     def max_concurrent_batches(self) -> int:
         """How many steps may be under way at once: one, unless pipeline stages overlap."""

@@ -42,6 +42,7 @@ from tokenserve.spec_decode.selector import build_proposer
 from tokenserve.worker.cpu_memory import KVCachePrefault
 from tokenserve.worker.encoder_runner import ChunkRows, EncoderRunner
 from tokenserve.worker.pooling_runner import PoolingRunner
+from tokenserve.worker.product_warm_up import ProductWarmUp
 from tokenserve.worker.request_state import CachedRequestState
 from tokenserve.worker.sampling_inputs import build_sampling_metadata
 
@@ -89,6 +90,7 @@ class ModelRunner:
         # One per layer, in the attention backend's layout.
         self.kv_caches: list[torch.Tensor] = []
         self.kv_prefault: KVCachePrefault | None = None  # a CPU cache's, once allocated
+        self.product_warm_up: ProductWarmUp | None = None  # made on first use
         # --runner pooling: prompts pooled instead of tokens sampled (pooling_runner.py).
         self.pooling = PoolingRunner(config) if model_config.runner == "pooling" else None
         # With enable_lora: the adapters' slots in the wrapped layers (lora/manager.py).
@@ -144,6 +146,16 @@ class ModelRunner:
         """Fault in about max_bytes more of the KV caches' pages ahead of their first use
         (worker/cpu_memory.py); whether any are left. For the engine core's idle time."""
         return self.kv_prefault is not None and self.kv_prefault.step(max_bytes)
+
+    def warm_up_products(self) -> bool:
+        """Build one more of the oneDNN primitives the model's bf16 products will run at
+        (worker/product_warm_up.py), for every row bucket up to the step budget's; whether
+        any are left. For the engine core's idle time."""
+        if self.product_warm_up is None:
+            self.product_warm_up = ProductWarmUp(
+                self.model, self.config.scheduler_config.max_num_batched_tokens
+            )
+        return self.product_warm_up.step()
 
     def shutdown(self) -> None:
         """Stop a KV connector's listeners and transfers."""

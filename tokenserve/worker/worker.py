@@ -49,6 +49,9 @@ class Worker:
     def prefault_kv_cache(self, max_bytes: int) -> bool:
         return self.model_runner.prefault_kv_cache(max_bytes)
 
+    def warm_up_products(self) -> bool:
+        return self.model_runner.warm_up_products()
+
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
     ) -> ModelRunnerOutput:

@@ -1,0 +1,131 @@
+"""An idle engine core builds its bf16 products' oneDNN primitives ahead of the steps that
+run them (worker/product_warm_up.py): each distinct weight shape once per row bucket up to
+the step budget's, that bucket first, one product per call, before the KV cache's pages."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+import torch
+
+from tokenserve import SamplingParams
+from tokenserve.core.engine_core import EngineCore
+from tokenserve.core.engine_core_proc import PREFAULT_CHUNK_BYTES, EngineCoreProc
+from tokenserve.core.request import Request
+from tokenserve.engine.engine_args import EngineArgs
+from tokenserve.model.layers.linear import ReplicatedLinear
+from tokenserve.model.layers.quantization.unquantized import UnquantizedLinearMethod
+from tokenserve.worker.product_warm_up import MAX_PRODUCTS, ProductWarmUp, warm_up_plan
+
+
+def _core(model_dir: str) -> EngineCore:
+    return EngineCore(
+        EngineArgs(model=model_dir, dtype="bfloat16", kv_cache_memory="8MiB",
+                   max_num_batched_tokens=100, max_model_len=100).create_engine_config()
+    )
+
+
+def _model(core: EngineCore):
+    [model] = core.collective_rpc(lambda worker: worker.model_runner.model)
+    return model
+
+
+def _greedy(core: EngineCore) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    core.add_request(Request("r", [5, 6, 7, 8], params, eos_token_id=None))
+    tokens = []
+    while core.has_unfinished_requests():
+        tokens += [t for output in core.step() for t in output.new_token_ids]
+    return tokens
+
+
+def _packed(in_features: int, out_features: int) -> ReplicatedLinear:
+    layer = ReplicatedLinear(in_features, out_features, bias=False,
+                             quant_method=UnquantizedLinearMethod(weight_dtype=torch.bfloat16))
+    layer.weight.data.normal_()
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+def _shape(layer) -> tuple[int, int]:
+    return layer.input_size_per_partition, layer.output_size_per_partition
+
+
+def test_an_idle_engine_core_builds_each_product_once_per_bucket(tiny_model_dirs):
+    core = _core(tiny_model_dirs["llama"])
+    plan = warm_up_plan(_model(core), 100)
+    if not plan:
+        pytest.skip("torch's oneDNN did not pack the bf16 weights here")
+    shapes = {_shape(layer) for layer, _ in plan}
+    # q/k/v, o, gate/up and down: each shape at every bucket, the budget's (112) first.
+    assert len(shapes) == 4
+    buckets = (112, 16, 32, 48, 64, 80, 96)
+    assert [rows for _, rows in plan] == [rows for rows in buckets for _ in shapes]
+    assert all({_shape(layer) for layer, r in plan if r == rows} == shapes for rows in buckets)
+    calls = 0
+    while core.warm_up_products():
+        calls += 1
+    assert calls == len(plan)
+    assert not core.warm_up_products()
+    # The products' weights untouched: the same tokens as an engine that did not warm up.
+    assert _greedy(core) == _greedy(_core(tiny_model_dirs["llama"]))
+    core.add_request(Request("s", [5, 6], SamplingParams(max_tokens=2), eos_token_id=None))
+    with pytest.raises(AssertionError, match="only while idle"):
+        core.warm_up_products()
+
+
+def test_the_plan_leaves_out_rows_other_kernels_take():
+    small, large = _packed(64, 32), _packed(32, 64)
+    if small.packed_weight is None:
+        pytest.skip("torch's oneDNN did not pack the bf16 weights here")
+    # As a GGUF layer's blocks take products of up to 32 rows: those read float32.
+    small.input_dtype = lambda rows: None if rows <= 32 else torch.bfloat16
+    model = torch.nn.ModuleList([small, large, _packed(64, 32)])  # a shape seen twice
+    plan = [(layer is small, rows) for layer, rows in warm_up_plan(model, 60)]
+    # Budget 60: its bucket (64) first, then 16, 32, 48; `small` from 48 rows on.
+    assert plan == [(True, 64), (False, 64), (False, 16), (False, 32), (True, 48), (False, 48)]
+    warm_up = ProductWarmUp(model, 60)
+    assert [warm_up.step() for _ in range(len(plan) + 1)] == [True] * len(plan) + [False]
+    # A budget of 600 buckets: the first MAX_PRODUCTS products, the budget's bucket first.
+    plan = warm_up_plan(torch.nn.ModuleList([large]), 600 * 16)
+    assert len(plan) == MAX_PRODUCTS
+    assert [rows for _, rows in plan[:3]] == [600 * 16, 16, 32]
+
+
+class _IdleCore:
+    """The engine core as the idle loop sees it: products to build, then pages."""
+
+    def __init__(self, inputs: queue.Queue, products: int, chunks: int, input_after: int):
+        self.inputs, self.products, self.chunks = inputs, products, chunks
+        self.input_after = input_after
+        self.calls: list[str] = []
+
+    def _called(self, what: str) -> None:
+        self.calls.append(what)
+        if len(self.calls) == self.input_after:
+            self.inputs.put(("ADD", "request"))  # arrives while this piece is done
+
+    def warm_up_products(self) -> bool:
+        self._called("product")
+        self.products -= 1
+        return self.products > 0
+
+    def prefault_kv_cache(self, max_bytes: int) -> bool:
+        assert max_bytes == PREFAULT_CHUNK_BYTES
+        self._called("chunk")
+        self.chunks -= 1
+        return self.chunks > 0
+
+
+def test_the_idle_loop_builds_the_products_before_faulting_pages_in():
+    proc = EngineCoreProc.__new__(EngineCoreProc)  # no sockets: the loop's own state only
+    proc.input_queue = queue.Queue()
+    proc.warming = proc.prefaulting = True
+    core = proc.engine_core = _IdleCore(proc.input_queue, products=3, chunks=2, input_after=2)
+    assert proc._next_input_while_idle() == ("ADD", "request")
+    assert core.calls == ["product", "product"] and proc.warming  # the input after a piece
+    core.input_after = 5
+    assert proc._next_input_while_idle() == ("ADD", "request")
+    assert core.calls == ["product"] * 3 + ["chunk"] * 2
+    assert not proc.warming and not proc.prefaulting

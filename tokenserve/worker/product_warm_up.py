@@ -1,0 +1,62 @@
+"""A bf16 model's oneDNN products built ahead of the steps that run them.
+
+oneDNN builds (JITs) a primitive for each shape a bf16 product runs at; the rows are padded
+to buckets of ROW_BUCKET (kernels/row_buckets.py), so a model needs one primitive per weight
+shape and bucket, and the first step of each size pays for building its own: the products
+of the default model's first 256-row prompt step took 46.8 ms against 36.0 ms in the next
+(docs/PERFORMANCE_CPU.md, "Row buckets of bf16 products"). ProductWarmUp runs each of
+the model's distinct products once at each bucket a step may bring, one product per call,
+for the engine core's idle time (core/engine_core_proc.py): the step budget's own bucket
+first (chunked prefill's steps are that size), then the others from the smallest up, at
+most MAX_PRODUCTS of them, so that oneDNN's primitive cache (1024 by default) keeps what
+they built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from tokenserve.kernels.row_buckets import ROW_BUCKET, bucket_rows
+from tokenserve.model.layers.linear import LinearBase
+
+MAX_PRODUCTS = 512
+
+
+def warm_up_plan(model: nn.Module, max_rows: int) -> list[tuple[LinearBase, int]]:
+    """(layer, rows) for each distinct weight shape among the model's linear layers whose
+    product of `rows` rows is a bf16 oneDNN product (the layer holds oneDNN's packed weight
+    and reads bf16 at that many rows), for every bucket up to max_rows' own: that one first,
+    then from the smallest up; the first MAX_PRODUCTS of them."""
+    layers: dict[tuple[int, int], LinearBase] = {}
+    for module in model.modules():
+        if isinstance(module, LinearBase) and getattr(module, "packed_weight", None) is not None:
+            shape = (module.input_size_per_partition, module.output_size_per_partition)
+            layers.setdefault(shape, module)
+    top = bucket_rows(max_rows)
+    order = [top, *range(ROW_BUCKET, top, ROW_BUCKET)]
+    plan = [(layer, rows) for rows in order for layer in layers.values()
+            if layer.input_dtype(rows) == torch.bfloat16]
+    return plan[:MAX_PRODUCTS]
+
+
+class ProductWarmUp:
+    """Works through warm_up_plan one product per `step`."""
+
+    def __init__(self, model: nn.Module, max_rows: int) -> None:
+        self.plan = warm_up_plan(model, max_rows)
+        self._units: Iterator[tuple[LinearBase, int]] = iter(self.plan)
+
+    def step(self) -> bool:
+        """Run the plan's next product on zeros (its result is dropped); whether any are
+        left."""
+        unit = next(self._units, None)
+        if unit is None:
+            return False
+        layer, rows = unit
+        with torch.inference_mode():
+            x = torch.zeros(rows, layer.input_size_per_partition, dtype=torch.bfloat16)
+            layer.quant_method.apply(layer, x)
+        return True
