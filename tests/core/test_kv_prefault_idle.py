@@ -9,6 +9,7 @@ import queue
 
 import pytest
 
+from tests.core.greedy import greedy_tokens
 from tests.memory_pages import needs_populate, resident_pages
 from tokenserve import SamplingParams
 from tokenserve.core.engine_core import EngineCore
@@ -21,15 +22,6 @@ from tokenserve.engine.engine_args import EngineArgs
 def _kv_caches(core: EngineCore):
     [caches] = core.collective_rpc(lambda worker: worker.model_runner.kv_caches)
     return caches
-
-
-def _greedy(core: EngineCore) -> list[int]:
-    params = SamplingParams(temperature=0.0, max_tokens=6)
-    core.add_request(Request("r", [5, 6, 7, 8], params, eos_token_id=None))
-    tokens = []
-    while core.has_unfinished_requests():
-        tokens += [t for output in core.step() for t in output.new_token_ids]
-    return tokens
 
 
 @needs_populate
@@ -53,7 +45,7 @@ def test_an_idle_engine_core_faults_its_whole_kv_cache_in(tiny_model_dirs):
         EngineArgs(model=tiny_model_dirs["llama"], kv_cache_memory="8MiB",
                    kv_cache_prefault=False).create_engine_config()
     )
-    assert _greedy(core) == _greedy(unfaulted)
+    assert greedy_tokens(core) == greedy_tokens(unfaulted)
     # Only between steps.
     core.add_request(Request("s", [5, 6], SamplingParams(max_tokens=2), eos_token_id=None))
     with pytest.raises(AssertionError, match="only while idle"):

@@ -9,6 +9,7 @@ import queue
 import pytest
 import torch
 
+from tests.core.greedy import greedy_tokens
 from tokenserve import SamplingParams
 from tokenserve.core.engine_core import EngineCore
 from tokenserve.core.engine_core_proc import PREFAULT_CHUNK_BYTES, EngineCoreProc
@@ -29,15 +30,6 @@ def _core(model_dir: str) -> EngineCore:
 def _model(core: EngineCore):
     [model] = core.collective_rpc(lambda worker: worker.model_runner.model)
     return model
-
-
-def _greedy(core: EngineCore) -> list[int]:
-    params = SamplingParams(temperature=0.0, max_tokens=6)
-    core.add_request(Request("r", [5, 6, 7, 8], params, eos_token_id=None))
-    tokens = []
-    while core.has_unfinished_requests():
-        tokens += [t for output in core.step() for t in output.new_token_ids]
-    return tokens
 
 
 def _packed(in_features: int, out_features: int) -> ReplicatedLinear:
@@ -69,7 +61,7 @@ def test_an_idle_engine_core_builds_each_product_once_per_bucket(tiny_model_dirs
     assert calls == len(plan)
     assert not core.warm_up_products()
     # The products' weights untouched: the same tokens as an engine that did not warm up.
-    assert _greedy(core) == _greedy(_core(tiny_model_dirs["llama"]))
+    assert greedy_tokens(core) == greedy_tokens(_core(tiny_model_dirs["llama"]))
     core.add_request(Request("s", [5, 6], SamplingParams(max_tokens=2), eos_token_id=None))
     with pytest.raises(AssertionError, match="only while idle"):
         core.warm_up_products()
