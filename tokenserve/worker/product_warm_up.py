@@ -46,8 +46,7 @@ class ProductWarmUp:
     """Works through warm_up_plan one product per `step`."""
 
     def __init__(self, model: nn.Module, max_rows: int) -> None:
-        self.plan = warm_up_plan(model, max_rows)
-        self._units: Iterator[tuple[LinearBase, int]] = iter(self.plan)
+        self._units: Iterator[tuple[LinearBase, int]] = iter(warm_up_plan(model, max_rows))
 
     def step(self) -> bool:
         """Run the plan's next product on zeros (its result is dropped); whether any are
