@@ -152,6 +152,24 @@ def test_a_chunk_alone_equals_the_chunk_among_others(kernel, cache_dtype):
         assert torch.equal(alone[start:end], together[start:end])
 
 
+@pytest.mark.parametrize("chunks", [[(256, 2048)], [(192, 1500), (64, 64), (1, 40)]])
+def test_the_output_does_not_depend_on_the_thread_count(kernel, chunks):
+    """Items are cut by the thread count (a chunk of more than one thread's share of the work
+    into a multiple of it): the rows are bit-identical on 1, 2 and 3 threads."""
+    query, key_cache, value_cache, batch = _step(9, 3, 64, 16, chunks, torch.bfloat16, gap=0)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            out = torch.zeros_like(query)
+            kernel.attend(out, query, key_cache, value_cache, batch, 0.125)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_bad_chunk_tables_are_refused(kernel):
     query, key_cache, value_cache, batch = _step(9, 3, 64, 16, [(5, 20)], torch.bfloat16)
     out = torch.empty_like(query)

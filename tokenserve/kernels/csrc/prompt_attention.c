@@ -9,10 +9,12 @@
  * spread over the OpenMP threads with a dynamic schedule; the query heads that share a kv
  * head (grouped-query attention) are one tile, so each key and value is read once for all.
  * On the vector paths a tile is up to 96 queries; on the AMX path up to 768 (a 256-row
- * chunk of 3 heads per kv head), a chunk cut into only as many tiles as keep
- * ITEMS_PER_THREAD items per thread: each item lays out every key tile its rows see, so
- * fewer, longer items lay out less (W1's 256-token prompts: each key tile once, not once
- * per 32 rows).
+ * chunk of 3 heads per kv head), each chunk cut into as many tiles as its share of the
+ * step's work (rows x keys) of ITEMS_PER_THREAD items per thread: each item lays out every
+ * key tile its rows see, so fewer, longer items lay out less (W1's 256-token prompts: each
+ * key tile once, not once per 32 rows). A chunk holding more than one thread's share gives
+ * a multiple of the thread count of equal items, so that they end together (one 256-row
+ * chunk of 3 kv heads on 2 threads: 6 items, not 9 of which one thread takes 5).
  *
  * The bf16 path (a bfloat16 cache on a level with AVX512_BF16: avx512_bf16, amx) computes
  * as PyTorch's bf16 flash kernel does: queries rounded to bfloat16, scores q·k summed in
@@ -374,7 +376,7 @@ static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
 #define PROMPT_AMX 0
 #endif
 
-#define ITEMS_PER_THREAD 4
+#define ITEMS_PER_THREAD 2
 #if !PROMPT_AMX
 #define AMX_MAX_QUERIES MAX_QUERIES
 #endif
@@ -386,6 +388,24 @@ static int64_t item_rows(int amx, int64_t group, int64_t q_len, int64_t pieces) 
     const int64_t most = AMX_MAX_QUERIES / group;
     const int64_t rows = ((q_len + pieces - 1) / pieces + 15) / 16 * 16;
     return rows < most ? rows : most;
+}
+
+/* A chunk's work: its rows times the keys they see on average (causal). */
+static double chunk_work(const int64_t *chunk) {
+    const double q_len = (double)(chunk[1] - chunk[0]);
+    return q_len * ((double)chunk[2] - q_len / 2);
+}
+
+/* How many pieces the AMX path cuts a chunk's rows into, per kv head: its share (`share`,
+ * of the step's work) of ITEMS_PER_THREAD items per thread; for a chunk of more than one
+ * thread's share, rounded up to a whole number of items per thread. */
+static int64_t chunk_pieces(double share, int64_t num_kv_heads, int64_t threads) {
+    const double items = ITEMS_PER_THREAD * (double)threads * share / (double)num_kv_heads;
+    int64_t pieces = (int64_t)ceil(items);
+    if (pieces < 1) pieces = 1;
+    if (share * (double)threads > 1.0)
+        while ((pieces * num_kv_heads) % threads != 0) ++pieces;
+    return pieces;
 }
 
 /* The path ts_prompt_attention takes for these shapes: 2 AMX tiles, 1 vdpbf16ps, 0 the
@@ -412,13 +432,16 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
 #if PROMPT_AMX
     amx = ts_prompt_attention_path(kv_bf16, num_heads, num_kv_heads, head_dim) == 2;
 #endif
-    /* AMX items take as many of a chunk's rows as keep ITEMS_PER_THREAD items per thread
-     * (each item packs every key tile its rows see: fewer, longer items pack less). */
-    const int64_t pairs = num_chunks * num_kv_heads;
-    const int64_t pieces = (ITEMS_PER_THREAD * omp_get_max_threads() + pairs - 1) / pairs;
+    /* AMX items: each chunk's rows in pieces by its share of the work (chunk_pieces). */
+    const int64_t threads = omp_get_max_threads();
+    double total_work = 0;
+    for (int64_t c = 0; c < num_chunks; ++c) total_work += chunk_work(chunks + 3 * c);
     int64_t num_items = 0, max_seq_len = 0, max_rows = 1;
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t q_len = chunks[3 * c + 1] - chunks[3 * c];
+        const int64_t pieces = chunk_pieces(
+            total_work > 0 ? chunk_work(chunks + 3 * c) / total_work : 1.0, num_kv_heads,
+            threads);
         const int64_t tile = item_rows(amx, group, q_len, pieces);
         num_items += (q_len + tile - 1) / tile;
         max_seq_len = chunks[3 * c + 2] > max_seq_len ? chunks[3 * c + 2] : max_seq_len;
@@ -429,6 +452,9 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
     int64_t n = 0;
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t q_len = chunks[3 * c + 1] - chunks[3 * c];
+        const int64_t pieces = chunk_pieces(
+            total_work > 0 ? chunk_work(chunks + 3 * c) / total_work : 1.0, num_kv_heads,
+            threads);
         const int64_t tile = item_rows(amx, group, q_len, pieces);
         for (int64_t r = 0; r < q_len; r += tile) {
             const int64_t rows = q_len - r < tile ? q_len - r : tile;
