@@ -408,6 +408,14 @@ static int64_t chunk_pieces(double share, int64_t num_kv_heads, int64_t threads)
     return pieces;
 }
 
+/* Rows per item of a chunk ({start, end, seq_len}) in a step of `total_work`. */
+static int64_t chunk_item_rows(int amx, int64_t group, const int64_t *chunk, double total_work,
+                               int64_t num_kv_heads, int64_t threads) {
+    const double share = total_work > 0 ? chunk_work(chunk) / total_work : 1.0;
+    return item_rows(amx, group, chunk[1] - chunk[0],
+                     chunk_pieces(share, num_kv_heads, threads));
+}
+
 /* The path ts_prompt_attention takes for these shapes: 2 AMX tiles, 1 vdpbf16ps, 0 the
  * float32 one (per query row). */
 int ts_prompt_attention_path(int64_t kv_bf16, int64_t num_heads, int64_t num_kv_heads,
@@ -439,10 +447,8 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
     int64_t num_items = 0, max_seq_len = 0, max_rows = 1;
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t q_len = chunks[3 * c + 1] - chunks[3 * c];
-        const int64_t pieces = chunk_pieces(
-            total_work > 0 ? chunk_work(chunks + 3 * c) / total_work : 1.0, num_kv_heads,
-            threads);
-        const int64_t tile = item_rows(amx, group, q_len, pieces);
+        const int64_t tile =
+            chunk_item_rows(amx, group, chunks + 3 * c, total_work, num_kv_heads, threads);
         num_items += (q_len + tile - 1) / tile;
         max_seq_len = chunks[3 * c + 2] > max_seq_len ? chunks[3 * c + 2] : max_seq_len;
         max_rows = tile > max_rows ? tile : max_rows;
@@ -452,10 +458,8 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
     int64_t n = 0;
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t q_len = chunks[3 * c + 1] - chunks[3 * c];
-        const int64_t pieces = chunk_pieces(
-            total_work > 0 ? chunk_work(chunks + 3 * c) / total_work : 1.0, num_kv_heads,
-            threads);
-        const int64_t tile = item_rows(amx, group, q_len, pieces);
+        const int64_t tile =
+            chunk_item_rows(amx, group, chunks + 3 * c, total_work, num_kv_heads, threads);
         for (int64_t r = 0; r < q_len; r += tile) {
             const int64_t rows = q_len - r < tile ? q_len - r : tile;
             /* work: rows times the keys the last of them sees */
