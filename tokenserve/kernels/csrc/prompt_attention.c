@@ -396,12 +396,15 @@ static double chunk_work(const int64_t *chunk) {
     return q_len * ((double)chunk[2] - q_len / 2);
 }
 
-/* How many pieces the AMX path cuts a chunk's rows into, per kv head: its share (`share`,
- * of the step's work) of ITEMS_PER_THREAD items per thread; for a chunk of more than one
- * thread's share, rounded up to a whole number of items per thread. */
-static int64_t chunk_pieces(double share, int64_t num_kv_heads, int64_t threads) {
+/* How many pieces the AMX path cuts a chunk of q_len rows into, per kv head: its share
+ * (`share`, of the step's work) of ITEMS_PER_THREAD items per thread, and at least as many
+ * as keep each within `most` rows; for a chunk of more than one thread's share, rounded up
+ * to a whole number of items per thread. */
+static int64_t chunk_pieces(double share, int64_t q_len, int64_t most, int64_t num_kv_heads,
+                            int64_t threads) {
     const double items = ITEMS_PER_THREAD * (double)threads * share / (double)num_kv_heads;
     int64_t pieces = (int64_t)ceil(items);
+    if (pieces < (q_len + most - 1) / most) pieces = (q_len + most - 1) / most;
     if (pieces < 1) pieces = 1;
     if (share * (double)threads > 1.0)
         while ((pieces * num_kv_heads) % threads != 0) ++pieces;
@@ -411,9 +414,11 @@ static int64_t chunk_pieces(double share, int64_t num_kv_heads, int64_t threads)
 /* Rows per item of a chunk ({start, end, seq_len}) in a step of `total_work`. */
 static int64_t chunk_item_rows(int amx, int64_t group, const int64_t *chunk, double total_work,
                                int64_t num_kv_heads, int64_t threads) {
+    const int64_t q_len = chunk[1] - chunk[0];
     const double share = total_work > 0 ? chunk_work(chunk) / total_work : 1.0;
-    return item_rows(amx, group, chunk[1] - chunk[0],
-                     chunk_pieces(share, num_kv_heads, threads));
+    return item_rows(amx, group, q_len,
+                     chunk_pieces(share, q_len, AMX_MAX_QUERIES / group, num_kv_heads,
+                                  threads));
 }
 
 /* The path ts_prompt_attention takes for these shapes: 2 AMX tiles, 1 vdpbf16ps, 0 the
