@@ -4,11 +4,13 @@ faulted in ahead of use, lowest block first, their contents kept."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import platform
 import subprocess
 import sys
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -69,8 +71,29 @@ def test_the_worker_sets_them_on_cpu(monkeypatch):
 
 # ------------------------------------------------------------------ KV cache prefault
 
+@contextlib.contextmanager
+def _log_lines(monkeypatch) -> Iterator[list[str]]:
+    """cpu_memory's INFO lines while the block runs, read at the module's logger itself: a
+    logging configuration applied earlier in the session (dictConfig) may have disabled the
+    loggers that existed then, or cut their way to the root."""
+    from tokenserve.worker import cpu_memory
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    monkeypatch.setattr(cpu_memory.logger, "disabled", False)
+    cpu_memory.logger.addHandler(handler)
+    level = cpu_memory.logger.level
+    cpu_memory.logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        cpu_memory.logger.removeHandler(handler)
+        cpu_memory.logger.setLevel(level)
+
+
 @needs_populate
-def test_prefault_faults_blocks_in_lowest_first_and_keeps_their_contents():
+def test_prefault_faults_blocks_in_lowest_first_and_keeps_their_contents(monkeypatch):
     # Two layers' caches as the CPU backend lays them out: [2 (K, V), blocks, ...]; a block
     # of one half is 4 pages.
     num_blocks, block_pages = 6, 4
@@ -94,11 +117,19 @@ def test_prefault_faults_blocks_in_lowest_first_and_keeps_their_contents():
         for half in (0, 1):
             assert resident_blocks(cache, half)[:2] == [True, True]
             assert not any(resident_blocks(cache, half)[2:4])
-    # Less than a block's bytes still takes one; the last call says nothing is left.
-    assert prefault.step(1)
-    assert prefault.step(2 * prefault.bytes_per_block)
-    assert not prefault.step(2 * prefault.bytes_per_block)
-    assert not prefault.step(2 * prefault.bytes_per_block)
+    # Less than a block's bytes still takes one; the last call says nothing is left, and
+    # logs what the whole cache took, once.
+    with _log_lines(monkeypatch) as lines:
+        assert prefault.step(1)
+        assert prefault.step(2 * prefault.bytes_per_block)
+        assert lines == []
+        assert not prefault.step(2 * prefault.bytes_per_block)
+        assert not prefault.step(2 * prefault.bytes_per_block)
+    gib = num_blocks * prefault.bytes_per_block / 2**30
+    [line] = lines
+    assert line.startswith(f"The KV cache is in memory: {gib:.2f} GiB faulted in ahead of use "
+                           f"in {prefault.seconds:.1f} s"), line
+    assert prefault.seconds > 0
     for cache in caches:
         assert all(resident_pages(cache))
     # Contents unchanged: zeros, and the value written before.
@@ -119,22 +150,9 @@ def test_prefault_gives_up_where_the_kernel_cannot(monkeypatch):
 
     attempts = []
     monkeypatch.setattr(cpu_memory, "populate", lambda *range_: attempts.append(range_) and False)
-    # The line, read at the module's logger itself: a logging configuration applied earlier
-    # in the session (dictConfig) may have disabled the loggers that existed then, or cut
-    # their way to the root.
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    monkeypatch.setattr(cpu_memory.logger, "disabled", False)
-    cpu_memory.logger.addHandler(handler)
-    level = cpu_memory.logger.level
-    cpu_memory.logger.setLevel(logging.INFO)
-    try:
+    with _log_lines(monkeypatch) as lines:
         prefault = KVCachePrefault([torch.zeros(2, 4, 1024)], block_dim=1, num_blocks=4)
         assert not prefault.step(1 << 20)
-    finally:
-        cpu_memory.logger.removeHandler(handler)
-        cpu_memory.logger.setLevel(level)
     [line] = lines
     assert "faulted in on first use from block 0 on" in line
     # Nothing more is tried.
