@@ -40,8 +40,9 @@ def touch_us_per_page(pages: np.ndarray, page_bytes: int) -> float:
 def measure(total_bytes: int, chunk_bytes: int) -> dict[str, object]:
     """First writes, chunk by chunk, of a fresh mapping of total_bytes, then a second pass."""
     page_bytes = mmap.PAGESIZE
-    chunk_bytes = max(page_bytes, chunk_bytes // page_bytes * page_bytes)
-    total_bytes = max(chunk_bytes, total_bytes // chunk_bytes * chunk_bytes)
+    total_bytes = max(page_bytes, total_bytes // page_bytes * page_bytes)
+    chunk_bytes = max(page_bytes, min(chunk_bytes, total_bytes) // page_bytes * page_bytes)
+    total_bytes = total_bytes // chunk_bytes * chunk_bytes
     region = mmap.mmap(-1, total_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         memory = np.frombuffer(region, dtype=np.uint8)

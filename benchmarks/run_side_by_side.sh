@@ -3,8 +3,10 @@
 # side on M0: the workloads W1-W5 of WORKLOADS.md, in one sitting, with the same client
 # (`tokenserve bench serve`) for every server. Each workload runs on one engine right after
 # the other, so that all see the same machine. The sitting records the CPU (lscpu: model,
-# flags) in meta.json, and each server's start time and resident memory (its processes'
-# RSS and peak RSS) in server_<session>_<engine>.json; the report prints them.
+# flags) in meta.json, each server's start time and resident memory (its processes'
+# RSS and peak RSS) in server_<session>_<engine>.json, and what the host charges for fresh
+# memory at the sitting's start and end (benchmarks/first_touch.py: first_touch_start.json,
+# first_touch_end.json); the report prints them.
 #
 # usage: benchmarks/run_side_by_side.sh [OUT_DIR]      (default: /tmp/side_by_side/DATE)
 #        DRY_RUN=1 benchmarks/run_side_by_side.sh OUT_DIR   prints every command, runs none
@@ -52,6 +54,9 @@
 #   LOCK=/tmp/cpu.lock              held from the first benchmark to the last (flock)
 #   LOCK_WAIT=7200  START_TIMEOUT=900  RUN_TIMEOUT=1800  SERVER_LIFETIME=7200   (seconds)
 #   QUICK=1                         an eighth of the requests: checks the plumbing only
+#   FIRST_TOUCH_GIB=2.5             fresh memory benchmarks/first_touch.py writes at the start
+#                                   and at the end (0: not measured; the cheap price ~1 s a
+#                                   GiB, the dear one ~12 s)
 #   SESSIONS=""                     only these server sessions (names as in the logs: main,
 #                                   prefix_cache_off, w4_mbt_256, w4_mbt_512, w4_mbt_2048,
 #                                   kv_2048), e.g. to run again one that failed; empty: all
@@ -96,6 +101,7 @@ START_TIMEOUT=${START_TIMEOUT:-900}
 RUN_TIMEOUT=${RUN_TIMEOUT:-1800}
 SERVER_LIFETIME=${SERVER_LIFETIME:-7200}
 QUICK=${QUICK:-0}
+FIRST_TOUCH_GIB=${FIRST_TOUCH_GIB:-2.5}
 SESSIONS=${SESSIONS:-}
 VLLM_W5_ARGS=${VLLM_W5_ARGS:---block-size 32 --num-gpu-blocks-override 64 --max-model-len 2016}
 LLAMA_CPP_DIR=${LLAMA_CPP_DIR:-/tmp/peers/llama.cpp}
@@ -229,6 +235,17 @@ meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "engines": sys.argv[2],
             text=True).stdout.strip())}
 json.dump(meta, open(sys.argv[1], "w"), indent=2)
 EOF
+# The host's price for fresh memory: a KV block written for the first time pays it inside a
+# step, so it can move the figures as much as the engines do (docs/PERFORMANCE_CPU.md).
+first_touch() {  # $1: start | end
+  [ "$FIRST_TOUCH_GIB" = 0 ] && return 0
+  log "first touch ($1): $FIRST_TOUCH_GIB GiB of fresh memory"
+  x "$PYTHON" benchmarks/first_touch.py --gib "$FIRST_TOUCH_GIB" \
+      --json "$OUT/first_touch_$1.json" > "$OUT/logs/first_touch_$1.log" 2>&1 \
+    || log "first_touch.py failed, see logs/first_touch_$1.log"
+  dry || tail -n 1 "$OUT/logs/first_touch_$1.log" | sed "s/^/    /"
+}
+first_touch start
 
 # -------------------------------------------------------------------- servers
 SERVER_PID=""
@@ -471,6 +488,7 @@ fi
 has w5 && session kv_2048 "--num-kv-blocks 16 --block-size 128 --max-model-len 2048" \
     "$VLLM_W5_ARGS" skip w5 constrained
 
+first_touch end
 "$PYTHON" - "$OUT/meta.json" <<'EOF'
 import json, os, sys, time
 meta = json.load(open(sys.argv[1]))

@@ -8,9 +8,10 @@ and writes OUT_DIR/summary.json. The ratio columns are tokenserve / each peer th
 (float32), vLLM bf16, llama.cpp (F32 weights and KV), llama.cpp F16 (F16 weights and KV); and,
 where tokenserve also ran in float32 (engine tokenserve_fp32), tokenserve fp32 / the float32
 peers. transformers (`benchmarks/transformers_generate.py`) has W1 only. The header names the CPU
-(meta.json's lscpu); the servers table gives each server's start time and resident memory
-(server_<session>_<engine>.json), and tokenserve's start to a first answer
-(startup_tokenserve.json, `tokenserve bench startup`).
+(meta.json's lscpu) and what the host charged for fresh memory at the sitting's start and end
+(first_touch_start.json, first_touch_end.json: benchmarks/first_touch.py); the servers table
+gives each server's start time and resident memory (server_<session>_<engine>.json), and
+tokenserve's start to a first answer (startup_tokenserve.json, `tokenserve bench startup`).
 """
 
 from __future__ import annotations
@@ -168,6 +169,21 @@ def cpu_line(meta: dict[str, Any]) -> str:
     return f"CPU: {model}, {cpus} CPU(s); {', '.join(isa) or 'none of ' + ', '.join(ISA_FLAGS)}"
 
 
+def first_touch_line(out_dir: str) -> str | None:
+    """What the host charged for fresh memory at the sitting's start and end
+    (benchmarks/first_touch.py's JSON files), or None where neither was measured."""
+    parts = []
+    for when in ("start", "end"):
+        data = load(out_dir, f"first_touch_{when}")
+        if data is not None:
+            chunks = data["first_touch_us_per_page"]
+            gib = len(chunks) * data["chunk_mib"] / 1024
+            parts.append(f"{when} {min(chunks):.2f}-{max(chunks):.2f} us a page over {gib:g} GiB")
+    if not parts:
+        return None
+    return "Fresh memory, first write (benchmarks/first_touch.py): " + "; ".join(parts)
+
+
 def w5_outputs_equal(out_dir: str, engine: str) -> str | None:
     """How many constrained-cache outputs equal the unconstrained run's, as 'k/n'."""
     constrained = load(out_dir, f"w5_constrained_{engine}")
@@ -228,7 +244,11 @@ def main(out_dir: str) -> int:
         summary["servers"] = servers
     meta = load(out_dir, "meta") or {}
     brief = {key: value for key, value in meta.items() if key not in ("lscpu", "flags")}
-    lines = [f"## Side by side: {out_dir}", "", cpu_line(meta), "", f"meta: {json.dumps(brief)}", ""]
+    lines = [f"## Side by side: {out_dir}", "", cpu_line(meta), ""]
+    fresh = first_touch_line(out_dir)
+    if fresh is not None:
+        lines += [fresh, ""]
+    lines += [f"meta: {json.dumps(brief)}", ""]
     for name, rows in summary.items():
         lines += table(name, rows)
     print("\n".join(lines))

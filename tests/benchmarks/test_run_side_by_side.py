@@ -61,6 +61,11 @@ def test_dry_run_prints_every_configuration_and_runs_nothing(tmp_path: Path):
     assert any("--outtype f16" in c for c in commands(printed, "gguf_to_f32.py"))
     assert len(commands(printed, "llama-batched-bench")) == 2
     assert len(commands(printed, "bench startup")) == 1
+    # The host's price for fresh memory, measured at the start and at the end.
+    first_touch = commands(printed, "first_touch.py")
+    assert len(first_touch) == 2
+    for command, when in zip(first_touch, ("start", "end"), strict=True):
+        assert "--gib 2.5" in command and f"first_touch_{when}.json" in command
     # Every server session has its client runs, each engine's results named apart.
     for engine in ("tokenserve", "vllm", "vllm_bf16", "llamacpp", "llamacpp_f16"):
         assert any(f"w2_rate_inf_{engine}.json" in c for c in commands(printed, "bench serve"))
@@ -170,7 +175,7 @@ def test_a_server_session_records_its_server_and_stops_its_whole_group(tmp_path:
              "LLAMA_CPP_DIR": str(tmp_path / "llama.cpp"), "LOCK": str(tmp_path / "cpu.lock"),
              "ENGINES": "llamacpp", "PHASES": "w2", "SESSIONS": "main", "QUICK": "1",
              "PORT": str(port), "START_TIMEOUT": "300", "RUN_TIMEOUT": "300",
-             "FAKE_PIDS": str(pids)},
+             "FAKE_PIDS": str(pids), "FIRST_TOUCH_GIB": "0.01"},
         capture_output=True, text=True, timeout=900, check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -179,3 +184,9 @@ def test_a_server_session_records_its_server_and_stops_its_whole_group(tmp_path:
     assert server["rss_kib"] > 10 * 1024 and server["ready_s"] > 0
     server_pid, child_pid = map(int, pids.read_text().split())
     assert not alive(server_pid) and not alive(child_pid)
+    # The host's price for fresh memory, at the start and at the end, and in the report.
+    for when in ("start", "end"):
+        fresh = json.loads((out / f"first_touch_{when}.json").read_text())
+        assert fresh["first_touch_us_per_page"] and fresh["chunk_mib"] * len(
+            fresh["first_touch_us_per_page"]) == pytest.approx(0.01 * 1024, abs=0.01)
+    assert "Fresh memory, first write" in (out / "summary.md").read_text()

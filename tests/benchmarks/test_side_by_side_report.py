@@ -149,3 +149,21 @@ def test_report_puts_tokenserve_in_float32_beside_the_float32_peers(tmp_path, ca
     # Each tokenserve configuration keeps its own server, the fp32 one not taken for the other.
     assert servers["tokenserve"]["RSS MiB"] == 900
     assert servers["tokenserve_fp32"]["RSS MiB"] == 1200
+
+
+def test_report_gives_the_price_of_fresh_memory_at_the_start_and_end(tmp_path, capsys):
+    # benchmarks/first_touch.py's JSON: 256 MiB chunks, the dear price from the third on.
+    for when, chunks in (("start", [1.3, 1.28, 45.5, 48.0]), ("end", [1.25, 1.31])):
+        (tmp_path / f"first_touch_{when}.json").write_text(json.dumps(
+            {"page_bytes": 4096, "chunk_mib": 256.0, "first_touch_us_per_page": chunks,
+             "first_touch_median_us_per_page": 0.0, "resident_us_per_page": 0.03}))
+
+    assert load_report_script().main(str(tmp_path)) == 0
+
+    assert ("Fresh memory, first write (benchmarks/first_touch.py): start 1.28-48.00 us a "
+            "page over 1 GiB; end 1.25-1.31 us a page over 0.5 GiB") in capsys.readouterr().out
+
+
+def test_report_has_no_fresh_memory_line_where_it_was_not_measured(tmp_path, capsys):
+    assert load_report_script().main(str(tmp_path)) == 0
+    assert "Fresh memory" not in capsys.readouterr().out
