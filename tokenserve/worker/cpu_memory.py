@@ -141,5 +141,5 @@ class KVCachePrefault:
         if end == self.num_blocks:
             gib = self.num_blocks * self.bytes_per_block / 2**30
             logger.info("The KV cache is in memory: %.2f GiB faulted in ahead of use in %.1f s "
-                        "(%.2f s/GiB).", gib, self.seconds, self.seconds / gib)
+                        "(%.2f s/GiB).", gib, self.seconds, self.seconds / gib if gib else 0.0)
         return end < self.num_blocks
