@@ -28,6 +28,35 @@ def test_new_blocks_come_from_the_lru_head_and_evict_their_hash():
     assert pool.get_cached_block(b"h0") is first[0]
 
 
+def test_a_freed_block_without_a_hash_is_handed_out_before_blocks_never_used():
+    pool = BlockPool(6, enable_caching=True)
+    first = pool.get_new_blocks(3)
+    pool.cache_full_blocks(first, [b"h0", b"h1"], 0, 2)  # block 2: a partial last block
+    second = pool.get_new_blocks(1)  # block 3: a duplicate of a cached one, never hashed
+    pool.cache_full_blocks(second, [b"h0"], 0, 1)
+    pool.free_blocks(reversed(first))
+    pool.free_blocks(second)
+    # Uncached blocks at the head, the last freed first; cached ones at the tail in LRU order.
+    assert [b.block_id for b in pool.free_block_queue] == [3, 2, 4, 5, 1, 0]
+    assert [b.block_id for b in pool.get_new_blocks(4)] == [3, 2, 4, 5]
+    assert pool.get_cached_block(b"h0") is first[0] and pool.get_cached_block(b"h1") is first[1]
+
+
+def test_without_prefix_caching_a_request_gets_the_blocks_the_last_one_freed():
+    manager = KVCacheManager(num_blocks=8, block_size=4, enable_caching=False)
+    first = make_request("a", list(range(10)))
+    assert manager.allocate_slots(first, 10) is not None
+    held = [block.block_id for block in manager.req_to_blocks["a"]]
+    manager.free(first)
+    second = make_request("b", list(range(100, 111)))
+    assert manager.allocate_slots(second, 11) is not None
+    # The same memory, in the same order, before any block never written.
+    assert [block.block_id for block in manager.req_to_blocks["b"]] == held
+    check_block_pool_invariants(manager)
+    manager.free(second)
+    check_block_pool_invariants(manager)
+
+
 def test_touch_takes_a_cached_free_block_out_of_the_free_queue():
     pool = BlockPool(3, enable_caching=True)
     [block] = pool.get_new_blocks(1)

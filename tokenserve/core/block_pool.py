@@ -1,5 +1,13 @@
 """The pool of KV cache blocks: ref counts, one LRU free queue, and the prefix-cache map.
 
+The free queue's head is handed out first. A freed block with a hash joins the tail (the
+least recently used cached block is the first evicted); a freed block without one (prefix
+caching off, a request's partial last block, a duplicate of a cached block) has nothing to
+evict and joins the head, ahead of the blocks never used yet. So a block pool reuses the
+memory it has written before it touches new memory: on CPU the KV cache is mapped lazily
+and a block's first write faults in its pages (worker/cpu_memory.py), which on some hosts
+costs more than the step's compute (docs/PERFORMANCE_CPU.md).
+
 Invariants (tests/core/test_block_pool_properties.py checks them):
 - a block's `ref_cnt` equals the number of request block tables that hold it;
 - a block is in the free queue exactly when its `ref_cnt` is 0;
@@ -28,7 +36,7 @@ class KVCacheBlock:
 
 
 class FreeBlockQueue:
-    """Doubly linked list of free blocks, least recently freed at the head.
+    """Doubly linked list of free blocks, the next to hand out at the head.
 
     A linked list rather than a deque because a prefix-cache hit takes a block out of
     the middle of the queue, and that must be O(1).
@@ -61,10 +69,19 @@ class FreeBlockQueue:
     def append(self, block: KVCacheBlock) -> None:
         last = self._tail.prev_free
         assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
+        self._insert(block, last, self._tail)
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        first = self._head.next_free
+        assert first is not None
+        self._insert(block, self._head, first)
+
+    def _insert(self, block: KVCacheBlock, prev_block: KVCacheBlock,
+                next_block: KVCacheBlock) -> None:
+        prev_block.next_free = block
+        block.prev_free = prev_block
+        block.next_free = next_block
+        next_block.prev_free = block
         self.num_free_blocks += 1
 
     def __iter__(self):
@@ -115,16 +132,21 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference on each block; blocks reaching 0 join the free queue in order.
+        """Drop one reference on each block; blocks reaching 0 join the free queue in order:
+        cached ones at its tail, uncached ones at its head (the last of them first).
 
         Callers pass a request's blocks tail first, so that the most specific (least
-        shareable) part of a prefix is the first to be evicted.
+        shareable) part of a prefix is the first to be evicted, and its uncached blocks are
+        handed out again in the order it held them.
         """
         for block in ordered_blocks:
             assert block.ref_cnt > 0, f"double free of {block}"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                if block.block_hash is None:
+                    self.free_block_queue.appendleft(block)
+                else:
+                    self.free_block_queue.append(block)
 
     def cache_full_blocks(
         self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], start: int, end: int
