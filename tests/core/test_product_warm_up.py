@@ -12,7 +12,7 @@ import torch
 from tests.core.greedy import greedy_tokens
 from tokenserve import SamplingParams
 from tokenserve.core.engine_core import EngineCore
-from tokenserve.core.engine_core_proc import PREFAULT_CHUNK_BYTES, EngineCoreProc
+from tokenserve.core.engine_core_proc import PREFAULT_SLICE_SECONDS, EngineCoreProc
 from tokenserve.core.request import Request
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.model.layers.linear import ReplicatedLinear
@@ -88,8 +88,8 @@ def test_the_plan_leaves_out_rows_other_kernels_take():
 class _IdleCore:
     """The engine core as the idle loop sees it: products to build, then pages."""
 
-    def __init__(self, inputs: queue.Queue, products: int, chunks: int, input_after: int):
-        self.inputs, self.products, self.chunks = inputs, products, chunks
+    def __init__(self, inputs: queue.Queue, products: int, slices: int, input_after: int):
+        self.inputs, self.products, self.slices = inputs, products, slices
         self.input_after = input_after
         self.calls: list[str] = []
 
@@ -103,21 +103,21 @@ class _IdleCore:
         self.products -= 1
         return self.products > 0
 
-    def prefault_kv_cache(self, max_bytes: int) -> bool:
-        assert max_bytes == PREFAULT_CHUNK_BYTES
-        self._called("chunk")
-        self.chunks -= 1
-        return self.chunks > 0
+    def prefault_kv_cache(self, max_seconds: float) -> bool:
+        assert max_seconds == PREFAULT_SLICE_SECONDS
+        self._called("slice")
+        self.slices -= 1
+        return self.slices > 0
 
 
 def test_the_idle_loop_builds_the_products_before_faulting_pages_in():
     proc = EngineCoreProc.__new__(EngineCoreProc)  # no sockets: the loop's own state only
     proc.input_queue = queue.Queue()
     proc.warming = proc.prefaulting = True
-    core = proc.engine_core = _IdleCore(proc.input_queue, products=3, chunks=2, input_after=2)
+    core = proc.engine_core = _IdleCore(proc.input_queue, products=3, slices=2, input_after=2)
     assert proc._next_input_while_idle() == ("ADD", "request")
     assert core.calls == ["product", "product"] and proc.warming  # the input after a piece
     core.input_after = 5
     assert proc._next_input_while_idle() == ("ADD", "request")
-    assert core.calls == ["product"] * 3 + ["chunk"] * 2
+    assert core.calls == ["product"] * 3 + ["slice"] * 2
     assert not proc.warming and not proc.prefaulting

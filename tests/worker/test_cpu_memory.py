@@ -92,44 +92,73 @@ def _log_lines(monkeypatch) -> Iterator[list[str]]:
         cpu_memory.logger.setLevel(level)
 
 
+def _ticking_clock(monkeypatch) -> SimpleNamespace:
+    """A clock for KVCachePrefault that advances one second per call into the kernel."""
+    from tokenserve.worker import cpu_memory
+
+    clock = SimpleNamespace(now=0.0, ranges=[])
+    populate = cpu_memory.populate
+
+    def ticking(address: int, length: int) -> bool:
+        clock.now += 1.0
+        clock.ranges.append((address, length))
+        return populate(address, length)
+
+    monkeypatch.setattr(cpu_memory, "populate", ticking)
+    return clock
+
+
 @needs_populate
 def test_prefault_faults_blocks_in_lowest_first_and_keeps_their_contents(monkeypatch):
+    from tokenserve.worker import cpu_memory
+
     # Two layers' caches as the CPU backend lays them out: [2 (K, V), blocks, ...]; a block
-    # of one half is 4 pages.
+    # of one half is 4 pages, and a piece two blocks of one half.
     num_blocks, block_pages = 6, 4
-    shape = (2, num_blocks, block_pages * mmap.PAGESIZE // 4)
+    block_bytes = block_pages * mmap.PAGESIZE
+    monkeypatch.setattr(cpu_memory, "PREFAULT_PIECE_BYTES", 2 * block_bytes)
+    shape = (2, num_blocks, block_bytes // 4)
     caches = [zeros_on_first_touch(shape, torch.float32, torch.device("cpu")) for _ in range(2)]
     for cache in caches:
         assert not any(resident_pages(cache))
     caches[1][1, 4, 7] = 3.5  # a block in use already (its value page is in memory)
 
-    prefault = KVCachePrefault(caches, block_dim=1, num_blocks=num_blocks)
-    block_bytes = block_pages * mmap.PAGESIZE
+    clock = _ticking_clock(monkeypatch)
+    prefault = KVCachePrefault(caches, block_dim=1, num_blocks=num_blocks,
+                               clock=lambda: clock.now)
     assert prefault.bytes_per_block == 2 * 2 * block_bytes
+    assert prefault.blocks_per_group == 2
 
     def resident_blocks(cache, half):
         pages = resident_pages(cache[half])
         return [all(pages[b * block_pages:(b + 1) * block_pages]) for b in range(num_blocks)]
 
-    # Two blocks per call (every cache's K and V part of each), lowest first.
-    assert prefault.step(2 * prefault.bytes_per_block)
+    # Pieces until the slice is used up: four (every cache's K and V part of blocks 0-1).
+    assert prefault.step(4.0)
+    assert prefault.next_block == 2
     for cache in caches:
         for half in (0, 1):
             assert resident_blocks(cache, half)[:2] == [True, True]
             assert not any(resident_blocks(cache, half)[2:4])
-    # Less than a block's bytes still takes one; the last call says nothing is left, and
-    # logs what the whole cache took, once.
+    # One piece, the first cache's keys of blocks 2-3: the group is not in yet. A slice of
+    # no time still takes one piece.
+    assert prefault.step(1.0)
+    assert resident_blocks(caches[0], 0)[2:4] == [True, True]
+    assert not any(resident_blocks(caches[0], 1)[2:4])
+    assert prefault.next_block == 2
+    assert prefault.step(0.0)
+    assert resident_blocks(caches[0], 1)[2:4] == [True, True]
+    # The last call says nothing is left, and logs what the whole cache took, once.
     with _log_lines(monkeypatch) as lines:
-        assert prefault.step(1)
-        assert prefault.step(2 * prefault.bytes_per_block)
-        assert lines == []
-        assert not prefault.step(2 * prefault.bytes_per_block)
-        assert not prefault.step(2 * prefault.bytes_per_block)
+        assert not prefault.step(100.0)
+        assert not prefault.step(100.0)
+    assert len(clock.ranges) == 3 * 4  # 3 groups, 4 pieces each: one call each
+    assert all(length == 2 * block_bytes for _, length in clock.ranges)
+    assert prefault.seconds == 12.0
     gib = num_blocks * prefault.bytes_per_block / 2**30
     [line] = lines
     assert line.startswith(f"The KV cache is in memory: {gib:.2f} GiB faulted in ahead of use "
-                           f"in {prefault.seconds:.1f} s"), line
-    assert prefault.seconds > 0
+                           f"in 12.0 s"), line
     for cache in caches:
         assert all(resident_pages(cache))
     # Contents unchanged: zeros, and the value written before.
@@ -138,11 +167,34 @@ def test_prefault_faults_blocks_in_lowest_first_and_keeps_their_contents(monkeyp
     assert all(not cache.any() for cache in caches)
 
 
+@needs_populate
+def test_prefault_cuts_a_block_larger_than_a_piece(monkeypatch):
+    from tokenserve.worker import cpu_memory
+
+    # One cache, a block of one half 4 pages, a piece 1 page: a block takes 8 calls.
+    monkeypatch.setattr(cpu_memory, "PREFAULT_PIECE_BYTES", mmap.PAGESIZE)
+    cache = zeros_on_first_touch((2, 3, mmap.PAGESIZE), torch.float32, torch.device("cpu"))
+    clock = _ticking_clock(monkeypatch)
+    prefault = KVCachePrefault([cache], block_dim=1, num_blocks=3, clock=lambda: clock.now)
+    assert prefault.blocks_per_group == 1
+    assert prefault.step(0.0)
+    assert resident_pages(cache[0]) == [True] + [False] * 11
+    assert prefault.step(6.0)  # the rest of block 0's keys, and its values
+    assert prefault.next_block == 0
+    assert prefault.step(1.0)
+    assert prefault.next_block == 1
+    assert resident_pages(cache[0])[:5] == [True] * 4 + [False]
+    assert resident_pages(cache[1])[:5] == [True] * 4 + [False]
+    assert not prefault.step(100.0) and all(resident_pages(cache))
+    assert all(length == mmap.PAGESIZE for _, length in clock.ranges)
+    assert len(clock.ranges) == 3 * 2 * 4
+
+
 def test_prefault_refuses_a_layout_without_the_blocks():
     with pytest.raises(ValueError, match="does not hold 8 blocks along dimension 1"):
         KVCachePrefault([torch.zeros(2, 4, 16)], block_dim=1, num_blocks=8)
     # No caches (an encoder-only model): nothing to do.
-    assert not KVCachePrefault([], block_dim=1, num_blocks=8).step(1 << 20)
+    assert not KVCachePrefault([], block_dim=1, num_blocks=8).step(1.0)
 
 
 def test_prefault_gives_up_where_the_kernel_cannot(monkeypatch):
@@ -152,8 +204,8 @@ def test_prefault_gives_up_where_the_kernel_cannot(monkeypatch):
     monkeypatch.setattr(cpu_memory, "populate", lambda *range_: attempts.append(range_) and False)
     with _log_lines(monkeypatch) as lines:
         prefault = KVCachePrefault([torch.zeros(2, 4, 1024)], block_dim=1, num_blocks=4)
-        assert not prefault.step(1 << 20)
+        assert not prefault.step(1.0)
     [line] = lines
     assert "faulted in on first use from block 0 on" in line
     # Nothing more is tried.
-    assert not prefault.step(1 << 20) and len(attempts) == 1
+    assert not prefault.step(1.0) and len(attempts) == 1

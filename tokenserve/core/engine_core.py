@@ -109,12 +109,12 @@ class EngineCore:
             or bool(self.collected_outputs)
         )
 
-    def prefault_kv_cache(self, max_bytes: int) -> bool:
-        """Between steps only, while nothing is to compute: fault in about max_bytes more of
-        the workers' KV cache pages ahead of their first use (worker/cpu_memory.py), so that
-        a later step's K/V writes do not; whether any pages are left."""
+    def prefault_kv_cache(self, max_seconds: float) -> bool:
+        """Between steps only, while nothing is to compute: fault in more of the workers' KV
+        cache pages ahead of their first use for about max_seconds (worker/cpu_memory.py),
+        so that a later step's K/V writes do not; whether any pages are left."""
         assert not self.has_unfinished_requests(), "only while idle"
-        return self.executor.prefault_kv_cache(max_bytes)
+        return self.executor.prefault_kv_cache(max_seconds)
 
     def warm_up_products(self) -> bool:
         """Between steps only, while nothing is to compute: build one more of the workers'

@@ -51,10 +51,12 @@ SOCKET_LINGER_MS = 2000
 ENGINE_CORE_LOG_FORMAT = "%(levelname)s %(asctime)s [engine core] %(name)s: %(message)s"
 
 _SHUTDOWN = "shutdown"  # an input-queue item that ends the busy loop
-# KV cache faulted in per call while idle (a block of the default model's bf16 cache is
-# ~3 MiB): ~1-2 ms on a VM whose fresh memory costs ~0.3 s/GiB, ~16 ms where it costs ~4
-# (docs/PERFORMANCE_CPU.md) — the longest an input arriving meanwhile waits for the loop.
-PREFAULT_CHUNK_BYTES = 4 << 20
+# Time given to faulting the KV cache in per call while idle, in pieces of at most 256 KiB
+# (worker/cpu_memory.py): an input arriving meanwhile waits for the rest of the slice and one
+# piece at most, ~2 ms where fresh memory is cheap, ~5 ms where a page costs ~45 us
+# (docs/PERFORMANCE_CPU.md). A whole block of the default model's cache (~3 MiB) took 1-32
+# ms on that VM.
+PREFAULT_SLICE_SECONDS = 0.002
 
 
 def run_engine_core(
@@ -202,7 +204,7 @@ class EngineCoreProc:
         """The next input. Until it comes, idle time goes to what later steps would
         otherwise pay for, a small piece at a time (an input waits for one piece at most):
         first the bf16 products' oneDNN primitives, one product per piece, then the KV
-        cache's pages, PREFAULT_CHUNK_BYTES a piece; once all is done, block on the queue."""
+        cache's pages, PREFAULT_SLICE_SECONDS a piece; once all is done, block on the queue."""
         while self.warming or self.prefaulting:
             try:
                 return self.input_queue.get_nowait()
@@ -210,7 +212,7 @@ class EngineCoreProc:
                 if self.warming:
                     self.warming = self.engine_core.warm_up_products()
                 else:
-                    self.prefaulting = self.engine_core.prefault_kv_cache(PREFAULT_CHUNK_BYTES)
+                    self.prefaulting = self.engine_core.prefault_kv_cache(PREFAULT_SLICE_SECONDS)
         return self.input_queue.get()
 
     def _handle_input(self, kind: str, payload: Any) -> bool:

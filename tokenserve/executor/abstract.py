@@ -76,10 +76,10 @@ class Executor(ABC):
         """Allocate every worker's KV cache (`cache_config.num_blocks` blocks)."""
         self.collective_rpc("initialize_kv_cache")
 
-    def prefault_kv_cache(self, max_bytes: int) -> bool:
-        """Fault in about max_bytes more of each worker's KV cache ahead of its first use
-        (between steps only); whether any worker has pages left."""
-        return any(self.collective_rpc("prefault_kv_cache", args=(max_bytes,)))
+    def prefault_kv_cache(self, max_seconds: float) -> bool:
+        """Fault in more of each worker's KV cache ahead of its first use for about
+        max_seconds (between steps only); whether any worker has pages left."""
+        return any(self.collective_rpc("prefault_kv_cache", args=(max_seconds,)))
 
     def warm_up_products(self) -> bool:
         """Build one more of each worker's bf16 product primitives ahead of the steps that

@@ -14,8 +14,10 @@ A fresh page can cost far more than its zeroing, though: on a VM whose host hand
 memory slowly, a prompt step's K/V writes spent most of their time faulting in new pages
 (docs/PERFORMANCE_CPU.md, "How much a first touch costs"). `KVCachePrefault` faults the
 cache in ahead of use, block by block in the order the block pool first hands blocks out,
-a bounded amount per call: the engine core calls it while it has nothing to compute
-(core/engine_core_proc.py), so the pages are paid for in idle time, not inside a step.
+a time slice per call, in pieces of at most PREFAULT_PIECE_BYTES: the engine core calls it
+while it has nothing to compute (core/engine_core_proc.py), so the pages are paid for in
+idle time, not inside a step, and an input arriving meanwhile waits for the rest of one
+slice at most.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import mmap
 import os
 import platform
 import time
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -89,16 +92,26 @@ def populate(address: int, length: int) -> bool:
     return end == start or madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
 
 
+# The most one madvise call of the idle prefault faults in: one cache's part of a few
+# blocks, or of one block, cut to this size. A call costs ~0.1 ms where fresh memory is
+# cheap and ~3 ms where a page costs ~45 us (docs/PERFORMANCE_CPU.md): the longest an input
+# waits past the end of the engine core's time slice for it.
+PREFAULT_PIECE_BYTES = 256 << 10
+
+
 class KVCachePrefault:
     """Faults in the pages of a worker's KV caches ahead of their first use: blocks
     0, 1, 2, ... in turn (the block pool's free queue starts in that order, so the blocks
-    handed out first are faulted in first), every cache's part of a block together.
+    handed out first are faulted in first), every cache's part of a group of blocks
+    together, at most PREFAULT_PIECE_BYTES per call into the kernel.
 
     `caches`: contiguous CPU tensors whose dimension `block_dim` indexes the `num_blocks`
     blocks (the attention backend's layout, `kv_cache_block_dim`). Blocks already in use are
-    only faulted in where they are not yet: their contents are kept."""
+    only faulted in where they are not yet: their contents are kept. `clock`: seconds, for
+    the time slices of `step` (tests pass their own)."""
 
-    def __init__(self, caches: list[torch.Tensor], block_dim: int, num_blocks: int) -> None:
+    def __init__(self, caches: list[torch.Tensor], block_dim: int, num_blocks: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         # Per cache: its address, how many runs of blocks it holds (the dimensions before
         # block_dim), the bytes from one run to the next, and one block's bytes in a run.
         self._runs: list[tuple[int, int, int, int]] = []
@@ -111,35 +124,54 @@ class KVCachePrefault:
                                num_blocks * block_bytes, block_bytes))
         self.bytes_per_block = sum(runs * block for _, runs, _, block in self._runs)
         self.num_blocks = num_blocks
+        # Blocks faulted in together: as many as one piece of the largest run holds.
+        largest = max((block for *_, block in self._runs), default=1)
+        self.blocks_per_group = max(1, PREFAULT_PIECE_BYTES // max(largest, 1))
+        self._pieces = self._ranges()
         # The first block not yet faulted in.
         self.next_block = 0 if self._runs else num_blocks
         # Time spent faulting so far: logged with the last block, for an operator to see
         # what the host charged for the cache (benchmarks/first_touch.py measures it alone).
         self.seconds = 0.0
+        self._clock = clock
 
-    def step(self, max_bytes: int) -> bool:
-        """Fault in the next blocks: as many as max_bytes holds, at least one. Returns
-        whether blocks are left; False also where the kernel cannot (then nothing more is
+    def _ranges(self) -> Iterator[tuple[int, int, int, int]]:
+        """(address, length, the group's first block, the first block left once this range
+        is in) of every piece, in order."""
+        for first in range(0, self.num_blocks, self.blocks_per_group):
+            end = min(first + self.blocks_per_group, self.num_blocks)
+            pieces = [
+                (piece, min(PREFAULT_PIECE_BYTES, stop - piece))
+                for address, runs, run_bytes, block_bytes in self._runs
+                for run in range(runs)
+                for stop in (address + run * run_bytes + end * block_bytes,)
+                for piece in range(address + run * run_bytes + first * block_bytes, stop,
+                                   PREFAULT_PIECE_BYTES)
+            ]
+            for index, (address, length) in enumerate(pieces):
+                yield address, length, first, end if index == len(pieces) - 1 else first
+
+    def step(self, max_seconds: float) -> bool:
+        """Fault in the next pieces until `max_seconds` have passed, at least one. Returns
+        whether pages are left; False also where the kernel cannot (then nothing more is
         tried: the pages are faulted in on first use, as without this)."""
         if self.next_block >= self.num_blocks:
             return False
-        started = time.perf_counter()
-        first = self.next_block
-        end = min(first + max(1, max_bytes // max(self.bytes_per_block, 1)), self.num_blocks)
-        for address, runs, run_bytes, block_bytes in self._runs:
-            for run in range(runs):
-                if not populate(address + run * run_bytes + first * block_bytes,
-                                (end - first) * block_bytes):
-                    error = ctypes.get_errno()
-                    logger.info("The KV cache is faulted in on first use from block %d on: "
-                                "madvise(MADV_POPULATE_WRITE, Linux 5.14) failed (%s).",
-                                first, os.strerror(error) if error else "not Linux")
-                    self.next_block = self.num_blocks
-                    return False
-        self.next_block = end
-        self.seconds += time.perf_counter() - started
-        if end == self.num_blocks:
+        started = self._clock()
+        for address, length, first, left in self._pieces:
+            if not populate(address, length):
+                error = ctypes.get_errno()
+                logger.info("The KV cache is faulted in on first use from block %d on: "
+                            "madvise(MADV_POPULATE_WRITE, Linux 5.14) failed (%s).",
+                            first, os.strerror(error) if error else "not Linux")
+                self.next_block = self.num_blocks
+                return False
+            self.next_block = left
+            if left == self.num_blocks or self._clock() - started >= max_seconds:
+                break
+        self.seconds += self._clock() - started
+        if self.next_block == self.num_blocks:
             gib = self.num_blocks * self.bytes_per_block / 2**30
             logger.info("The KV cache is in memory: %.2f GiB faulted in ahead of use in %.1f s "
                         "(%.2f s/GiB).", gib, self.seconds, self.seconds / gib if gib else 0.0)
-        return end < self.num_blocks
+        return self.next_block < self.num_blocks

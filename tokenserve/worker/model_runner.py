@@ -142,10 +142,11 @@ class ModelRunner:
                 self.config.cache_config.num_blocks,
             )
 
-    def prefault_kv_cache(self, max_bytes: int) -> bool:
-        """Fault in about max_bytes more of the KV caches' pages ahead of their first use
-        (worker/cpu_memory.py); whether any are left. For the engine core's idle time."""
-        return self.kv_prefault is not None and self.kv_prefault.step(max_bytes)
+    def prefault_kv_cache(self, max_seconds: float) -> bool:
+        """Fault in more of the KV caches' pages ahead of their first use for about
+        max_seconds (worker/cpu_memory.py); whether any are left. For the engine core's idle
+        time."""
+        return self.kv_prefault is not None and self.kv_prefault.step(max_seconds)
 
     def warm_up_products(self) -> bool:
         """Build one more of the oneDNN primitives the model's bf16 products will run at

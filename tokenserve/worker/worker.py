@@ -46,8 +46,8 @@ class Worker:
     def initialize_kv_cache(self) -> None:
         self.model_runner.initialize_kv_cache()
 
-    def prefault_kv_cache(self, max_bytes: int) -> bool:
-        return self.model_runner.prefault_kv_cache(max_bytes)
+    def prefault_kv_cache(self, max_seconds: float) -> bool:
+        return self.model_runner.prefault_kv_cache(max_seconds)
 
     def warm_up_products(self) -> bool:
         return self.model_runner.warm_up_products()
