@@ -303,6 +303,11 @@ class KernelConfig:
     # A bfloat16 model's products of more rows than this go to oneDNN's bf16 GEMM whatever
     # the two limits above say (block_row_limits); None: by level (bf16_block_max_rows).
     bf16_quantized_max_rows: int | None = None
+    # A request's greedy tokens independent of the batch it runs in (docs/PERFORMANCE_CPU.md,
+    # "Outputs independent of the batch"): a GGUF model in bfloat16 on the amx level with
+    # every product on the AMX block kernel, one row included, bf16_quantized_max_rows at
+    # least the step budget (EngineArgs sets it). Refused elsewhere.
+    batch_invariant: bool = False
     # The instruction set the C kernels are built for (kernels/cpu_isa.py): "auto", the
     # best the CPU has, or a lower level forced; --dtype auto takes bfloat16 only where the
     # level computes it natively (avx512_bf16, amx).

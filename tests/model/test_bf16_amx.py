@@ -96,3 +96,40 @@ def test_the_amx_weights_are_the_bf16_models_dense_weights():
     assert layer.weight.dtype == torch.bfloat16 and layer.blocks.uses_amx
     width = layer.weight.shape[1]
     assert torch.equal(layer.blocks.matmul(torch.eye(width)), layer.weight.float().T)
+
+
+def test_batch_invariant_greedy_tokens_are_the_same_alone_and_among_others():
+    """--batch-invariant: every product on the AMX block kernel, one row included, whose sums
+    are each row's own in a fixed order (oneDNN's bf16 sums depend on the row count, and a
+    row alone otherwise takes the float32 few-row kernel); attention is each row's own too.
+    So a request's greedy tokens and logprobs are the same alone as among others."""
+    llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=False,
+              max_num_batched_tokens=256, batch_invariant=True)
+    blocks = _blocks(_model(llm))
+    assert blocks and all(b.uses_amx and b.amx_max_rows == 256 and b.amx_min_rows == 1
+                          for b in blocks)
+    vocab_size = llm.llm_engine.config.model_config.vocab_size
+    prompts = [{"prompt_token_ids": prompt}
+               for prompt in random_token_prompts(6, 40, vocab_size, seed=11)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+
+    def tokens(outputs):
+        return [(list(out.outputs[0].token_ids),
+                 [sorted((k, v.logprob) for k, v in step.items())
+                  for step in out.outputs[0].logprobs])
+                for out in outputs]
+
+    # One prompt step of 240 rows and decode steps of 6, against steps of 40 rows and 1.
+    together = tokens(llm.generate(prompts, params, use_tqdm=False))
+    alone = [tokens(llm.generate([prompt], params, use_tqdm=False))[0] for prompt in prompts]
+    assert together == alone
+
+
+def test_batch_invariant_needs_the_budget_on_the_block_kernel():
+    from tokenserve.engine.engine_args import EngineArgs
+
+    config = EngineArgs(max_num_batched_tokens=256, batch_invariant=True).create_engine_config()
+    assert config.kernel_config.bf16_quantized_max_rows == 256
+    with pytest.raises(ValueError, match="at least max_num_batched_tokens"):
+        EngineArgs(max_num_batched_tokens=256, bf16_quantized_max_rows=128,
+                   batch_invariant=True).create_engine_config()

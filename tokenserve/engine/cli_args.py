@@ -104,6 +104,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                               "with bf16 numerics; else the float32 ones, within the two "
                               "limits above), more rows go to oneDNN's bf16 GEMM. Default: "
                               "128 on amx and avx512_bf16, 16 on other levels.")
+    kernels.add_argument("--batch-invariant", action="store_true",
+                         default=defaults.batch_invariant,
+                         help="A request's greedy tokens independent of the batch it runs in: "
+                              "every product on the AMX block kernel (a GGUF model in bfloat16 "
+                              "on the amx level; refused elsewhere). Slower prompt steps: "
+                              "keep --max-num-batched-tokens small (e.g. 256).")
     kernels.add_argument("--cpu-isa", choices=list(CPU_ISAS), default=defaults.cpu_isa,
                          help="Instruction set the C kernels are built for: auto (the best the "
                               "CPU has) or a lower level forced (docs/PERFORMANCE_CPU.md).")

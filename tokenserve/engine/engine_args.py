@@ -143,6 +143,7 @@ class EngineArgs:
     quantized_max_rows: int = DEFAULT_QUANTIZED_MAX_ROWS
     quantized_gemm_max_rows: int = DEFAULT_QUANTIZED_GEMM_MAX_ROWS
     bf16_quantized_max_rows: int | None = None  # None: by level (KernelConfig)
+    batch_invariant: bool = False  # KernelConfig.batch_invariant
     # The C kernels' instruction set (kernels/cpu_isa.py): "auto" or a lower level forced.
     cpu_isa: str = "auto"
     # vLLM's --runner: "generate", "pooling" (embeddings, scores, classes) or "auto" (by
@@ -193,6 +194,7 @@ class EngineArgs:
             quantized_max_rows=self.quantized_max_rows,
             quantized_gemm_max_rows=self.quantized_gemm_max_rows,
             bf16_quantized_max_rows=self.bf16_quantized_max_rows,
+            batch_invariant=self.batch_invariant,
             cpu_isa=self.cpu_isa,
         )
         files = resolve_model(self.model)
@@ -249,6 +251,16 @@ class EngineArgs:
                 f"must be at least max_model_len ({model_config.max_model_len}), or a long prompt "
                 "could never be scheduled."
             )
+        if self.batch_invariant:
+            # Every product of a step on the blocks' kernel: its rows at most the budget.
+            if self.bf16_quantized_max_rows is None:
+                kernel_config.bf16_quantized_max_rows = max_num_batched_tokens
+            elif self.bf16_quantized_max_rows < max_num_batched_tokens:
+                raise ValueError(
+                    f"batch_invariant needs bf16_quantized_max_rows "
+                    f"({self.bf16_quantized_max_rows}) at least max_num_batched_tokens "
+                    f"({max_num_batched_tokens}): every product of a step on the block kernel."
+                )
         cache_config = CacheConfig(
             block_size=self.block_size,
             num_blocks=num_blocks,

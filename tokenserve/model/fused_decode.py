@@ -28,7 +28,6 @@ from tokenserve.config import KernelConfig
 from tokenserve.kernels import decode_layer, paged_attention
 from tokenserve.model.layers.layer_stack import LayerStack
 from tokenserve.model.layers.quantization.gguf import (
-    AMX_MIN_ROWS,
     DP_FEW_ROWS,
     GGUFLinearMethod,
     QuantizedWeight,
@@ -162,11 +161,11 @@ class FusedDecodeLayerStack(LayerStack):
             assert blocks is not None
             # Above max_rows the many-row kernel, as the GGUF method picks (the weight fits
             # its panels when the step's rows passed takes()); a bf16 model's on the amx
-            # level the AMX kernel above AMX_MIN_ROWS - 1, on the avx512_bf16 level the
+            # level the AMX kernel above amx_min_rows - 1, on the avx512_bf16 level the
             # vdpbf16ps kernel from one row, in its panel form above DP_FEW_ROWS
             # (QuantizedWeight.matmul).
-            few_rows = (AMX_MIN_ROWS - 1 if blocks.uses_amx else DP_FEW_ROWS if blocks.uses_dp
-                        else blocks.max_rows)
+            few_rows = (blocks.amx_min_rows - 1 if blocks.uses_amx
+                        else DP_FEW_ROWS if blocks.uses_dp else blocks.max_rows)
             projections[part] = (blocks.kind, blocks.qs, blocks.scales, linear.bias, few_rows,
                                  blocks.uses_amx, blocks.uses_dp)
         key_cache, value_cache = TorchSDPABackend.split_kv_cache(kv_cache)

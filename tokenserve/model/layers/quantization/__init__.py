@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tokenserve.config import KernelConfig
-from tokenserve.kernels import quant_linear
+from tokenserve.kernels import build, quant_linear
 from tokenserve.model.layers.quantization.base import QuantizationMethod
 from tokenserve.model.layers.quantization.gguf import GGUFLinearMethod
 from tokenserve.model.layers.quantization.unquantized import UnquantizedLinearMethod
@@ -38,13 +38,23 @@ def get_linear_method(
     dp_max_rows = (kernel_config.bf16_block_max_rows("dp")
                    if weight_dtype is not None and blocks_wanted and ops is not None and ops.dp
                    else 0)
-    if (
+    gguf = (
         model_format == "gguf"
         and activation_dtype(dtype) == torch.float32
         and ops is not None
         and max(max_rows, gemm_max_rows, amx_max_rows, dp_max_rows) > 0
-    ):
+    )
+    if kernel_config.batch_invariant and not (gguf and amx_max_rows > 0):
+        # Only the AMX block kernel's sums are each row's own in a fixed order; oneDNN's and
+        # the other block kernels' depend on the row count (docs/PERFORMANCE_CPU.md).
+        raise ValueError(
+            "batch_invariant needs a GGUF model in bfloat16 on the amx level (every product "
+            f"on the AMX block kernel); this is a {model_format} model in {dtype}, C kernels "
+            f"{'off' if ops is None else 'on the ' + build.selected_isa() + ' level'}."
+        )
+    if gguf:
         return GGUFLinearMethod(max_rows, gemm_max_rows, use_onednn=use_onednn,
                                 weight_dtype=weight_dtype, amx_max_rows=amx_max_rows,
-                                dp_max_rows=dp_max_rows)
+                                dp_max_rows=dp_max_rows,
+                                batch_invariant=kernel_config.batch_invariant)
     return UnquantizedLinearMethod(use_onednn=use_onednn, weight_dtype=weight_dtype)

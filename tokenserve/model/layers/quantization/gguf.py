@@ -21,7 +21,9 @@ its own), from the blocks, faster than oneDNN's
 bf16 GEMM on the dense weights up to ~128 rows (docs/PERFORMANCE_CPU.md). Its products of
 one row keep the float32 few-row kernel (float32 weights and inputs, as without AMX):
 there the weights' bytes, not the arithmetic, set the time, and the AMX kernel's expansion
-to bf16 costs more than it saves.
+to bf16 costs more than it saves. With `batch_invariant` every product takes the AMX
+kernel, one row included, so that a row's sums never depend on the batch
+(docs/PERFORMANCE_CPU.md, "Outputs independent of the batch").
 
 On the avx512_bf16 level (AVX512_BF16 without AMX, or that level forced) a bfloat16 model
 sends its products of at most `dp_max_rows` rows (the same `bf16_block_max_rows` setting,
@@ -84,6 +86,9 @@ class QuantizedWeight:
     # A bfloat16 model on the avx512_bf16 level: products of at most this many rows take the
     # vdpbf16ps kernel, the same numerics (0: none).
     dp_max_rows: int = 0
+    # With the AMX kernel: products of fewer rows take the float32 few-row kernel (1 with
+    # batch_invariant: every product on the AMX kernel).
+    amx_min_rows: int = AMX_MIN_ROWS
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -185,14 +190,14 @@ class QuantizedWeight:
     def matmul(self, x: torch.Tensor, panels: bool | None = None,
                amx: bool | None = None, dp: bool | None = None) -> torch.Tensor:
         """x [rows, in] float32 → x · Wᵀ [rows, out] float32. By default where the AMX
-        kernel applies (uses_amx) it for AMX_MIN_ROWS rows or more and the few-row kernel
+        kernel applies (uses_amx) it for amx_min_rows rows or more and the few-row kernel
         below; where the vdpbf16ps kernel applies (uses_dp) it, in its panel form above
         DP_FEW_ROWS rows; elsewhere the many-row kernel for more than max_rows rows where it
         applies, else the few-row one. `amx`, `dp` (with `panels` the panel form) or
         `panels` pick one (benchmarks, tests)."""
         if amx is None and dp is None and panels is None and self.uses_amx:
-            # (The few-row kernel below AMX_MIN_ROWS whatever max_rows: as the fused layer.)
-            amx, panels = x.shape[0] >= AMX_MIN_ROWS, False
+            # (The few-row kernel below amx_min_rows whatever max_rows: as the fused layer.)
+            amx, panels = x.shape[0] >= self.amx_min_rows, False
         if amx is None and dp is None and panels is None and self.uses_dp:
             dp, panels = True, x.shape[0] > DP_FEW_ROWS
         if amx:
@@ -221,11 +226,13 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
 
     def __init__(self, max_rows: int, gemm_max_rows: int, use_onednn: bool = True,
                  weight_dtype: torch.dtype | None = None, amx_max_rows: int = 0,
-                 dp_max_rows: int = 0) -> None:
+                 dp_max_rows: int = 0, batch_invariant: bool = False) -> None:
         super().__init__(use_onednn, weight_dtype)
         self.max_rows, self.gemm_max_rows = max_rows, gemm_max_rows
         self.amx_max_rows = amx_max_rows  # QuantizedWeight.amx_max_rows
         self.dp_max_rows = dp_max_rows  # QuantizedWeight.dp_max_rows
+        # KernelConfig.batch_invariant: every layer's products on the AMX kernel, from 1 row.
+        self.batch_invariant = batch_invariant
         self.num_block_weights = 0  # how many layers got their blocks, for the log
 
     def create_weights(
@@ -254,6 +261,12 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
             layer.blocks = self._join(layer.gguf_parts, tuple(layer.weight.shape))
             layer.gguf_parts = {}
             self.num_block_weights += layer.blocks is not None
+        if self.batch_invariant and (layer.blocks is None or not layer.blocks.uses_amx):
+            raise ValueError(
+                f"batch_invariant: a weight of shape {tuple(layer.weight.shape)} is not in "
+                f"blocks the AMX kernel takes ({', '.join(QUANTIZED_KINDS)}, whole 16-row "
+                "panels); its products would go to oneDNN, whose sums depend on the batch."
+            )
         super().process_weights_after_loading(layer)
 
     def _join(
@@ -269,7 +282,8 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         if joined is None or not covered or joined.shape != shape:
             return None
         return replace(joined, max_rows=self.max_rows, gemm_max_rows=self.gemm_max_rows,
-                       amx_max_rows=self.amx_max_rows, dp_max_rows=self.dp_max_rows)
+                       amx_max_rows=self.amx_max_rows, dp_max_rows=self.dp_max_rows,
+                       amx_min_rows=1 if self.batch_invariant else AMX_MIN_ROWS)
 
     def input_dtype(self, layer: nn.Module, rows: int) -> torch.dtype | None:
         """The blocks' kernels read float32; the dense products as the base method says."""
