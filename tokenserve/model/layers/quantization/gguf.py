@@ -301,7 +301,9 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         return super().apply(layer, x, bias)
 
     def __str__(self) -> str:
-        kernels = (f"{self.amx_max_rows} rows (AMX, bf16)" if self.amx_max_rows
+        kernels = (f"{self.amx_max_rows} rows (AMX, bf16"
+                   + (", from one row: batch-invariant)" if self.batch_invariant else ")")
+                   if self.amx_max_rows
                    else f"{self.dp_max_rows} rows (vdpbf16ps, bf16)" if self.dp_max_rows
                    else f"{max(self.max_rows, self.gemm_max_rows)} rows")
         return (f"{self.num_block_weights} weights also in their GGUF blocks for products of up "
