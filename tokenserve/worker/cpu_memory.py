@@ -140,14 +140,13 @@ class KVCachePrefault:
         is in) of every piece, in order."""
         for first in range(0, self.num_blocks, self.blocks_per_group):
             end = min(first + self.blocks_per_group, self.num_blocks)
-            pieces = [
-                (piece, min(PREFAULT_PIECE_BYTES, stop - piece))
-                for address, runs, run_bytes, block_bytes in self._runs
-                for run in range(runs)
-                for stop in (address + run * run_bytes + end * block_bytes,)
-                for piece in range(address + run * run_bytes + first * block_bytes, stop,
-                                   PREFAULT_PIECE_BYTES)
-            ]
+            pieces = []
+            for address, runs, run_bytes, block_bytes in self._runs:
+                for run in range(runs):
+                    start = address + run * run_bytes + first * block_bytes
+                    stop = address + run * run_bytes + end * block_bytes
+                    pieces += [(piece, min(PREFAULT_PIECE_BYTES, stop - piece))
+                               for piece in range(start, stop, PREFAULT_PIECE_BYTES)]
             for index, (address, length) in enumerate(pieces):
                 yield address, length, first, end if index == len(pieces) - 1 else first
 
