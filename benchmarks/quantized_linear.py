@@ -3,7 +3,7 @@ GGUF's blocks through kernels/csrc/quant_linear.c's few-row and many-row (panel)
 and oneDNN's prepacked GEMM: float32, or with `--dtype bfloat16` the bf16 model's own bf16
 products (rows padded as the layers pad them; AMX where the CPU has it; x handed in bf16,
 in a padded row bucket, and the sums left in bf16, as the operators around a bf16 product
-hand them: no cast is timed). With `--dtype
+hand them: no cast is timed; the AMX block kernel likewise). With `--dtype
 bfloat16` on the amx level the blocks' AMX kernel (csrc/quant_amx.h), on the avx512_bf16
 level their vdpbf16ps kernel (csrc/quant_dp.h; its dot-product form up to DP_FEW_ROWS rows,
 its panel form above, as the model routes them) instead, both with the bf16 model's
@@ -99,13 +99,15 @@ def _bf16_table(kernel: str, projections: list, head: list, rows_list: list[int]
           f"{name + ' logits':>16} {'oneDNN logits':>14} {'ratio':>6}")
     for rows in rows_list:
         inputs = {width: torch.randn(rows, width) for width in {q.shape[1] for _, q in weights}}
-        # What each path reads in the model: the block kernels float32 x, oneDNN's bf16 GEMM
-        # x already rounded by the operator before, which leaves room for the padded rows.
+        # What each path reads in the model: oneDNN's bf16 GEMM and the AMX block kernel x
+        # already rounded by the operator before (with room for oneDNN's padded rows), and
+        # they hand their sums on in bf16; the vdpbf16ps kernel float32 x.
         bf16_inputs = {width: empty_rows(tuple(x.shape), torch.bfloat16).copy_(x)
                        for width, x in inputs.items()}
         groups = (projections, head)
         block_p, onednn_p, block_h, onednn_h = _best_ms(
-            [functools.partial(_pass, group, bf16_inputs if path == "oneDNN" else inputs, path)
+            [functools.partial(_pass, group,
+                               bf16_inputs if path in ("oneDNN", "amx") else inputs, path)
              for group in groups for path in (kernel, "oneDNN")], repeats)
         print(f"{rows:>5} {block_p:>14.1f} {onednn_p:>12.1f} {onednn_p / block_p:>6.2f} "
               f"{block_h:>16.2f} {onednn_h:>14.2f} {onednn_h / block_h:>6.2f}")

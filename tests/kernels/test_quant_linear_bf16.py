@@ -141,6 +141,24 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(kernel, kind):
         assert torch.equal(_bf16(weight, x[rows].contiguous(), kernel), full[rows])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("num_rows", [2, 17, 64, 65, 130])
+def test_the_amx_kernel_reads_and_writes_bf16_as_it_does_float32(kernel, kind, num_rows):
+    # A bf16 model's operators hand the AMX kernel bf16 x and take its sums in bf16: the
+    # same values as float32 x (rounded in the kernel) and the float32 result (each sum
+    # already rounded to bf16). 80 output rows: two panels at a time and one alone above
+    # 64 rows. The other kernels read float32 only.
+    weight, _ = random_quantized(kind, 80, 576, seed=num_rows)
+    x = torch.randn(num_rows, 576, generator=torch.Generator().manual_seed(num_rows))
+    if kernel != "amx":
+        with pytest.raises(ValueError, match="contiguous float32"):
+            _bf16(weight, x.bfloat16(), kernel)
+        return
+    out = _bf16(weight, x.bfloat16(), kernel)
+    assert out.dtype == torch.bfloat16 and out.shape == (num_rows, 80)
+    assert torch.equal(out.float(), _bf16(weight, x, kernel))
+
+
 def test_the_panel_kernels_refuse_shapes_off_their_panels(kernel):
     if kernel == "dp":
         pytest.skip("the vdpbf16ps kernel's dot-product form takes any number of output rows")

@@ -1,5 +1,5 @@
 """A bfloat16 GGUF model on the amx level: its products of at most `bf16_quantized_max_rows`
-rows (128 there by default) read the GGUF blocks, from 5 rows through the AMX kernel (bf16
+rows (512 there by default) read the GGUF blocks, from 2 rows through the AMX kernel (bf16
 numerics, kernels/csrc/quant_amx.h), decode steps up to that many rows run fused (one C
 call per layer) with the same results as operator by operator, and the avx512_bf16 level
 takes the vdpbf16ps block kernel (the same numerics) up to 16 rows."""
@@ -67,6 +67,32 @@ def test_bf16_products_take_the_amx_kernel_up_to_the_limit_fused_or_not(amx_rows
     assert fused_calls == []
     assert _generate(llm, prompts, fused=True) == expected
     assert max(fused_calls) == 20 and min(fused_calls) < 16
+
+
+def test_amx_products_read_bf16_and_hand_on_bf16(monkeypatch):
+    # Operator by operator the norms and SwiGLU round their results into bf16 for the AMX
+    # block products as for oneDNN's, and the sums come back in bf16; a product of one row
+    # (the float32 few-row kernel) reads and writes float32.
+    seen: list[tuple[int, torch.dtype, torch.dtype]] = []
+    original = QuantizedWeight.matmul
+
+    def recording(self, x, *args, **kwargs):
+        out = original(self, x, *args, **kwargs)
+        if self.uses_amx:
+            seen.append((x.shape[0], x.dtype, out.dtype))
+        return out
+
+    monkeypatch.setattr(QuantizedWeight, "matmul", recording)
+    llm = LLM(dtype="bfloat16", kv_cache_memory="64MiB", enable_prefix_caching=False)
+    _model(llm).model.layer_stack.enabled = False
+    prompts = random_token_prompts(3, 12, 49152, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
+    assert {rows for rows, _, _ in seen} >= {1, 3, 36}
+    for rows, x_dtype, out_dtype in seen:
+        expected = torch.float32 if rows == 1 else torch.bfloat16
+        assert (x_dtype, out_dtype) == (expected, expected), rows
 
 
 def test_the_bf16_limit_sends_larger_products_to_onednn(amx_rows):

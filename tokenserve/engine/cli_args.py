@@ -103,7 +103,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                               "block kernel, on avx512_bf16 through the vdpbf16ps one, both "
                               "with bf16 numerics; else the float32 ones, within the two "
                               "limits above), more rows go to oneDNN's bf16 GEMM. Default: "
-                              "128 on amx and avx512_bf16, 16 on other levels.")
+                              "512 on amx, 128 on avx512_bf16, 16 on other levels.")
     kernels.add_argument("--batch-invariant", action="store_true",
                          default=defaults.batch_invariant,
                          help="A request's greedy tokens independent of the batch it runs in: "

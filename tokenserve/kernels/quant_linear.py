@@ -35,6 +35,8 @@ class QuantLinearOps:
             ("Q8_0", "panels"): library.ts_q8_0_gemm_f32,
             ("Q4_1", "amx"): library.ts_q4_1_gemm_amx,
             ("Q8_0", "amx"): library.ts_q8_0_gemm_amx,
+            ("Q4_1", "amx_bf16"): library.ts_q4_1_gemm_amx_bf16,
+            ("Q8_0", "amx_bf16"): library.ts_q8_0_gemm_amx_bf16,
             ("Q4_1", "dp"): library.ts_q4_1_linear_dp,
             ("Q8_0", "dp"): library.ts_q8_0_linear_dp,
             ("Q4_1", "dp_panels"): library.ts_q4_1_gemm_dp,
@@ -55,8 +57,8 @@ class QuantLinearOps:
         these small products, so per-call checks of the weight would be a sizeable share of
         them."""
         check_weight(kind, qs, scales)
-        return BoundQuantLinear(self._kernels[kind, "few"], self._kernels[kind, "panels"],
-                                self._kernels[kind, "amx"] if self.amx else None,
+        amx = (self._kernels[kind, "amx"], self._kernels[kind, "amx_bf16"]) if self.amx else None
+        return BoundQuantLinear(self._kernels[kind, "few"], self._kernels[kind, "panels"], amx,
                                 self._kernels[kind, "dp"] if self.dp else None,
                                 self._kernels[kind, "dp_panels"] if self.dp else None,
                                 qs, scales)
@@ -65,12 +67,14 @@ class QuantLinearOps:
 class BoundQuantLinear:
     """y = x · Wᵀ for one checked weight (`QuantLinearOps.bind`): each call checks only x."""
 
-    __slots__ = ("_amx", "_dp", "_dp_panels", "_few", "_many", "_num_out", "_qs", "_scales",
-                 "_width")
+    __slots__ = ("_amx", "_amx_bf16", "_dp", "_dp_panels", "_few", "_many", "_num_out", "_qs",
+                 "_scales", "_width")
 
     def __init__(self, few, many, amx, dp, dp_panels, qs: torch.Tensor,
                  scales: torch.Tensor) -> None:
-        self._few, self._many, self._amx, self._dp = few, many, amx, dp
+        # amx: the AMX kernel on float32 and on bf16 x and y, or None.
+        self._amx, self._amx_bf16 = amx if amx is not None else (None, None)
+        self._few, self._many, self._dp = few, many, dp
         self._dp_panels = dp_panels
         # The tensors are held so that their memory outlives the pointers passed to C.
         self._qs, self._scales = qs, scales
@@ -81,21 +85,24 @@ class BoundQuantLinear:
         """x [M, K] float32, contiguous → [M, N] float32; `panels` picks the many-row kernel,
         `amx` the AMX one, `dp` the vdpbf16ps one and `dp_panels` its panel form (those
         three: x and the weights rounded to bf16, float32 sums, each rounded to bf16 as
-        oneDNN's bf16 GEMM hands its sums on)."""
+        oneDNN's bf16 GEMM hands its sums on). The AMX kernel also takes bf16 x, and then
+        writes its sums as bf16 (the same values)."""
         if amx and self._amx is None:
             raise RuntimeError("the AMX quantized kernel is not available on this level/CPU.")
         if (dp or dp_panels) and self._dp is None:
             raise RuntimeError("the vdpbf16ps quantized kernel is not available on this level.")
-        if x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous():
-            raise ValueError("C kernels need contiguous float32 CPU tensors.")
+        bf16 = amx and x.dtype == torch.bfloat16
+        if (x.dtype != torch.float32 and not bf16) or not x.is_cpu or not x.is_contiguous():
+            raise ValueError("C kernels need contiguous float32 CPU tensors (the AMX kernel: "
+                             "float32 or bfloat16).")
         if x.dim() != 2 or x.shape[1] != self._width:
             raise ValueError(
                 f"quantized linear: the weight blocks do not match x's width (x is "
                 f"{tuple(x.shape)}, the weight takes [rows, {self._width}])."
             )
-        out = torch.empty((x.shape[0], self._num_out), dtype=torch.float32)
-        kernel = (self._amx if amx else self._dp if dp else self._dp_panels if dp_panels
-                  else self._many if panels else self._few)
+        out = torch.empty((x.shape[0], self._num_out), dtype=x.dtype)
+        kernel = (self._amx_bf16 if bf16 else self._amx if amx else self._dp if dp
+                  else self._dp_panels if dp_panels else self._many if panels else self._few)
         status = kernel(
             out.data_ptr(), x.data_ptr(), x.shape[0], self._width, self._num_out,
             self._qs.data_ptr(), self._scales.data_ptr(),

@@ -5,7 +5,7 @@ A decode step of a few requests does little work per operator, so the ten calls 
 Python and each forking and joining the OpenMP threads, cost about as much as the work
 (docs/benchmarks/cpu-hot-path.md). When a step is decode only on the CPU attention backend's
 C kernels, has at most as many rows as the GGUF block kernels take (192 by default; for a
-bfloat16 model `bf16_quantized_max_rows`: 128 on amx, where its products take the AMX block
+bfloat16 model `bf16_quantized_max_rows`: 512 on amx, where its products take the AMX block
 kernel, 128 on avx512_bf16, through the vdpbf16ps block kernel, 16 elsewhere), and every layer's
 projections keep GGUF blocks, the layer stack runs
 the layers in one call instead (`ts_decode_layers`: each layer in one OpenMP region, its

@@ -65,8 +65,8 @@ static void project(float *y, const float *x, int64_t M, const ts_projection *w,
                     float *sums, uint16_t *xp, uint16_t *a) {
 #if QUANT_AMX
     if (w->amx && M > w->few_rows) {
-        amx_pack_rows(xp, x, M, w->in);
-        amx_columns(y, xp, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1, a);
+        amx_pack_rows(xp, x, 0, M, w->in);
+        amx_columns(y, 0, xp, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1, a);
     } else
 #elif QUANT_DP
     if (w->dp) {
@@ -136,7 +136,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
 #if QUANT_DP
         const int64_t a_rows = dp_panels ? DP_PANEL_COLS : 0;
 #else
-        const int64_t a_rows = amx ? 16 : 0;
+        const int64_t a_rows = amx ? 32 : 0; /* amx_columns: two panels of 16 weight rows */
 #endif
         uint16_t *a = a_rows ? (uint16_t *)aligned_alloc(64, (size_t)(a_rows * widest * 2)) : NULL;
         if (scores == NULL || sums == NULL || (a_rows && a == NULL)) {

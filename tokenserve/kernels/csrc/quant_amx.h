@@ -13,11 +13,16 @@
  * Layout: A = a panel of 16 weight rows expanded once per call into bf16 [16][K] (row
  * major, one 32-weight block per tile row: the blocks' natural order; expanded during the
  * first pass over x's rows), reused for every row of x; B = x packed once per call as pairs of k ([M / 16][K / 2][16 rows][2]: the VNNI
- * layout, rows padded to 16 with zeros); C = [16 weight rows x 16 x rows], up to four of
- * them per pass (64 rows of x sharing each A load), transposed on their way to y. All
- * eight tiles are 16 rows x 64 bytes: 0-3 C, 4 A, 5-7 B. Up to 32 rows of x (decode
- * steps of few requests) each expanded block is loaded into the A tile once, from a small
- * buffer instead of the panel's rows (amx_panel; the same sums in the same order).
+ * layout, rows padded to 16 with zeros); C = [16 weight rows x 16 x rows], transposed on
+ * their way to y. All eight tiles are 16 rows x 64 bytes. Up to AMX_C row tiles of x (64
+ * rows) one panel at a time (amx_panel: C tiles 0-3, A 4, B 5-7), all row tiles in one
+ * pass sharing each A load; up to 32 rows (decode steps of few requests) each expanded
+ * block is loaded into the A tile once, from a small buffer instead of the panel's rows.
+ * Above 64 rows two panels at a time, two row tiles per pass (amx_panel_pair: C 0-3, A
+ * 4-5, B 6-7), so that each B tile, which streams from L2 once x outgrows L1, feeds two
+ * products instead of one. Each C element is the same sum in the same order whichever
+ * function computes it. x and y are float32 or bf16 (the bf16 values the operators around
+ * a bf16 product hand over: half the bytes, no cast between).
  */
 #ifndef TOKENSERVE_QUANT_AMX_H
 #define TOKENSERVE_QUANT_AMX_H
@@ -27,14 +32,19 @@
 
 #define AMX_PANEL 16 /* weight rows per A tile: N must be a multiple */
 #define AMX_C 4      /* C tiles: row tiles of x per pass over a panel */
+/* Rows of x per round over all panels: a round's packed x (here 512 x K bf16, 576 KiB at
+ * K = 576) stays in L2 while every panel streams it; more rows are taken in rounds, each
+ * expanding the weights again. */
+#define AMX_ROW_CHUNK 512
 
-/* x [M, K] float32 → xp [padded / 16][K / 2][16][2] bf16 pairs (rows M..padded-1 zero),
+/* x [M, K] float32 (rounded to bf16) or bf16 (x_bf16) → xp [padded / 16][K / 2][16][2] bf16
+ * pairs (rows M..padded-1 zero),
  * shared out over the threads of the enclosing region (an orphaned `omp for`, ending in a
  * barrier) by 32-k blocks of 16 rows: each such item is a 16 x 16 transpose of the rows'
  * pairs in registers, written as 16 whole cache lines. (Scattering each row's pairs 64 bytes
  * apart, rows shared out over the threads, had both threads writing every line of a row
  * tile: with few rows that was as slow as the products.) */
-static void amx_pack_rows(uint16_t *xp, const float *x, int64_t M, int64_t K) {
+static void amx_pack_rows(uint16_t *xp, const void *x, int x_bf16, int64_t M, int64_t K) {
     const int64_t blocks = K / 32, items = (M + 15) / 16 * blocks;
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < items; ++item) {
@@ -43,9 +53,12 @@ static void amx_pack_rows(uint16_t *xp, const float *x, int64_t M, int64_t K) {
         for (int j = 0; j < 16; ++j) {
             const int64_t m = t * 16 + j;
             r[j] = _mm512_setzero_si512();
-            if (m < M) {
-                const __m256i lo = bf16_round16(_mm512_loadu_ps(x + m * K + k));
-                const __m256i hi = bf16_round16(_mm512_loadu_ps(x + m * K + k + 16));
+            if (m < M && x_bf16) {
+                r[j] = _mm512_loadu_si512((const uint16_t *)x + m * K + k);
+            } else if (m < M) {
+                const float *row = (const float *)x + m * K;
+                const __m256i lo = bf16_round16(_mm512_loadu_ps(row + k));
+                const __m256i hi = bf16_round16(_mm512_loadu_ps(row + k + 16));
                 r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
             }
         }
@@ -87,14 +100,35 @@ static inline void amx_prefetch_next_block(const uint8_t *qs, const float *scale
             __builtin_prefetch(next_scales + (j * blocks + b) * scale_floats, 0, 2);
 }
 
-/* C tile `t` ([16 weight rows][16 x rows]) into y's rows m0.. (rows of them), columns
- * n..n+15, each sum rounded to bf16. */
-static inline void amx_store_c(float *y, int64_t N, int64_t m0, int64_t rows, float *c) {
+/* One row of y (float32, or bf16 where y_bf16), columns n..n+15: the 16 sums rounded to
+ * bf16. */
+static inline void amx_store_row(void *y, int y_bf16, int64_t N, int64_t m, int64_t n,
+                                 __m512 sums) {
+    if (y_bf16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)y + m * N + n), bf16_round16(sums));
+    else
+        _mm512_storeu_ps((float *)y + m * N + n, bf16_round_ps(sums));
+}
+
+/* A stored C tile c ([16 weight rows][16 x rows]) into y's rows m0.. (rows of them),
+ * columns n..n+15: a gather per row (few rows: decode steps). */
+static inline void amx_store_c(void *y, int y_bf16, int64_t N, int64_t n, int64_t m0,
+                               int64_t rows, const float *c) {
     const __m512i apart = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
         _mm512_set1_epi32(16));
     for (int64_t m = 0; m < rows; ++m)
-        _mm512_storeu_ps(y + (m0 + m) * N, bf16_round_ps(_mm512_i32gather_ps(apart, c + m, 4)));
+        amx_store_row(y, y_bf16, N, m0 + m, n, _mm512_i32gather_ps(apart, c + m, 4));
+}
+
+/* amx_store_c by a 16 x 16 transpose in registers (avx512.h), for whole row tiles. */
+static inline void amx_store_c_transposed(void *y, int y_bf16, int64_t N, int64_t n,
+                                          int64_t m0, int64_t rows, const float *c) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(c + 16 * i);
+    transpose16(r); /* r[m]: x row m0 + m's 16 sums */
+    for (int64_t m = 0; m < rows; ++m)
+        amx_store_row(y, y_bf16, N, m0 + m, n, _mm512_castsi512_ps(r[m]));
 }
 
 /* One panel (y's columns n..n+15, its weight rows' blocks at qs and scales) times every
@@ -109,8 +143,8 @@ static inline void amx_store_c(float *y, int64_t N, int64_t m0, int64_t rows, fl
  * rows on no difference (`benchmarks/decode_step_cost.py --other-csrc`,
  * docs/PERFORMANCE_CPU.md). */
 static inline __attribute__((always_inline)) void amx_panel(
-    float *y, const uint16_t *xp, uint16_t *a, const uint8_t *qs, const float *scales,
-    int64_t M, int64_t K, int64_t N, float *c, int q4_1) {
+    void *y, int y_bf16, int64_t n, const uint16_t *xp, uint16_t *a, const uint8_t *qs,
+    const float *scales, int64_t M, int64_t K, int64_t N, float *c, int q4_1) {
     const int64_t tiles = (M + 15) / 16, tile_elems = K / 2 * 32; /* bf16 per packed x tile */
     const int few = tiles <= 2;
     _Alignas(64) uint16_t block[2][AMX_PANEL * BLOCK];
@@ -157,18 +191,78 @@ static inline __attribute__((always_inline)) void amx_panel(
             default: _tile_stored(3, c, 64); break;
             }
             const int64_t m0 = (t0 + t) * 16;
-            amx_store_c(y, N, m0, M - m0 < 16 ? M - m0 : 16, c);
+            amx_store_c(y, y_bf16, N, n, m0, M - m0 < 16 ? M - m0 : 16, c);
+        }
+    }
+}
+
+/* Two panels (y's columns n..n+31, the first's weight rows' blocks at qs and scales, the
+ * second's right after) times every row of x, two row tiles per pass: C tiles 0-1 the
+ * panels against row tile t, 2-3 against t + 1; A tiles 4-5 the panels' expanded blocks,
+ * B tiles 6-7 the row tiles, each load feeding two products. The first pass expands both
+ * panels into `a` (2 x AMX_PANEL rows, K * 2 bytes apart) as it goes, fetching the next
+ * pair's blocks into L2. */
+static inline __attribute__((always_inline)) void amx_panel_pair(
+    void *y, int y_bf16, int64_t n, const uint16_t *xp, uint16_t *a, const uint8_t *qs,
+    const float *scales, int64_t M, int64_t K, int64_t N, float *c, int q4_1) {
+    const int64_t tiles = (M + 15) / 16, tile_elems = K / 2 * 32;
+    const int64_t row_bytes = q4_1 ? K / 2 : K, row_scales = q4_1 ? K / BLOCK * 2 : K / BLOCK;
+    const uint8_t *qs1 = qs + AMX_PANEL * row_bytes;
+    const float *scales1 = scales + AMX_PANEL * row_scales;
+    uint16_t *a1 = a + AMX_PANEL * K;
+    for (int64_t t0 = 0; t0 < tiles; t0 += 2) {
+        const int two = t0 + 1 < tiles;
+        const uint16_t *b = xp + t0 * tile_elems;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = 0; k < K; k += 32) {
+            if (t0 == 0) {
+                /* amx_prefetch_next_block fetches the panel after the one it is given. */
+                amx_prefetch_next_block(qs1, scales1, K, k / BLOCK, q4_1);
+                amx_prefetch_next_block(qs1 + AMX_PANEL * row_bytes,
+                                        scales1 + AMX_PANEL * row_scales, K, k / BLOCK, q4_1);
+                amx_expand_block(a + k, qs, scales, K, K, k / BLOCK, q4_1);
+                amx_expand_block(a1 + k, qs1, scales1, K, K, k / BLOCK, q4_1);
+            }
+            _tile_loadd(4, a + k, K * 2);
+            _tile_loadd(5, a1 + k, K * 2);
+            _tile_loadd(6, b + k * 16, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 5, 6);
+            if (two) {
+                _tile_loadd(7, b + tile_elems + k * 16, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        const int64_t m0 = t0 * 16, rows0 = M - m0 < 16 ? M - m0 : 16;
+        _tile_stored(0, c, 64);
+        amx_store_c_transposed(y, y_bf16, N, n, m0, rows0, c);
+        _tile_stored(1, c, 64);
+        amx_store_c_transposed(y, y_bf16, N, n + AMX_PANEL, m0, rows0, c);
+        if (two) {
+            const int64_t m1 = m0 + 16, rows1 = M - m1 < 16 ? M - m1 : 16;
+            _tile_stored(2, c, 64);
+            amx_store_c_transposed(y, y_bf16, N, n, m1, rows1, c);
+            _tile_stored(3, c, 64);
+            amx_store_c_transposed(y, y_bf16, N, n + AMX_PANEL, m1, rows1, c);
         }
     }
 }
 
 /* The panels of y = x · Wᵀ (x packed by amx_pack_rows) shared out over the threads of the
- * enclosing region (an orphaned `omp for`, ending in a barrier). `a` (AMX_PANEL * K bf16)
- * is the calling thread's; N a multiple of AMX_PANEL, AMX permitted (amx_permitted()). */
-static void amx_columns(float *y, const uint16_t *xp, int64_t M, int64_t K, int64_t N,
-                        const uint8_t *qs, const float *scales, int q4_1, uint16_t *a) {
+ * enclosing region (an orphaned `omp for`, ending in a barrier): one at a time up to AMX_C
+ * row tiles, else in pairs (an odd last panel alone). `a` (2 * AMX_PANEL * K bf16) is the
+ * calling thread's; N a multiple of AMX_PANEL, AMX permitted (amx_permitted()); y float32
+ * or (y_bf16) bf16. */
+static void amx_columns(void *y, int y_bf16, const uint16_t *xp, int64_t M, int64_t K,
+                        int64_t N, const uint8_t *qs, const float *scales, int q4_1,
+                        uint16_t *a) {
     const int64_t row_bytes = q4_1 ? K / 2 : K;
     const int64_t row_scales = q4_1 ? K / BLOCK * 2 : K / BLOCK;
+    const int64_t panels = N / AMX_PANEL, step = (M + 15) / 16 > AMX_C ? 2 : 1;
     TileConfig config = {.palette = 1};
     for (int t = 0; t < 8; ++t) {
         config.colsb[t] = 64;
@@ -177,19 +271,27 @@ static void amx_columns(float *y, const uint16_t *xp, int64_t M, int64_t K, int6
     _Alignas(64) float c[16 * 16];
     int configured = 0;
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < N / AMX_PANEL; ++p) {
-        const int64_t n = p * AMX_PANEL;
+    for (int64_t g = 0; g < (panels + step - 1) / step; ++g) {
+        const int64_t p = g * step, n = p * AMX_PANEL;
         if (a == NULL) continue;
         if (!configured) {
             /* Per call: oneDNN loads its own configuration on these threads in between. */
             amx_load_config(&config);
             configured = 1;
         }
+        const uint8_t *panel_qs = qs + n * row_bytes;
+        const float *panel_scales = scales + n * row_scales;
         /* The format a constant in each branch (OpenMP outlines a parallel body once). */
-        if (q4_1)
-            amx_panel(y + n, xp, a, qs + n * row_bytes, scales + n * row_scales, M, K, N, c, 1);
-        else
-            amx_panel(y + n, xp, a, qs + n * row_bytes, scales + n * row_scales, M, K, N, c, 0);
+        if (step == 2 && p + 1 < panels) {
+            if (q4_1)
+                amx_panel_pair(y, y_bf16, n, xp, a, panel_qs, panel_scales, M, K, N, c, 1);
+            else
+                amx_panel_pair(y, y_bf16, n, xp, a, panel_qs, panel_scales, M, K, N, c, 0);
+        } else if (q4_1) {
+            amx_panel(y, y_bf16, n, xp, a, panel_qs, panel_scales, M, K, N, c, 1);
+        } else {
+            amx_panel(y, y_bf16, n, xp, a, panel_qs, panel_scales, M, K, N, c, 0);
+        }
     }
     if (configured) _tile_release();
 }

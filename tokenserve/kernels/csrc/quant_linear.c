@@ -24,12 +24,13 @@
  * GEMM micro-kernel over it for all rows of x. Both return 0, or 1 for shapes they refuse;
  * the many-row one 2 if its scratch buffer could not be allocated.
  *
- * On the amx level a third kernel (ts_*_gemm_amx, quant_amx.h) multiplies with a bfloat16
- * model's numerics instead: weights and x rounded to bf16, float32 sums on AMX tiles, each
- * rounded to bf16 at the end (as oneDNN's bf16 GEMM hands its sums on). It
- * returns 3 where AMX is not built or not granted (ts_quant_amx_available says which). On
- * the avx512_bf16 level (AVX512_BF16 without AMX) ts_*_linear_dp (quant_dp.h) has those
- * numerics by vdpbf16ps; it returns 3 on other levels (ts_quant_dp_available).
+ * On the amx level a third kernel (ts_*_gemm_amx, quant_amx.h; ts_*_gemm_amx_bf16 reads bf16
+ * x and writes bf16 y) multiplies with a bfloat16 model's numerics instead: weights and x
+ * rounded to bf16, float32 sums on AMX tiles, each rounded to bf16 at the end (as oneDNN's
+ * bf16 GEMM hands its sums on). It returns 3 where AMX is not built or not granted
+ * (ts_quant_amx_available says which). On the avx512_bf16 level (AVX512_BF16 without AMX)
+ * ts_*_linear_dp (quant_dp.h) has those numerics by vdpbf16ps; it returns 3 on other
+ * levels (ts_quant_dp_available).
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* syscall(), for the AMX permission (amx.h) */
@@ -449,41 +450,61 @@ int ts_quant_amx_available(void) {
 #endif
 }
 
-/* y = x · Wᵀ with bf16 numerics on AMX tiles, split over panels of AMX_PANEL weight rows. */
-static int quant_gemm_amx(float *y, const float *x, int64_t M, int64_t K, int64_t N,
-                          const uint8_t *qs, const float *scales, int q4_1) {
+/* y = x · Wᵀ with bf16 numerics on AMX tiles, split over panels of AMX_PANEL weight rows;
+ * x float32 or (x_bf16) bf16, y likewise. */
+static int quant_gemm_amx(void *y, int y_bf16, const void *x, int x_bf16, int64_t M, int64_t K,
+                          int64_t N, const uint8_t *qs, const float *scales, int q4_1) {
 #if QUANT_AMX
     if (K % BLOCK != 0 || N % AMX_PANEL != 0) return 1;
     if (!amx_permitted()) return 3;
     if (M == 0) return 0;
-    uint16_t *xp = (uint16_t *)aligned_alloc(64, (size_t)((M + 15) / 16 * 16 * K * 2));
+    const int64_t chunk = M < AMX_ROW_CHUNK ? M : AMX_ROW_CHUNK;
+    uint16_t *xp = (uint16_t *)aligned_alloc(64, (size_t)((chunk + 15) / 16 * 16 * K * 2));
     if (xp == NULL) return 2;
+    const size_t x_size = x_bf16 ? 2 : 4, y_size = y_bf16 ? 2 : 4;
     int failed = 0;
 #pragma omp parallel
     {
-        uint16_t *a = (uint16_t *)aligned_alloc(64, (size_t)(AMX_PANEL * K * 2));
+        uint16_t *a = (uint16_t *)aligned_alloc(64, (size_t)(2 * AMX_PANEL * K * 2));
         if (a == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
-        amx_pack_rows(xp, x, M, K);
-        amx_columns(y, xp, M, K, N, qs, scales, q4_1, a);
+        for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+            const int64_t rows = M - m0 < chunk ? M - m0 : chunk;
+            amx_pack_rows(xp, (const char *)x + m0 * K * x_size, x_bf16, rows, K);
+            amx_columns((char *)y + m0 * N * y_size, y_bf16, xp, rows, K, N, qs, scales, q4_1,
+                        a);
+        }
         free(a);
     }
     free(xp);
     return failed ? 2 : 0;
 #else
-    (void)y, (void)x, (void)M, (void)K, (void)N, (void)qs, (void)scales, (void)q4_1;
+    (void)y, (void)y_bf16, (void)x, (void)x_bf16, (void)M, (void)K, (void)N, (void)qs;
+    (void)scales, (void)q4_1;
     return 3;
 #endif
 }
 
 int ts_q4_1_gemm_amx(float *y, const float *x, int64_t M, int64_t K, int64_t N,
                      const uint8_t *qs, const float *dm) {
-    return quant_gemm_amx(y, x, M, K, N, qs, dm, 1);
+    return quant_gemm_amx(y, 0, x, 0, M, K, N, qs, dm, 1);
 }
 
 int ts_q8_0_gemm_amx(float *y, const float *x, int64_t M, int64_t K, int64_t N,
                      const int8_t *qs, const float *d) {
-    return quant_gemm_amx(y, x, M, K, N, (const uint8_t *)qs, d, 0);
+    return quant_gemm_amx(y, 0, x, 0, M, K, N, (const uint8_t *)qs, d, 0);
+}
+
+/* The AMX kernel on bf16 x, its sums rounded into bf16 y (the values ts_*_gemm_amx would
+ * give as float32): what a bf16 model's operators hand each other. */
+int ts_q4_1_gemm_amx_bf16(uint16_t *y, const uint16_t *x, int64_t M, int64_t K, int64_t N,
+                          const uint8_t *qs, const float *dm) {
+    return quant_gemm_amx(y, 1, x, 1, M, K, N, qs, dm, 1);
+}
+
+int ts_q8_0_gemm_amx_bf16(uint16_t *y, const uint16_t *x, int64_t M, int64_t K, int64_t N,
+                          const int8_t *qs, const float *d) {
+    return quant_gemm_amx(y, 1, x, 1, M, K, N, (const uint8_t *)qs, d, 0);
 }

@@ -17,9 +17,10 @@ A bfloat16 model on the amx level sends its products of AMX_MIN_ROWS (2) to `amx
 rows (`KernelConfig.bf16_block_max_rows`) to the AMX kernel instead (csrc/quant_amx.h): the
 bf16 model's own numerics (each weight expanded as above, then rounded to bf16 as the dense
 bf16 weight is; x rounded to bf16; float32 sums, each rounded to bf16 as oneDNN rounds
-its own), from the blocks, faster than oneDNN's
-bf16 GEMM on the dense weights up to ~128 rows (docs/PERFORMANCE_CPU.md). Its products of
-one row keep the float32 few-row kernel (float32 weights and inputs, as without AMX):
+its own), from the blocks; in an engine step faster than oneDNN's bf16 GEMM on the dense
+weights up to 512 rows (docs/PERFORMANCE_CPU.md). It reads bf16 x and writes bf16 sums, as
+oneDNN's bf16 products do (`reads_bf16`, `input_dtype`). Its products of one row keep the
+float32 few-row kernel (float32 weights and inputs, as without AMX):
 there the weights' bytes, not the arithmetic, set the time, and the AMX kernel's expansion
 to bf16 costs more than it saves. With `batch_invariant` every product takes the AMX
 kernel, one row included, so that a row's sums never depend on the batch
@@ -187,9 +188,15 @@ class QuantizedWeight:
         """Whether a product of `rows` rows is sent here (else to the float weight)."""
         return rows <= self.row_limit
 
+    def reads_bf16(self, rows: int) -> bool:
+        """Whether a product of `rows` rows (one it takes) may read bf16 x: on the AMX
+        kernel, which then writes its sums in bf16 too (the same values)."""
+        return self.uses_amx and rows >= self.amx_min_rows
+
     def matmul(self, x: torch.Tensor, panels: bool | None = None,
                amx: bool | None = None, dp: bool | None = None) -> torch.Tensor:
-        """x [rows, in] float32 → x · Wᵀ [rows, out] float32. By default where the AMX
+        """x [rows, in] float32 → x · Wᵀ [rows, out] float32 (on the AMX kernel x may be
+        bf16, and the result is then bf16: `reads_bf16`). By default where the AMX
         kernel applies (uses_amx) it for amx_min_rows rows or more and the few-row kernel
         below; where the vdpbf16ps kernel applies (uses_dp) it, in its panel form above
         DP_FEW_ROWS rows; elsewhere the many-row kernel for more than max_rows rows where it
@@ -286,9 +293,12 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
                        amx_min_rows=1 if self.batch_invariant else AMX_MIN_ROWS)
 
     def input_dtype(self, layer: nn.Module, rows: int) -> torch.dtype | None:
-        """The blocks' kernels read float32; the dense products as the base method says."""
-        if layer.blocks is not None and layer.blocks.takes(rows):
-            return None
+        """The blocks' AMX kernel reads bf16, as the dense bf16 products do (the operator
+        before rounds its result into bf16 once, and the sums come back in bf16); their
+        other kernels read float32; the dense products as the base method says."""
+        blocks = layer.blocks
+        if blocks is not None and blocks.takes(rows):
+            return torch.bfloat16 if blocks.reads_bf16(rows) else None
         return super().input_dtype(layer, rows)
 
     def apply(
@@ -296,7 +306,12 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
     ) -> torch.Tensor:
         blocks = layer.blocks
         if blocks is not None and x.dim() == 2 and blocks.takes(x.shape[0]):
-            out = blocks.matmul(x.float())  # the blocks read float32 (x may come in bf16)
+            if x.dtype == torch.bfloat16 and blocks.reads_bf16(x.shape[0]):
+                # bf16 in, its sums in bf16 out; a bias is added in float32, as the dense
+                # bf16 product adds it.
+                out = blocks.matmul(x)
+                return out if bias is None else out.float().add_(bias)
+            out = blocks.matmul(x.float())  # the other kernels read float32
             return out if bias is None else out.add_(bias)
         return super().apply(layer, x, bias)
 
