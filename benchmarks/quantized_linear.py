@@ -14,8 +14,10 @@ as in a decode step (one pass over all layers reads the whole model), so the fig
 per pass over the model, in wall-clock ms: the fastest of `--repeats` passes, the paths
 taking turns, so that load from other processes on the machine skews them alike and least.
 The few-row kernel is timed up to `--few-rows-up-to` rows only (it is slow beyond).
-With `--dtype bfloat16` this is how `--bf16-quantized-max-rows` was chosen (the block
-kernel's column against oneDNN's).
+With `--dtype bfloat16` the block kernel's column against oneDNN's; outside an engine
+oneDNN's products run faster than within one (where its o_proj and down_proj hardly use a
+second thread), so `--bf16-quantized-max-rows` follows engine steps (docs/PERFORMANCE_CPU.md,
+"Two panels at a time, bf16 in and out").
 
 usage: python benchmarks/quantized_linear.py [--model GGUF] [--rows 1 8 16 64 ...]
        [--few-rows-up-to 64] [--repeats 7] [--dtype float32|bfloat16]
