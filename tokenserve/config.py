@@ -293,8 +293,9 @@ class KernelConfig:
     disable_c_kernels: bool = False
     # oneDNN's prepacked float32 GEMM for the linear layers on CPU. Off: F.linear (MKL).
     disable_onednn: bool = False
-    # A decode-only step of few rows runs each decoder layer as one C call
-    # (model/fused_decode.py). Off: operator by operator (the same results).
+    # A step of few rows (decode rows, and prompt chunks the prompt-attention kernel takes)
+    # runs each decoder layer as one C call (model/fused_decode.py). Off: operator by
+    # operator (the same results).
     disable_fused_decode: bool = False
     # Products of at most this many rows take a GGUF weight's blocks through the few-row
     # kernel, and above it up to quantized_gemm_max_rows through the many-row kernel; oneDNN

@@ -15,7 +15,7 @@ def fused_calls(monkeypatch) -> list[int]:
     original = FusedDecodeLayerStack.__call__
 
     def counting(self, positions, hidden_states, kv_caches, metadata, residual=None):
-        if residual is None and self.takes(hidden_states.shape[0], metadata):
+        if residual is None and self.takes(hidden_states.shape[0], metadata, kv_caches):
             calls.append(hidden_states.shape[0])
         return original(self, positions, hidden_states, kv_caches, metadata, residual)
 

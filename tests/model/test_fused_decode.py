@@ -1,5 +1,6 @@
-"""Decode steps of few rows as one C call per layer (model/fused_decode.py) against the
-operator-by-operator path: the same operators in the same order, so identical results."""
+"""Steps of few rows (decode rows, and prompt chunks where the prompt-attention kernel takes
+them) as one C call per layer (model/fused_decode.py) against the operator-by-operator path:
+the same operators in the same order, so identical results."""
 
 from __future__ import annotations
 
@@ -18,13 +19,23 @@ def _model(llm: LLM):
     return model
 
 
-def _generate(llm: LLM, fused: bool, num_prompts: int):
+def _prompts_fuse(llm: LLM) -> bool:
+    """Whether the model's prompt chunks take the prompt-attention kernel (bf16 attention on
+    a CPU with native bf16), and so its prompt steps of few rows are fused too."""
+    attn = _model(llm).model.layers[0].self_attn.attn
+    (cache_dtype,) = llm.llm_engine.collective_rpc(
+        lambda worker: worker.model_runner.kv_caches[0].dtype)
+    cache = torch.empty(1, attn.num_kv_heads, 16, attn.head_size, dtype=cache_dtype)
+    return attn.backend.prompt_kernel_takes(attn.num_heads, cache)
+
+
+def _generate(llm: LLM, fused: bool, num_prompts: int, seed: int = 3):
     """Greedy tokens and top-2 logprobs for prompts of different lengths; the fused path on
     or off."""
     _model(llm).model.layer_stack.enabled = fused
     prompts = [
         prompt[: 20 + 9 * index]
-        for index, prompt in enumerate(random_token_prompts(num_prompts, 128, 49152, seed=3))
+        for index, prompt in enumerate(random_token_prompts(num_prompts, 128, 49152, seed=seed))
     ]
     # Different lengths, so that requests finish one by one and steps shrink row by row.
     outputs = llm.generate(
@@ -55,10 +66,11 @@ def test_fused_layers_equal_operators_one_by_one(kv_cache_dtype, fused_calls):
     assert fused_calls and set(fused_calls) <= {1, 2, 3, 4, 5}
 
 
-def test_bf16_model_fuses_the_decode_steps_with_the_same_results(fused_calls):
-    # A bfloat16 model keeps the GGUF blocks for the products of decode steps of few rows
-    # (bf16_quantized_max_rows): those steps are fused, on the same float32 operators as one
-    # by one.
+def test_bf16_model_fuses_its_steps_with_the_same_results(fused_calls):
+    # A bfloat16 model keeps the GGUF blocks for the products of steps of few rows
+    # (bf16_quantized_max_rows): its decode steps are fused, on the same float32 operators
+    # as one by one, and where its prompt chunks attend in bf16 on the prompt kernel, its
+    # prompt step (the five prompts, 190 rows) too.
     llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=False)
     # The level's default limit: the AMX block kernel's where it runs (amx), the vdpbf16ps
     # kernel's where that runs (avx512_bf16), else the float32 kernels'.
@@ -69,7 +81,42 @@ def test_bf16_model_fuses_the_decode_steps_with_the_same_results(fused_calls):
     assert _model(llm).model.layer_stack.max_rows == limit
     expected = _generate(llm, fused=False, num_prompts=5)
     assert _generate(llm, fused=True, num_prompts=5) == expected
-    assert fused_calls and set(fused_calls) <= {1, 2, 3, 4, 5}
+    prompt_steps = {190} if _prompts_fuse(llm) else set()
+    assert fused_calls and set(fused_calls) - {1, 2, 3, 4, 5} == prompt_steps
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_steps_mixing_prompt_chunks_and_decode_rows_fuse_with_the_same_results(
+        monkeypatch, prefix_caching):
+    # A budget of 48 tokens cuts the prompts into chunks, each continuing the context its
+    # request already has in the cache, beside the decode rows of the requests before; with
+    # prefix caching the second run of the same prompts starts from cached blocks.
+    llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", max_num_batched_tokens=48,
+              enable_prefix_caching=prefix_caching, block_size=16)
+    if not _prompts_fuse(llm):
+        pytest.skip("prompt chunks attend in bf16 on the prompt kernel only on a CPU with "
+                    "native bf16")
+    taken: list[tuple[int, int]] = []
+    original = FusedDecodeLayerStack.takes
+
+    def recording(self, num_tokens, metadata, kv_caches):
+        takes = original(self, num_tokens, metadata, kv_caches)
+        if takes:
+            taken.append((num_tokens - metadata.num_decode_rows, metadata.num_decode_rows))
+        return takes
+
+    monkeypatch.setattr(FusedDecodeLayerStack, "takes", recording)
+
+    def twice(fused: bool):
+        assert llm.llm_engine.reset_prefix_cache()
+        return [_generate(llm, fused=fused, num_prompts=6, seed=4) for _ in range(2)]
+
+    expected = twice(fused=False)
+    assert taken == []
+    assert twice(fused=True) == expected
+    # Steps with prompt rows and decode rows both, and prompt-only ones, were fused.
+    assert any(prompt and decode for prompt, decode in taken)
+    assert any(prompt and not decode for prompt, decode in taken)
 
 
 @pytest.mark.parametrize("num_layers", [1, 3])

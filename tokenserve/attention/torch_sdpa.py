@@ -259,16 +259,21 @@ class TorchSDPABackend(AttentionBackend):
                             torch.from_numpy(tables).to(self.device))
 
     def _prompt_kernel(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-        """Whether the prompt-attention kernel takes this step's chunks: where they attend
-        in bf16 and the kernel's path is one of `prompt_paths` (prompt_kernel_paths()); SDPA
-        otherwise."""
-        _, num_heads, head_dim = query.shape
+        """Whether the prompt-attention kernel takes this step's chunks (`prompt_kernel_takes`);
+        SDPA otherwise."""
+        return query.dtype == torch.float32 and self.prompt_kernel_takes(query.shape[1],
+                                                                         key_cache)
+
+    def prompt_kernel_takes(self, num_heads: int, key_cache: torch.Tensor) -> bool:
+        """Whether the prompt-attention kernel takes the chunks of float32 queries of
+        num_heads heads over key_cache ([blocks, kv_heads, block_size, head_dim]): where they
+        attend in bf16 and the kernel's path is one of `prompt_paths`
+        (prompt_kernel_paths())."""
         return (
             self.prompt_ops is not None
-            and query.dtype == torch.float32
-            and self.prompt_dtype(query.dtype, key_cache.dtype) == torch.bfloat16
-            and self.prompt_ops.path(key_cache.dtype, num_heads, key_cache.shape[1], head_dim)
-            in self.prompt_paths
+            and self.prompt_dtype(torch.float32, key_cache.dtype) == torch.bfloat16
+            and self.prompt_ops.path(key_cache.dtype, num_heads, key_cache.shape[1],
+                                     key_cache.shape[3]) in self.prompt_paths
         )
 
     def _padded_decode(

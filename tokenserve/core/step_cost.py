@@ -323,8 +323,9 @@ class KernelRegimeCostModel(StepCostModel):
 
     A step's products take the GGUF few-row kernel up to `few_rows` rows (the step's
     tokens), the panel kernel up to `panel_rows`, oneDNN above (KernelConfig's
-    quantized_max_rows and quantized_gemm_max_rows; a decode-only step of those sizes
-    also runs fused, layer by layer in C). Each kernel has its own fixed cost and its own
+    quantized_max_rows and quantized_gemm_max_rows; a decode-only step of those sizes, and
+    a bf16 model's steps whose prompt chunks attend on the prompt kernel, also run fused,
+    layer by layer in C). Each kernel has its own fixed cost and its own
     cost per row, so one line through all steps over-prices a lone decode row and
     under-prices a 100-row step. Here the step's regime picks its intercept, and the two
     smaller regimes add a cost per row on top of the oneDNN-regime terms:

@@ -87,7 +87,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                               "prepacked ones.")
     kernels.add_argument("--disable-fused-decode", action="store_true",
                          default=defaults.disable_fused_decode,
-                         help="Run a few-row decode step operator by operator instead of each "
+                         help="Run a step of few rows (decode rows, prompt chunks on the "
+                              "prompt-attention kernel) operator by operator instead of each "
                               "decoder layer as one C call (the same results).")
     kernels.add_argument("--quantized-max-rows", type=int, default=defaults.quantized_max_rows,
                          help="GGUF models: products of at most this many rows read the "

@@ -1,5 +1,5 @@
-"""Bindings of csrc/decode_layer.c: a whole Llama decoder layer of a decode step of few rows
-in one call (model/fused_decode.py runs the layers through it)."""
+"""Bindings of csrc/decode_layer.c: a whole Llama decoder layer of a step of few rows (decode
+rows and prompt chunks) in one call (model/fused_decode.py runs the layers through it)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from tokenserve.kernels import build
 from tokenserve.kernels.paged_attention import DecodeRows
+from tokenserve.kernels.prompt_attention import PromptChunks
 from tokenserve.kernels.quant_linear import check_weight
 from tokenserve.kernels.tensor_checks import check_caches, check_f32, check_i64, i64, ptr
 
@@ -33,12 +34,14 @@ class _Step(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float),
         *((name, ptr) for name in (
             "positions", "slots", "block_tables", "seq_lens", "cos", "sin", "normed", "qkv",
-            "attn", "o", "gate_up", "act")),
+            "attn", "o", "gate_up", "act", "decode_rows")),
+        ("num_decode_rows", i64), ("chunks", ptr), ("chunk_tables", ptr),
+        *((name, i64) for name in ("num_chunks", "chunk_table_stride", "prompt_kv")),
     ]
 
 
 class DecodeLayerOps:
-    """decode_layer.c: the Llama decoder layers of a decode step of few rows in one call.
+    """decode_layer.c: the Llama decoder layers of a step of few rows in one call.
     `layer()` checks and binds a layer's tensors once, `stack()` the bound layers into one
     array; `step()` a step's shared tensors (and allocates its scratch buffers) once for all
     layers; `run_layers()` then only passes pointers."""
@@ -92,31 +95,56 @@ class DecodeLayerOps:
         scale: float,
         positions: torch.Tensor,
         slots: torch.Tensor,
-        decode_rows: DecodeRows,
+        decode_rows: DecodeRows | None,
+        prompt_chunks: PromptChunks | None = None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         block_size: int,
+        num_blocks: int,
         kv_mode: int,
     ) -> tuple[_Step, tuple]:
-        """The step's shared arguments; decode row r must be token r of the step. Returns the
-        bound step and the tensors it points into (keep them alive for the step)."""
-        rows = decode_rows.num_rows
+        """The step's shared arguments: one position and cache slot per row of the step;
+        its decode rows (the paged decode kernel's, in kv_mode) and its prompt chunks (the
+        prompt-attention kernel's, over caches of num_blocks blocks), either may be None,
+        between them every row once.
+        Returns the bound step and the tensors it points into (keep them alive for the
+        step)."""
+        rows = positions.shape[0]
         check_i64(positions, slots)
         check_f32(cos, sin)
-        if positions.shape[0] != rows or slots.shape[0] != rows:
+        if slots.shape[0] != rows:
             raise ValueError("decode layer: positions and slots need one entry per row.")
+        num_decode = 0 if decode_rows is None else decode_rows.num_rows
+        num_prompt = 0 if prompt_chunks is None else int(
+            (prompt_chunks.chunks[:, 1] - prompt_chunks.chunks[:, 0]).sum())
+        if num_decode + num_prompt != rows or (
+            num_decode and not bool(((decode_rows.rows >= 0) & (decode_rows.rows < rows)).all())
+        ) or (prompt_chunks is not None and prompt_chunks.num_tokens > rows):
+            raise ValueError("decode layer: the decode rows and prompt chunks must cover the "
+                             "step's rows once.")
+        if prompt_chunks is not None:
+            prompt_chunks.check_cache(block_size, num_blocks)
         scratch = [torch.empty(rows, width) for width in (
             hidden, (num_heads + 2 * num_kv_heads) * head_dim, num_heads * head_dim, hidden,
             2 * intermediate, intermediate)]
+        decode = decode_rows if num_decode else None
+        chunks = prompt_chunks if prompt_chunks is not None and prompt_chunks.num_chunks else None
         bound = _Step(
             rows, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size,
-            kv_mode, decode_rows.block_tables.stride(0),
-            int(decode_rows.seq_lens.max()), eps, scale, positions.data_ptr(),
-            slots.data_ptr(), decode_rows.block_tables.data_ptr(),
-            decode_rows.seq_lens.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            *(buffer.data_ptr() for buffer in scratch),
+            kv_mode, 0 if decode is None else decode.block_tables.stride(0),
+            0 if decode is None else int(decode.seq_lens.max()), eps, scale,
+            positions.data_ptr(), slots.data_ptr(),
+            None if decode is None else decode.block_tables.data_ptr(),
+            None if decode is None else decode.seq_lens.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), *(buffer.data_ptr() for buffer in scratch),
+            None if decode is None else decode.rows.data_ptr(), num_decode,
+            None if chunks is None else chunks.chunks.data_ptr(),
+            None if chunks is None else chunks.block_tables.data_ptr(),
+            0 if chunks is None else chunks.num_chunks,
+            0 if chunks is None else chunks.block_tables.stride(0),
+            int(kv_mode != 0),
         )
-        return bound, (positions, slots, decode_rows, cos, sin, scratch)
+        return bound, (positions, slots, decode_rows, prompt_chunks, cos, sin, scratch)
 
     @staticmethod
     def stack(layers: list[_Layer]) -> ctypes.Array:

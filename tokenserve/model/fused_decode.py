@@ -1,20 +1,25 @@
-"""Decode steps of few rows, all decoder layers in one C call (kernels/csrc/decode_layer.c).
+"""Steps of few rows, all decoder layers in one C call (kernels/csrc/decode_layer.c).
 
-A decode step of a few requests does little work per operator, so the ten calls of a layer
-(two norms, four projections, rotary, the cache write, attention, SwiGLU), each checked in
+A step of a few requests does little work per operator, so the ten calls of a layer (two
+norms, four projections, rotary, the cache write, attention, SwiGLU), each checked in
 Python and each forking and joining the OpenMP threads, cost about as much as the work
-(docs/benchmarks/cpu-hot-path.md). When a step is decode only on the CPU attention backend's
-C kernels, has at most as many rows as the GGUF block kernels take (192 by default; for a
-bfloat16 model `bf16_quantized_max_rows`: 512 on amx, where its products take the AMX block
-kernel, 128 on avx512_bf16, through the vdpbf16ps block kernel, 16 elsewhere), and every layer's
-projections keep GGUF blocks, the layer stack runs
-the layers in one call instead (`ts_decode_layers`: each layer in one OpenMP region, its
-output handed to the next in C; one call per layer cost ~5-8 us of Python and ctypes a
-layer, 2-3 % of a one-row step and ~1 % of a 4-row one). decode_layer.c is the llama decoder layer (model/llama.py) written in C: it calls
-the same operators in the same order, so the results are identical
-(tests/model/test_fused_decode.py). It reads what the layers and the backend expose: the
-GGUF method's blocks, the norms' weights, the rotary tables, the backend's typed decode
-batch and its cache layout. `--disable-fused-decode` keeps every step operator by operator.
+(docs/benchmarks/cpu-hot-path.md): ~10 ms a step of the default model, whatever its rows
+(docs/PERFORMANCE_CPU.md, "Prompt chunks in the fused layer"). The layer stack runs a step
+in one call instead (`ts_decode_layers`: each layer in one OpenMP region, its output handed
+to the next in C; one call per layer cost ~5-8 us of Python and ctypes a layer, 2-3 % of a
+one-row step and ~1 % of a 4-row one) when
+- its attention runs on the CPU attention backend's C kernels: its decode rows on the paged
+  decode kernel, its prompt chunks (if any) all on the prompt-attention kernel, as they are
+  where they attend in bf16 (`TorchSDPABackend.prompt_kernel_takes`);
+- it has at most as many rows as the GGUF block kernels take (192 by default; for a
+  bfloat16 model `bf16_quantized_max_rows`: 512 on amx, where its products take the AMX
+  block kernel, 128 on avx512_bf16, through the vdpbf16ps block kernel, 16 elsewhere);
+- and every layer's projections keep GGUF blocks.
+decode_layer.c is the llama decoder layer (model/llama.py) written in C: it calls the same
+operators in the same order, so the results are identical (tests/model/test_fused_decode.py).
+It reads what the layers and the backend expose: the GGUF method's blocks, the norms'
+weights, the rotary tables, the backend's typed decode batch and prompt chunk table, and its
+cache layout. `--disable-fused-decode` keeps every step operator by operator.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ def _projections(layer: nn.Module) -> dict[str, nn.Module]:
 
 
 class FusedDecodeLayerStack(LayerStack):
-    """The llama layers over a step: a decode step the C layers take in one call,
+    """The llama layers over a step: a step of few rows the C layers take in one call,
     any other step one operator at a time (`LayerStack`)."""
 
     def __init__(self, layers: nn.ModuleList, kernel_config: KernelConfig) -> None:
@@ -89,15 +94,23 @@ class FusedDecodeLayerStack(LayerStack):
             return 0
         return min(b.row_limit for b in blocks if b is not None)
 
-    def takes(self, num_tokens: int, metadata: AttentionMetadata) -> bool:
-        """A decode-only step of at most max_rows rows, its attention on the C kernels."""
-        return (
-            self.enabled
-            and num_tokens <= self.max_rows
-            and isinstance(metadata, TorchSDPAMetadata)
-            and metadata.decode_batch is not None
-            and metadata.is_decode_only
-        )
+    def takes(self, num_tokens: int, metadata: AttentionMetadata,
+              kv_caches: list[torch.Tensor]) -> bool:
+        """A step of at most max_rows rows whose attention runs on the C kernels: its decode
+        rows on the paged decode kernel, its prompt chunks (if any) all on the
+        prompt-attention kernel, as the backend would run them one layer at a time."""
+        if not (self.enabled and num_tokens <= self.max_rows
+                and isinstance(metadata, TorchSDPAMetadata)):
+            return False
+        if metadata.num_decode_rows and metadata.decode_batch is None:
+            return False
+        if metadata.is_decode_only:
+            return True
+        if metadata.prompt_batch is None:
+            return False
+        attn = self.layers[0].self_attn.attn
+        key_cache, _ = TorchSDPABackend.split_kv_cache(kv_caches[0])
+        return attn.backend.prompt_kernel_takes(attn.num_heads, key_cache)
 
     def __call__(
         self,
@@ -108,7 +121,7 @@ class FusedDecodeLayerStack(LayerStack):
         residual: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # A later pipeline stage's input is mid-stream (its residual apart): operator by operator.
-        if residual is not None or not self.takes(hidden_states.shape[0], metadata):
+        if residual is not None or not self.takes(hidden_states.shape[0], metadata, kv_caches):
             return super().__call__(positions, hidden_states, kv_caches, metadata, residual)
         assert isinstance(metadata, TorchSDPAMetadata) and self.ops is not None
         first = self.layers[0]
@@ -125,9 +138,11 @@ class FusedDecodeLayerStack(LayerStack):
             positions=positions.contiguous(),
             slots=metadata.slot_mapping,
             decode_rows=metadata.decode_batch,
+            prompt_chunks=metadata.prompt_batch,
             cos=rotary.cos,
             sin=rotary.sin,
             block_size=key_cache.shape[2],
+            num_blocks=key_cache.shape[0],
             kv_mode=paged_attention.kv_mode(
                 key_cache.dtype, attn.backend.bf16_decode(torch.float32, key_cache.dtype)),
         )

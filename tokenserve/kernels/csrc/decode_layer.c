@@ -1,25 +1,26 @@
 /*
- * One Llama decoder layer of a decode step with few rows, in one call.
+ * One Llama decoder layer of a step with few rows, in one call.
  *
- * A decode step of a few requests has little work per operator. Called one by one from
- * Python, each of a layer's ten operators pays for the call, its checks and a fork and join
- * of the OpenMP threads, a sizeable share of such a step (docs/benchmarks/cpu-hot-path.md).
- * Here the whole layer runs in one parallel region: the operators are the very functions of
- * layer_ops.c, paged_attention.c and quant_linear.c (included below, so the arithmetic and
- * its order are the same and the results identical to calling them one by one), separated
- * by the barriers of their `omp for` loops.
+ * A step of a few requests has little work per operator. Called one by one from Python,
+ * each of a layer's ten operators pays for the call, its checks and a fork and join of the
+ * OpenMP threads, a sizeable share of such a step (docs/benchmarks/cpu-hot-path.md). Here
+ * the whole layer runs in one parallel region: the operators are the very functions of
+ * layer_ops.c, paged_attention.c, prompt_attention.c and quant_linear.c (included below, so
+ * the arithmetic and its order are the same and the results identical to calling them one
+ * by one), separated by the barriers of their `omp for` loops.
  *
  * The layer: x = rms_norm(hidden (+ residual)); qkv = x · Wqkvᵀ (+ bias); rotary on q and
- * k; k and v into their cache slots; paged decode attention; o = attn · Woᵀ;
+ * k; k and v into their cache slots; attention (the decode rows' paged decode items and the
+ * prompt chunks' items, prompt_attention.c's, claimed by the threads in turn); o = attn · Woᵀ;
  * x = rms_norm(o + residual); gate_up = x · Wguᵀ; out = silu_and_mul(gate_up) · Wdownᵀ.
  * The four projections are in GGUF blocks (quant_linear.c's layouts), each product on the
  * few-row or the many-row kernel as linear() would pick, or for a bfloat16 model on the amx
- * level on the AMX kernel (quant_amx.h, bf16 numerics). Decode row r is token r of the
- * step: one new token per request.
+ * level on the AMX kernel (quant_amx.h, bf16 numerics). A row is one token of the step: a
+ * decode row (its index among them in decode_rows) or a row of a prompt chunk.
  */
 #define _GNU_SOURCE /* syscall(), for the AMX permission (amx.h, via quant_linear.c) */
 #include "layer_ops.c"
-#include "paged_attention.c"
+#include "prompt_attention.c" /* and paged_attention.c, which it includes */
 #include "quant_linear.c"
 
 /* A projection: [out, in] in Q4_1 (q4_1 = 1) or Q8_0 blocks, and an optional bias [out].
@@ -42,20 +43,27 @@ typedef struct {
     void *key_cache, *value_cache;       /* [blocks, kv_heads, block_size, head_dim] */
 } ts_layer;
 
-/* What every layer of the step shares: shapes, the rows' positions, cache slots, block
- * tables and context lengths, the rotary tables, and scratch buffers. */
+/* What every layer of the step shares: shapes, the rows' positions and cache slots, the
+ * decode rows (their indices among the step's rows, block tables and context lengths) and
+ * the prompt chunks (prompt_attention.c's chunk table and block tables), the rotary
+ * tables, and scratch buffers. */
 typedef struct {
     int64_t num_rows, hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t block_size, kv_mode, block_table_stride, max_seq_len; /* kv_mode: decode_item_then's */
     float eps, scale;
-    const int64_t *positions, *slots, *block_tables, *seq_lens; /* [num_rows] / tables */
-    const float *cos, *sin;                                     /* [max_position, head_dim] */
+    const int64_t *positions, *slots;         /* [num_rows] */
+    const int64_t *block_tables, *seq_lens;   /* the decode rows' */
+    const float *cos, *sin;                   /* [max_position, head_dim] */
     float *normed;  /* [rows, hidden] */
     float *qkv;     /* [rows, (heads + 2 kv_heads) * head_dim] */
     float *attn;    /* [rows, heads * head_dim] */
     float *o;       /* [rows, hidden] */
     float *gate_up; /* [rows, 2 intermediate] */
     float *act;     /* [rows, intermediate] */
+    const int64_t *decode_rows;               /* [num_decode_rows] row indices */
+    int64_t num_decode_rows;
+    const int64_t *chunks, *chunk_tables;     /* [num_chunks, 3], [num_chunks, stride] */
+    int64_t num_chunks, chunk_table_stride, prompt_kv; /* prompt_kv: ts_prompt_attention's */
 } ts_decode_step;
 
 /* `panel` and `sums` (M * PANEL floats) are the calling thread's, for the many-row kernel;
@@ -121,17 +129,28 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
     if (layer->qkv.out != qkv_width || layer->o.out != H ||
         layer->gate_up.out != 2 * step->intermediate || layer->down.out != H)
         return 1;
+    /* The prompt chunks' attention items, for every thread to claim from. */
+    PromptPlan plan = {0};
+    if (step->num_chunks > 0 &&
+        prompt_plan(&plan, step->chunks, step->num_chunks, step->num_heads,
+                    step->num_kv_heads, D, step->prompt_kv))
+        return -1;
     /* The AMX or vdpbf16ps kernel's x, packed once per product for all threads. */
     uint16_t *xp = amx || dp ? (uint16_t *)aligned_alloc(
                                    64, (size_t)((M + 15) / 16 * 16 * widest * 2))
                              : NULL;
-    if ((amx || dp) && xp == NULL) return -1;
+    if ((amx || dp) && xp == NULL) {
+        free(plan.items);
+        return -1;
+    }
+    const int64_t decode_len = step->max_seq_len > 0 ? step->max_seq_len : 1;
     int failed = 0;
     int64_t claimed = 0; /* decode_items' */
 #pragma omp parallel
     {
         _Alignas(64) float panel[PANEL_K * PANEL];
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * step->max_seq_len));
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * decode_len));
+        void *prompt_scratch_ = plan.num_items ? prompt_scratch(&plan) : NULL;
         float *sums = (float *)malloc(sizeof(float) * (size_t)(M * PANEL));
 #if QUANT_DP
         const int64_t a_rows = dp_panels ? DP_PANEL_COLS : 0;
@@ -139,7 +158,8 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
         const int64_t a_rows = amx ? 32 : 0; /* amx_columns: two panels of 16 weight rows */
 #endif
         uint16_t *a = a_rows ? (uint16_t *)aligned_alloc(64, (size_t)(a_rows * widest * 2)) : NULL;
-        if (scores == NULL || sums == NULL || (a_rows && a == NULL)) {
+        if (scores == NULL || sums == NULL || (a_rows && a == NULL) ||
+            (plan.num_items && prompt_scratch_ == NULL)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -157,11 +177,17 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                            q + q_size + kv_size, step->slots[r], step->num_kv_heads,
                            step->block_size, D, step->kv_mode);
         }
-        decode_items(&claimed, step->attn, q_size, step->qkv, qkv_width, NULL,
+        decode_items(&claimed, step->attn, q_size, step->qkv, qkv_width, step->decode_rows,
                      layer->key_cache, layer->value_cache, step->block_tables,
-                     step->block_table_stride, step->seq_lens, M, step->num_heads,
-                     step->num_kv_heads, D, step->block_size, step->scale, scores,
-                     step->kv_mode);
+                     step->block_table_stride, step->seq_lens, step->num_decode_rows,
+                     step->num_heads, step->num_kv_heads, D, step->block_size, step->scale,
+                     scores, step->kv_mode);
+        if (plan.num_items)
+            prompt_items(&plan, prompt_scratch_, step->attn, q_size, step->qkv, qkv_width,
+                         layer->key_cache, layer->value_cache, step->chunks,
+                         step->chunk_tables, step->chunk_table_stride, step->num_heads,
+                         step->num_kv_heads, D, step->block_size, step->scale,
+                         step->prompt_kv);
 #pragma omp barrier
         project(step->o, step->attn, M, &layer->o, panel, sums, xp, a);
 #pragma omp for schedule(static)
@@ -177,8 +203,10 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
         free(scores);
         free(sums);
         free(a);
+        if (prompt_scratch_ != NULL) prompt_scratch_free(&plan, prompt_scratch_);
     }
     free(xp);
+    free(plan.items);
     return failed ? -1 : 0;
 }
 

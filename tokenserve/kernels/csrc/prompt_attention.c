@@ -432,39 +432,46 @@ int ts_prompt_attention_path(int64_t kv_bf16, int64_t num_heads, int64_t num_kv_
     return 1;
 }
 
-/* Returns 0, -1 if scratch memory could not be allocated. */
-int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
-                        int64_t query_stride, const void *key_cache, const void *value_cache,
-                        const int64_t *chunks, const int64_t *block_tables,
-                        int64_t block_table_stride, int64_t num_chunks, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                        float scale, int64_t kv_bf16) {
+/* A step's prompt chunks cut into work items (prompt_plan), for prompt_items. */
+typedef struct {
+    PromptItem *items; /* the items with the most keys first, or NULL with none */
+    int64_t num_items, max_rows, max_seq_len, group, head_dim;
+    int amx, native;
+} PromptPlan;
+
+/* The items of the chunks (see ts_prompt_attention); returns 0, -1 if the item list could
+ * not be allocated. plan->items is freed by the caller. */
+static int prompt_plan(PromptPlan *plan, const int64_t *chunks, int64_t num_chunks,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t kv_bf16) {
     const int64_t group = num_heads / num_kv_heads;
-    const int native = ts_prompt_attention_native(kv_bf16, num_heads, num_kv_heads, head_dim);
-    int amx = 0;
+    *plan = (PromptPlan){NULL, 0, 1, 0, group, head_dim, 0,
+                         ts_prompt_attention_native(kv_bf16, num_heads, num_kv_heads,
+                                                    head_dim)};
 #if PROMPT_AMX
-    amx = ts_prompt_attention_path(kv_bf16, num_heads, num_kv_heads, head_dim) == 2;
+    plan->amx = ts_prompt_attention_path(kv_bf16, num_heads, num_kv_heads, head_dim) == 2;
 #endif
     /* AMX items: each chunk's rows in pieces by its share of the work (chunk_pieces). */
     const int64_t threads = omp_get_max_threads();
     double total_work = 0;
     for (int64_t c = 0; c < num_chunks; ++c) total_work += chunk_work(chunks + 3 * c);
-    int64_t num_items = 0, max_seq_len = 0, max_rows = 1;
+    int64_t num_items = 0;
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t q_len = chunks[3 * c + 1] - chunks[3 * c];
-        const int64_t tile =
-            chunk_item_rows(amx, group, chunks + 3 * c, total_work, num_kv_heads, threads);
+        const int64_t tile = chunk_item_rows(plan->amx, group, chunks + 3 * c, total_work,
+                                             num_kv_heads, threads);
         num_items += (q_len + tile - 1) / tile;
-        max_seq_len = chunks[3 * c + 2] > max_seq_len ? chunks[3 * c + 2] : max_seq_len;
-        max_rows = tile > max_rows ? tile : max_rows;
+        if (chunks[3 * c + 2] > plan->max_seq_len) plan->max_seq_len = chunks[3 * c + 2];
+        if (tile > plan->max_rows) plan->max_rows = tile;
     }
-    PromptItem *items = (PromptItem *)malloc(sizeof(PromptItem) * (size_t)(num_items + 1));
+    if (num_items == 0) return 0;
+    PromptItem *items = (PromptItem *)malloc(sizeof(PromptItem) * (size_t)num_items);
     if (items == NULL) return -1;
     int64_t n = 0;
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t q_len = chunks[3 * c + 1] - chunks[3 * c];
-        const int64_t tile =
-            chunk_item_rows(amx, group, chunks + 3 * c, total_work, num_kv_heads, threads);
+        const int64_t tile = chunk_item_rows(plan->amx, group, chunks + 3 * c, total_work,
+                                             num_kv_heads, threads);
         for (int64_t r = 0; r < q_len; r += tile) {
             const int64_t rows = q_len - r < tile ? q_len - r : tile;
             /* work: rows times the keys the last of them sees */
@@ -473,58 +480,98 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
     }
     /* The items with the most keys first, so the dynamic schedule ends evenly. */
     qsort(items, (size_t)n, sizeof *items, by_work_descending);
+    plan->items = items;
+    plan->num_items = n;
+    return 0;
+}
+
+/* The calling thread's scratch for a plan's items (NULL if it could not be allocated);
+ * prompt_scratch_free gives it back. */
+static void *prompt_scratch(const PromptPlan *plan) {
+#if PROMPT_AMX
+    if (plan->amx) return amx_scratch((plan->max_rows * plan->group + 15) / 16 * 16,
+                                      plan->head_dim);
+#endif
+#if PROMPT_BF16
+    if (plan->native) return aligned_alloc(64, sizeof(Bf16Scratch));
+#endif
+    return malloc(sizeof(float) * (size_t)(plan->group * plan->max_seq_len));
+}
+
+static void prompt_scratch_free(const PromptPlan *plan, void *scratch) {
+    if (!plan->amx) free(scratch); /* the AMX scratch is the thread's, kept */
+}
+
+/* A plan's items (every chunk's rows, each kv head), shared out over the threads of the
+ * enclosing parallel region (an orphaned `omp for`, dynamic, ending in a barrier); scratch
+ * is the calling thread's (prompt_scratch; with NULL its items are claimed, not done). */
+static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int64_t out_stride,
+                         const float *query, int64_t query_stride, const void *key_cache,
+                         const void *value_cache, const int64_t *chunks,
+                         const int64_t *block_tables, int64_t block_table_stride,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size, float scale, int64_t kv_bf16) {
+    const int amx = plan->amx, native = plan->native;
+    (void)amx, (void)native;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < plan->num_items * num_kv_heads; ++i) {
+        const PromptItem *item = plan->items + i / num_kv_heads;
+        const int64_t h = i % num_kv_heads, c = item->chunk;
+        const int64_t start = chunks[3 * c], q_len = chunks[3 * c + 1] - start;
+        const int64_t seq_len = chunks[3 * c + 2];
+        const int64_t *table = block_tables + c * block_table_stride;
+        if (scratch == NULL) continue;
+#if PROMPT_AMX
+        if (amx) {
+            prompt_item_amx(out, out_stride, query, query_stride, key_cache, value_cache,
+                            table, start, q_len, seq_len, item->first_row, item->rows, h,
+                            num_heads, num_kv_heads, head_dim, block_size, scale,
+                            (AmxScratch *)scratch);
+            continue;
+        }
+#endif
+#if PROMPT_BF16
+        if (native) {
+            prompt_item_bf16(out, out_stride, query, query_stride, key_cache, value_cache,
+                             table, start, q_len, seq_len, item->first_row, item->rows, h,
+                             num_heads, num_kv_heads, head_dim, block_size, scale,
+                             (Bf16Scratch *)scratch);
+            continue;
+        }
+#endif
+        for (int64_t r = item->first_row; r < item->first_row + item->rows; ++r) {
+            const int64_t row = start + r;
+            decode_item(out + row * out_stride, query + row * query_stride, key_cache,
+                        value_cache, table, seq_len - q_len + r + 1, h, num_heads,
+                        num_kv_heads, head_dim, block_size, scale, (float *)scratch, kv_bf16);
+        }
+    }
+}
+
+/* Returns 0, -1 if scratch memory could not be allocated. */
+int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
+                        int64_t query_stride, const void *key_cache, const void *value_cache,
+                        const int64_t *chunks, const int64_t *block_tables,
+                        int64_t block_table_stride, int64_t num_chunks, int64_t num_heads,
+                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                        float scale, int64_t kv_bf16) {
+    PromptPlan plan;
+    if (prompt_plan(&plan, chunks, num_chunks, num_heads, num_kv_heads, head_dim, kv_bf16))
+        return -1;
+    if (plan.num_items == 0) return 0;
     int failed = 0;
 #pragma omp parallel
     {
-        void *scratch = NULL;
-#if PROMPT_AMX
-        if (amx) scratch = amx_scratch((max_rows * group + 15) / 16 * 16, head_dim);
-        else
-#endif
-#if PROMPT_BF16
-        if (native) scratch = aligned_alloc(64, sizeof(Bf16Scratch));
-#endif
-        if (!native) scratch = malloc(sizeof(float) * (size_t)(group * max_seq_len));
+        void *scratch = prompt_scratch(&plan);
         if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n * num_kv_heads; ++i) {
-            const PromptItem *item = items + i / num_kv_heads;
-            const int64_t h = i % num_kv_heads, c = item->chunk;
-            const int64_t start = chunks[3 * c], q_len = chunks[3 * c + 1] - start;
-            const int64_t seq_len = chunks[3 * c + 2];
-            const int64_t *table = block_tables + c * block_table_stride;
-            if (scratch == NULL) continue;
-#if PROMPT_AMX
-            if (amx) {
-                prompt_item_amx(out, out_stride, query, query_stride, key_cache, value_cache,
-                                table, start, q_len, seq_len, item->first_row, item->rows, h,
-                                num_heads, num_kv_heads, head_dim, block_size, scale,
-                                (AmxScratch *)scratch);
-                continue;
-            }
-#endif
-#if PROMPT_BF16
-            if (native) {
-                prompt_item_bf16(out, out_stride, query, query_stride, key_cache, value_cache,
-                                 table, start, q_len, seq_len, item->first_row, item->rows, h,
-                                 num_heads, num_kv_heads, head_dim, block_size, scale,
-                                 (Bf16Scratch *)scratch);
-                continue;
-            }
-#endif
-            for (int64_t r = item->first_row; r < item->first_row + item->rows; ++r) {
-                const int64_t row = start + r;
-                decode_item(out + row * out_stride, query + row * query_stride, key_cache,
-                            value_cache, table, seq_len - q_len + r + 1, h, num_heads,
-                            num_kv_heads, head_dim, block_size, scale, (float *)scratch,
-                            kv_bf16);
-            }
-        }
-        if (!amx) free(scratch); /* the AMX scratch is the thread's, kept */
+        prompt_items(&plan, scratch, out, out_stride, query, query_stride, key_cache,
+                     value_cache, chunks, block_tables, block_table_stride, num_heads,
+                     num_kv_heads, head_dim, block_size, scale, kv_bf16);
+        prompt_scratch_free(&plan, scratch);
     }
-    free(items);
+    free(plan.items);
     return failed ? -1 : 0;
 }
