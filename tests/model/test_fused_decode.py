@@ -11,6 +11,7 @@ from tokenserve import LLM, SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
 from tokenserve.config import KernelConfig
 from tokenserve.kernels import build, quant_linear
+from tokenserve.kernels.cpu_isa import cpu_flags
 from tokenserve.model.fused_decode import FusedDecodeLayerStack
 
 
@@ -70,7 +71,7 @@ def test_bf16_model_fuses_its_steps_with_the_same_results(fused_calls):
     # A bfloat16 model keeps the GGUF blocks for the products of steps of few rows
     # (bf16_quantized_max_rows): its decode steps are fused, on the same float32 operators
     # as one by one, and where its prompt chunks attend in bf16 on the prompt kernel, its
-    # prompt step (the five prompts, 190 rows) too.
+    # prompt step (the five prompts, 190 rows) too if the limit takes that many rows.
     llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=False)
     # The level's default limit: the AMX block kernel's where it runs (amx), the vdpbf16ps
     # kernel's where that runs (avx512_bf16), else the float32 kernels'.
@@ -81,18 +82,27 @@ def test_bf16_model_fuses_its_steps_with_the_same_results(fused_calls):
     assert _model(llm).model.layer_stack.max_rows == limit
     expected = _generate(llm, fused=False, num_prompts=5)
     assert _generate(llm, fused=True, num_prompts=5) == expected
-    prompt_steps = {190} if _prompts_fuse(llm) else set()
+    prompt_steps = {190} if _prompts_fuse(llm) and limit >= 190 else set()
     assert fused_calls and set(fused_calls) - {1, 2, 3, 4, 5} == prompt_steps
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize(("cpu_isa", "prefix_caching"),
+                         [("auto", False), ("auto", True), ("avx512_bf16", False)])
 def test_steps_mixing_prompt_chunks_and_decode_rows_fuse_with_the_same_results(
-        monkeypatch, prefix_caching):
+        monkeypatch, cpu_isa, prefix_caching):
     # A budget of 48 tokens cuts the prompts into chunks, each continuing the context its
     # request already has in the cache, beside the decode rows of the requests before; with
-    # prefix caching the second run of the same prompts starts from cached blocks.
+    # prefix caching the second run of the same prompts starts from cached blocks. The
+    # avx512_bf16 level's prompt kernel (vdpbf16ps) is what a CPU without AMX takes: forced
+    # here, on an AMX host too.
+    if cpu_isa != "auto" and "avx512_bf16" not in cpu_flags():
+        pytest.skip("the CPU has no AVX512_BF16")
     llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", max_num_batched_tokens=48,
-              enable_prefix_caching=prefix_caching, block_size=16)
+              enable_prefix_caching=prefix_caching, block_size=16, cpu_isa=cpu_isa)
+    if cpu_isa != "auto":
+        # The prompt kernel's paths on a CPU without AMX (prompt_kernel_paths).
+        _model(llm).model.layers[0].self_attn.attn.backend.prompt_paths = (
+            "amx", "avx512_bf16")
     if not _prompts_fuse(llm):
         pytest.skip("prompt chunks attend in bf16 on the prompt kernel only on a CPU with "
                     "native bf16")

@@ -144,6 +144,12 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
         return -1;
     }
     const int64_t decode_len = step->max_seq_len > 0 ? step->max_seq_len : 1;
+    /* Whether gate_up's sums are bf16 values (the AMX or vdpbf16ps kernel's, no bias added
+     * after): SwiGLU then reads silu from the table (silu_and_mul_row_bf16_valued). */
+    const ts_projection *gate_up = &layer->gate_up;
+    const int bf16_gates = gate_up->bias == NULL &&
+                           (gate_up->dp || (gate_up->amx && M > gate_up->few_rows));
+    (void)bf16_gates;
     int failed = 0;
     int64_t claimed = 0; /* decode_items' */
 #pragma omp parallel
@@ -195,10 +201,21 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
             rms_norm_row(step->normed + r * H, step->o + r * H, residual + r * H,
                          layer->post_norm, H, step->eps);
         project(step->gate_up, step->normed, M, &layer->gate_up, panel, sums, xp, a);
+#if TS_SILU_TABLE
+        if (bf16_gates) {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < M; ++r)
-            silu_and_mul_row(step->act + r * step->intermediate,
-                             step->gate_up + r * 2 * step->intermediate, step->intermediate);
+            for (int64_t r = 0; r < M; ++r)
+                silu_and_mul_row_bf16_valued(step->act + r * step->intermediate,
+                                             step->gate_up + r * 2 * step->intermediate,
+                                             step->intermediate);
+        } else
+#endif
+        {
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < M; ++r)
+                silu_and_mul_row(step->act + r * step->intermediate,
+                                 step->gate_up + r * 2 * step->intermediate, step->intermediate);
+        }
         project(out, step->act, M, &layer->down, panel, sums, xp, a);
         free(scores);
         free(sums);

@@ -240,6 +240,26 @@ static inline void silu_and_mul_row_to_bf16(uint16_t *out, const void *gate_up, 
     }
 }
 
+#if TS_SILU_TABLE
+/* silu_and_mul_row for float32 gates that hold bf16 values (a bf16 product's sums, as the
+ * fused layer keeps them: decode_layer.c): silu from the table where silu_and_mul_row takes
+ * its vector arithmetic, whose very values the table holds, and that row's scalar arithmetic
+ * for the rest, so the results are silu_and_mul_row's bit for bit. */
+static inline void silu_and_mul_row_bf16_valued(float *out, const float *gate_up, int64_t d) {
+    const float *gate = gate_up, *up = gate_up + d;
+    const int64_t vectors = d / 8 * 8; /* silu_and_mul_row's eight-lane blocks */
+    int64_t i = 0;
+    for (; i + VW <= vectors; i += VW)
+        storew(out + i, silu_bf16_valued_w(gate + i) * loadw(up + i));
+    for (; i < vectors; ++i) {
+        uint32_t bits;
+        memcpy(&bits, gate + i, sizeof bits);
+        out[i] = silu_of_bf16[bits >> 16] * up[i];
+    }
+    for (; i < d; ++i) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+#endif
+
 void ts_silu_and_mul_to_bf16(uint16_t *out, const void *gate_up, int in_bf16, int64_t num_rows,
                              int64_t d) {
     const size_t in_size = in_bf16 ? 2 : 4;

@@ -52,5 +52,18 @@ static inline v8f silu_bf16_8(const uint16_t *p) {
     return (v8f)_mm256_i32gather_ps(silu_of_bf16, (__m256i)index, 4);
 }
 
+/* silu of VW float32 gates at p that hold bf16 values (their low 16 bits zero: a bf16
+ * product's sums kept in float32), from the table: indexed by their top 16 bits. */
+static inline vwf silu_bf16_valued_w(const float *p) {
+    vwi bits;
+    memcpy(&bits, p, sizeof bits);
+    const vwi index = (vwi)((vwu)bits >> 16);
+#if VW == 16
+    return (vwf)_mm512_i32gather_ps((__m512i)index, silu_of_bf16, 4);
+#else
+    return (vwf)_mm256_i32gather_ps(silu_of_bf16, (__m256i)index, 4);
+#endif
+}
+
 #endif
 #endif
