@@ -115,8 +115,7 @@ class DecodeLayerOps:
         if slots.shape[0] != rows:
             raise ValueError("decode layer: positions and slots need one entry per row.")
         num_decode = 0 if decode_rows is None else decode_rows.num_rows
-        num_prompt = 0 if prompt_chunks is None else int(
-            (prompt_chunks.chunks[:, 1] - prompt_chunks.chunks[:, 0]).sum())
+        num_prompt = 0 if prompt_chunks is None else prompt_chunks.num_rows
         if num_decode + num_prompt != rows or (
             num_decode and not bool(((decode_rows.rows >= 0) & (decode_rows.rows < rows)).all())
         ) or (prompt_chunks is not None and prompt_chunks.num_tokens > rows):

@@ -20,7 +20,7 @@ class PromptChunks:
     cache) and block tables [n, stride] int64, checked once and then used by every layer."""
 
     __slots__ = ("block_tables", "chunks", "max_block", "max_seq_len", "num_chunks",
-                 "num_tokens")
+                 "num_rows", "num_tokens")
 
     def __init__(self, chunks: torch.Tensor, block_tables: torch.Tensor) -> None:
         check_i64(chunks, block_tables)
@@ -38,6 +38,8 @@ class PromptChunks:
         self.chunks, self.block_tables = chunks, block_tables
         self.num_chunks = chunks.shape[0]
         self.num_tokens = int(ends.max()) if len(chunks) else 0
+        # The rows the chunks hold between them.
+        self.num_rows = int((ends - starts).sum()) if len(chunks) else 0
         self.max_seq_len = int(seq_lens.max()) if len(chunks) else 0
         # Block ids are checked against the cache at each call (two int compares): the
         # tables are built before the caches are known.

@@ -156,7 +156,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
     {
         _Alignas(64) float panel[PANEL_K * PANEL];
         float *scores = (float *)malloc(sizeof(float) * (size_t)(group * decode_len));
-        void *prompt_scratch_ = plan.num_items ? prompt_scratch(&plan) : NULL;
+        void *attn_scratch = plan.num_items ? prompt_scratch(&plan) : NULL;
         float *sums = (float *)malloc(sizeof(float) * (size_t)(M * PANEL));
 #if QUANT_DP
         const int64_t a_rows = dp_panels ? DP_PANEL_COLS : 0;
@@ -165,7 +165,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
 #endif
         uint16_t *a = a_rows ? (uint16_t *)aligned_alloc(64, (size_t)(a_rows * widest * 2)) : NULL;
         if (scores == NULL || sums == NULL || (a_rows && a == NULL) ||
-            (plan.num_items && prompt_scratch_ == NULL)) {
+            (plan.num_items && attn_scratch == NULL)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -189,7 +189,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                      step->num_heads, step->num_kv_heads, D, step->block_size, step->scale,
                      scores, step->kv_mode);
         if (plan.num_items)
-            prompt_items(&plan, prompt_scratch_, step->attn, q_size, step->qkv, qkv_width,
+            prompt_items(&plan, attn_scratch, step->attn, q_size, step->qkv, qkv_width,
                          layer->key_cache, layer->value_cache, step->chunks,
                          step->chunk_tables, step->chunk_table_stride, step->num_heads,
                          step->num_kv_heads, D, step->block_size, step->scale,
@@ -220,7 +220,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
         free(scores);
         free(sums);
         free(a);
-        if (prompt_scratch_ != NULL) prompt_scratch_free(&plan, prompt_scratch_);
+        if (attn_scratch != NULL) prompt_scratch_free(&plan, attn_scratch);
     }
     free(xp);
     free(plan.items);
