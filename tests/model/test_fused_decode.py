@@ -86,6 +86,21 @@ def test_bf16_model_fuses_its_steps_with_the_same_results(fused_calls):
     assert fused_calls and set(fused_calls) - {1, 2, 3, 4, 5} == prompt_steps
 
 
+def test_a_fused_step_above_the_block_kernels_row_round_has_the_same_results(fused_calls):
+    # With the bf16 row limit at 1024, the twelve prompts' step (834 rows) is fused: its
+    # products take the block kernel in rounds of rows (on amx: 512 and 322, as the
+    # operator-by-operator path's products take them), each row's sums the same either way.
+    llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=False,
+              bf16_quantized_max_rows=1024)
+    if not _prompts_fuse(llm):
+        pytest.skip("prompt chunks attend in bf16 on the prompt kernel only on a CPU with "
+                    "native bf16")
+    assert _model(llm).model.layer_stack.max_rows == 1024
+    expected = _generate(llm, fused=False, num_prompts=12)
+    assert _generate(llm, fused=True, num_prompts=12) == expected
+    assert 834 in fused_calls
+
+
 @pytest.mark.parametrize(("cpu_isa", "prefix_caching"),
                          [("auto", False), ("auto", True), ("avx512_bf16", False)])
 def test_steps_mixing_prompt_chunks_and_decode_rows_fuse_with_the_same_results(
