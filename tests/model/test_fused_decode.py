@@ -4,6 +4,8 @@ the same operators in the same order, so identical results."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -99,6 +101,27 @@ def test_a_fused_step_above_the_block_kernels_row_round_has_the_same_results(fus
     expected = _generate(llm, fused=False, num_prompts=12)
     assert _generate(llm, fused=True, num_prompts=12) == expected
     assert 834 in fused_calls
+
+
+@pytest.fixture
+def three_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(3)  # the C kernels' OpenMP pool too: torch's is the same runtime
+    yield
+    torch.set_num_threads(previous)
+
+
+def test_fused_steps_equal_the_operators_on_an_odd_number_of_threads(three_threads,
+                                                                     fused_calls):
+    # Each layer's work is shared out over the process's OpenMP threads (the products'
+    # panels, the attention items, the rows of the norms), however many there are: three
+    # here, more than CI's two cores, on steps mixing prompt chunks and decode rows.
+    llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=False,
+              max_num_batched_tokens=48, block_size=16)
+    expected = _generate(llm, fused=False, num_prompts=6)
+    assert _generate(llm, fused=True, num_prompts=6) == expected
+    assert fused_calls
+    assert ctypes.CDLL("libgomp.so.1").omp_get_max_threads() == 3
 
 
 @pytest.mark.parametrize(("cpu_isa", "prefix_caching"),
