@@ -8,7 +8,9 @@
  * weight the model loads; x is rounded to bf16 the same way; the sums are float32 on the
  * tiles, over k in a fixed order (32 k per instruction, blocks in order), so a row's result
  * depends neither on M nor on the other rows (each C element is its own sum), and each is
- * rounded to bf16 on its way to y, as oneDNN's bf16 GEMM hands its sums on.
+ * rounded to bf16 on its way to y, as oneDNN's bf16 GEMM hands its sums on (by
+ * vcvtneps2bf16: amx_round_sums16). A pass's C tiles are written into y during the next
+ * pass's products (AmxPending), and the last before the kernel's barrier.
  *
  * Layout: A = a panel of 16 weight rows expanded once per call into bf16 [16][K] (row
  * major, one 32-weight block per tile row: the blocks' natural order; expanded during the
@@ -100,14 +102,26 @@ static inline void amx_prefetch_next_block(const uint8_t *qs, const float *scale
             __builtin_prefetch(next_scales + (j * blocks + b) * scale_floats, 0, 2);
 }
 
+/* 16 sums of the tiles → their bf16 bits, rounded as bf16_round16 rounds them, in one
+ * vcvtneps2bf16 (a fifth of the instructions: rounding a product's sums took ~20 % of its
+ * time). The instruction reads denormals as zero, but the tiles never hold one (tdpbf16ps
+ * flushes its denormal results to zero), and a NaN becomes the one quiet NaN, as there. */
+static inline __m256i amx_round_sums16(__m512 sums) {
+    const __m256i r = (__m256i)_mm512_cvtneps_pbh(sums);
+    return _mm256_mask_mov_epi16(r, _mm512_cmp_ps_mask(sums, sums, _CMP_UNORD_Q),
+                                 _mm256_set1_epi16(0x7fc0));
+}
+
 /* One row of y (float32, or bf16 where y_bf16), columns n..n+15: the 16 sums rounded to
  * bf16. */
 static inline void amx_store_row(void *y, int y_bf16, int64_t N, int64_t m, int64_t n,
                                  __m512 sums) {
+    const __m256i bits = amx_round_sums16(sums);
     if (y_bf16)
-        _mm256_storeu_si256((__m256i *)((uint16_t *)y + m * N + n), bf16_round16(sums));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)y + m * N + n), bits);
     else
-        _mm512_storeu_ps((float *)y + m * N + n, bf16_round_ps(sums));
+        _mm512_storeu_si512((float *)y + m * N + n,
+                            _mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
 /* A stored C tile c ([16 weight rows][16 x rows]) into y's rows m0.. (rows of them),
@@ -131,6 +145,44 @@ static inline void amx_store_c_transposed(void *y, int y_bf16, int64_t N, int64_
         amx_store_row(y, y_bf16, N, m0 + m, n, _mm512_castsi512_ps(r[m]));
 }
 
+/* C tiles of amx_panel(_pair) stored but not yet written into y: each is transposed and
+ * written during one k-step of the products after it, so that the AVX-512 work of the
+ * transposes runs while the tiles multiply (done after all of a pass's products, the
+ * stores of a 576-wide product took ~30 % of its time: the tile unit waited on them). */
+/* Tiles of fewer rows of x than this are written by a gather per row, more by a transpose. */
+#define AMX_GATHER_ROWS 8
+
+typedef struct {
+    _Alignas(64) float c[4][16 * 16];
+    int64_t n[4], m0[4], rows[4];
+    int count, next;
+} AmxPending;
+
+/* Writes the next pending tile, if any, into y. */
+static inline void amx_pending_one(AmxPending *p, void *y, int y_bf16, int64_t N) {
+    if (p->next < p->count) {
+        const int i = p->next++;
+        if (p->rows[i] < AMX_GATHER_ROWS)
+            amx_store_c(y, y_bf16, N, p->n[i], p->m0[i], p->rows[i], p->c[i]);
+        else
+            amx_store_c_transposed(y, y_bf16, N, p->n[i], p->m0[i], p->rows[i], p->c[i]);
+    }
+}
+
+/* Writes every pending tile into y. */
+static inline void amx_pending_flush(AmxPending *p, void *y, int y_bf16, int64_t N) {
+    while (p->next < p->count) amx_pending_one(p, y, y_bf16, N);
+    p->count = p->next = 0;
+}
+
+/* C tile `tile` (a constant) stored as pending for y's columns n.., rows m0.. (rows). */
+#define AMX_PEND(p, tile, col, row0, nrows)                                                  \
+    do {                                                                                    \
+        _tile_stored(tile, (p)->c[(p)->count], 64);                                         \
+        (p)->n[(p)->count] = (col), (p)->m0[(p)->count] = (row0);                           \
+        (p)->rows[(p)->count++] = (nrows);                                                  \
+    } while (0)
+
 /* One panel (y's columns n..n+15, its weight rows' blocks at qs and scales) times every
  * row of x (packed in xp), up to AMX_C row tiles per pass. The first pass expands the
  * weights block by block as it goes (the expansion then overlaps the tile products'
@@ -144,7 +196,7 @@ static inline void amx_store_c_transposed(void *y, int y_bf16, int64_t N, int64_
  * docs/PERFORMANCE_CPU.md). */
 static inline __attribute__((always_inline)) void amx_panel(
     void *y, int y_bf16, int64_t n, const uint16_t *xp, uint16_t *a, const uint8_t *qs,
-    const float *scales, int64_t M, int64_t K, int64_t N, float *c, int q4_1) {
+    const float *scales, int64_t M, int64_t K, int64_t N, AmxPending *pending, int q4_1) {
     const int64_t tiles = (M + 15) / 16, tile_elems = K / 2 * 32; /* bf16 per packed x tile */
     const int few = tiles <= 2;
     _Alignas(64) uint16_t block[2][AMX_PANEL * BLOCK];
@@ -182,16 +234,17 @@ static inline __attribute__((always_inline)) void amx_panel(
                 _tile_loadd(5, b + 3 * tile_elems + k * 16, 64);
                 _tile_dpbf16ps(3, 4, 5);
             }
+            amx_pending_one(pending, y, y_bf16, N);
         }
+        amx_pending_flush(pending, y, y_bf16, N);
         for (int64_t t = 0; t < count; ++t) {
+            const int64_t m0 = (t0 + t) * 16, rows = M - m0 < 16 ? M - m0 : 16;
             switch (t) {
-            case 0: _tile_stored(0, c, 64); break;
-            case 1: _tile_stored(1, c, 64); break;
-            case 2: _tile_stored(2, c, 64); break;
-            default: _tile_stored(3, c, 64); break;
+            case 0: AMX_PEND(pending, 0, n, m0, rows); break;
+            case 1: AMX_PEND(pending, 1, n, m0, rows); break;
+            case 2: AMX_PEND(pending, 2, n, m0, rows); break;
+            default: AMX_PEND(pending, 3, n, m0, rows); break;
             }
-            const int64_t m0 = (t0 + t) * 16;
-            amx_store_c(y, y_bf16, N, n, m0, M - m0 < 16 ? M - m0 : 16, c);
         }
     }
 }
@@ -204,7 +257,7 @@ static inline __attribute__((always_inline)) void amx_panel(
  * pair's blocks into L2. */
 static inline __attribute__((always_inline)) void amx_panel_pair(
     void *y, int y_bf16, int64_t n, const uint16_t *xp, uint16_t *a, const uint8_t *qs,
-    const float *scales, int64_t M, int64_t K, int64_t N, float *c, int q4_1) {
+    const float *scales, int64_t M, int64_t K, int64_t N, AmxPending *pending, int q4_1) {
     const int64_t tiles = (M + 15) / 16, tile_elems = K / 2 * 32;
     const int64_t row_bytes = q4_1 ? K / 2 : K, row_scales = q4_1 ? K / BLOCK * 2 : K / BLOCK;
     const uint8_t *qs1 = qs + AMX_PANEL * row_bytes;
@@ -236,18 +289,16 @@ static inline __attribute__((always_inline)) void amx_panel_pair(
                 _tile_dpbf16ps(2, 4, 7);
                 _tile_dpbf16ps(3, 5, 7);
             }
+            amx_pending_one(pending, y, y_bf16, N);
         }
+        amx_pending_flush(pending, y, y_bf16, N);
         const int64_t m0 = t0 * 16, rows0 = M - m0 < 16 ? M - m0 : 16;
-        _tile_stored(0, c, 64);
-        amx_store_c_transposed(y, y_bf16, N, n, m0, rows0, c);
-        _tile_stored(1, c, 64);
-        amx_store_c_transposed(y, y_bf16, N, n + AMX_PANEL, m0, rows0, c);
+        AMX_PEND(pending, 0, n, m0, rows0);
+        AMX_PEND(pending, 1, n + AMX_PANEL, m0, rows0);
         if (two) {
             const int64_t m1 = m0 + 16, rows1 = M - m1 < 16 ? M - m1 : 16;
-            _tile_stored(2, c, 64);
-            amx_store_c_transposed(y, y_bf16, N, n, m1, rows1, c);
-            _tile_stored(3, c, 64);
-            amx_store_c_transposed(y, y_bf16, N, n + AMX_PANEL, m1, rows1, c);
+            AMX_PEND(pending, 2, n, m1, rows1);
+            AMX_PEND(pending, 3, n + AMX_PANEL, m1, rows1);
         }
     }
 }
@@ -268,9 +319,9 @@ static void amx_columns(void *y, int y_bf16, const uint16_t *xp, int64_t M, int6
         config.colsb[t] = 64;
         config.rows[t] = 16;
     }
-    _Alignas(64) float c[16 * 16];
+    AmxPending pending = {.count = 0, .next = 0};
     int configured = 0;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t g = 0; g < (panels + step - 1) / step; ++g) {
         const int64_t p = g * step, n = p * AMX_PANEL;
         if (a == NULL) continue;
@@ -284,16 +335,18 @@ static void amx_columns(void *y, int y_bf16, const uint16_t *xp, int64_t M, int6
         /* The format a constant in each branch (OpenMP outlines a parallel body once). */
         if (step == 2 && p + 1 < panels) {
             if (q4_1)
-                amx_panel_pair(y, y_bf16, n, xp, a, panel_qs, panel_scales, M, K, N, c, 1);
+                amx_panel_pair(y, y_bf16, n, xp, a, panel_qs, panel_scales, M, K, N, &pending, 1);
             else
-                amx_panel_pair(y, y_bf16, n, xp, a, panel_qs, panel_scales, M, K, N, c, 0);
+                amx_panel_pair(y, y_bf16, n, xp, a, panel_qs, panel_scales, M, K, N, &pending, 0);
         } else if (q4_1) {
-            amx_panel(y, y_bf16, n, xp, a, panel_qs, panel_scales, M, K, N, c, 1);
+            amx_panel(y, y_bf16, n, xp, a, panel_qs, panel_scales, M, K, N, &pending, 1);
         } else {
-            amx_panel(y, y_bf16, n, xp, a, panel_qs, panel_scales, M, K, N, c, 0);
+            amx_panel(y, y_bf16, n, xp, a, panel_qs, panel_scales, M, K, N, &pending, 0);
         }
     }
+    amx_pending_flush(&pending, y, y_bf16, N);
     if (configured) _tile_release();
+#pragma omp barrier
 }
 
 #endif
