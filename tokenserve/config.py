@@ -271,12 +271,13 @@ DEFAULT_QUANTIZED_GEMM_MAX_ROWS = 192
 # bfloat16 models: the most rows of a product that still reads the GGUF blocks, oneDNN's bf16
 # GEMM above (docs/PERFORMANCE_CPU.md). By the blocks' kernel (KernelConfig.
 # bf16_block_max_rows): on amx the AMX kernel (bf16 numerics) makes the default model's steps
-# faster than oneDNN's bf16 GEMM up to 512 rows (7-15 % at 192-512), even at 1024, slower at
-# 2048; on avx512_bf16 the vdpbf16ps kernel (the same numerics; its panel form above 8
-# rows) makes decode steps faster up to max_num_seqs' default, 128 (a fused step of the default
-# model against oneDNN above 16 rows: 1.16-1.88x faster at 17-128 rows); below those levels the
-# float32 block kernels lead it only in the smallest decode steps.
-DEFAULT_BF16_QUANTIZED_MAX_ROWS = 512
+# faster than oneDNN's bf16 GEMM up to 1024 rows (a fused prompt step 10-27 % faster at
+# 640-1024 rows), slower from ~1,536; on avx512_bf16 the vdpbf16ps kernel (the same
+# numerics; its panel form above 8 rows) makes decode steps faster up to max_num_seqs'
+# default, 128 (a fused step of the default model against oneDNN above 16 rows: 1.16-1.88x
+# faster at 17-128 rows); below those levels the float32 block kernels lead it only in the
+# smallest decode steps.
+DEFAULT_BF16_QUANTIZED_MAX_ROWS = 1024
 BF16_QUANTIZED_MAX_ROWS_DP = 128
 BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX = 16
 # --cpu-isa: the instruction-set levels the C kernels build for (kernels/cpu_isa.py).

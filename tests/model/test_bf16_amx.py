@@ -57,9 +57,11 @@ def test_bf16_products_take_the_amx_kernel_up_to_the_limit_fused_or_not(amx_rows
                           for b in blocks)
     assert model.model.layer_stack.max_rows == DEFAULT_BF16_QUANTIZED_MAX_ROWS
     # 20 requests of different lengths: decode steps of 20 rows down to 1 (two row tiles of
-    # the AMX kernel above 16), past the float32 kernels' 16.
-    prompts = [prompt[: 10 + 3 * index]
-               for index, prompt in enumerate(random_token_prompts(20, 80, 49152, seed=11))]
+    # the AMX kernel above 16), past the float32 kernels' 16; their prompts, 1,370 tokens
+    # together, one first step above the limit.
+    prompts = [prompt[: 40 + 3 * index]
+               for index, prompt in enumerate(random_token_prompts(20, 100, 49152, seed=11))]
+    assert sum(map(len, prompts)) > DEFAULT_BF16_QUANTIZED_MAX_ROWS
     expected = _generate(llm, prompts, fused=False)
     # Operator by operator: the decode steps' products (and the prompts' logits rows) on
     # the AMX kernel; the prompt chunks above the limit (the whole first step) on oneDNN.

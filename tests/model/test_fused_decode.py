@@ -90,8 +90,9 @@ def test_bf16_model_fuses_its_steps_with_the_same_results(fused_calls):
 
 def test_a_fused_step_above_the_block_kernels_row_round_has_the_same_results(fused_calls):
     # With the bf16 row limit at 1024, the twelve prompts' step (834 rows) is fused: its
-    # products take the block kernel in rounds of rows (on amx: 512 and 322, as the
-    # operator-by-operator path's products take them), each row's sums the same either way.
+    # products take the block kernel in rounds of rows (on amx the down projection's, K =
+    # 1536: 384, 384 and 66, as the operator-by-operator path's products take them), each
+    # row's sums the same either way.
     llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=False,
               bf16_quantized_max_rows=1024)
     if not _prompts_fuse(llm):

@@ -12,7 +12,7 @@ one-row step and ~1 % of a 4-row one) when
   decode kernel, its prompt chunks (if any) all on the prompt-attention kernel, as they are
   where they attend in bf16 (`TorchSDPABackend.prompt_kernel_takes`);
 - it has at most as many rows as the GGUF block kernels take (192 by default; for a
-  bfloat16 model `bf16_quantized_max_rows`: 512 on amx, where its products take the AMX
+  bfloat16 model `bf16_quantized_max_rows`: 1024 on amx, where its products take the AMX
   block kernel, 128 on avx512_bf16, through the vdpbf16ps block kernel, 16 elsewhere);
 - and every layer's projections keep GGUF blocks.
 decode_layer.c is the llama decoder layer (model/llama.py) written in C: it calls the same

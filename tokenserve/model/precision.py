@@ -14,7 +14,7 @@ its result rounded to bf16 for the product after it (the rounding the product wo
 a product's sums stay bf16 until the next operator reads them, and the LM head's logits
 stay bf16 for the sampler (kernels/csrc/layer_ops.c; `QuantizationMethod.input_dtype`).
 A GGUF model's products of at most `bf16_quantized_max_rows` rows read its blocks
-(model/layers/quantization/__init__.py): on the amx level (512 rows by default) through
+(model/layers/quantization/__init__.py): on the amx level (1024 rows by default) through
 the AMX block kernel with these same bf16 numerics, reading and writing bf16 as oneDNN's
 products do (each weight expanded from its block as
 gguf dequantizes it, then rounded to bf16 exactly as the dense bf16 weight is; x rounded to

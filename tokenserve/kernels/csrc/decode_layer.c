@@ -73,10 +73,11 @@ static void project(float *y, const float *x, int64_t M, const ts_projection *w,
                     float *sums, uint16_t *xp, uint16_t *a) {
 #if QUANT_AMX
     if (w->amx && M > w->few_rows) {
-        /* In rounds of AMX_ROW_CHUNK rows, as ts_quant_linear_amx takes them: a round's
+        /* In rounds of amx_round_rows, as ts_quant_linear_amx takes them: a round's
          * packed rows stay in L2 while every panel streams them. */
-        for (int64_t m0 = 0; m0 < M; m0 += AMX_ROW_CHUNK) {
-            const int64_t rows = M - m0 < AMX_ROW_CHUNK ? M - m0 : AMX_ROW_CHUNK;
+        const int64_t round = amx_round_rows(w->in);
+        for (int64_t m0 = 0; m0 < M; m0 += round) {
+            const int64_t rows = M - m0 < round ? M - m0 : round;
             amx_pack_rows(xp, x + m0 * w->in, 0, rows, w->in);
             amx_columns(y + m0 * w->out, 0, xp, rows, w->in, w->out, w->qs, w->scales,
                         (int)w->q4_1, a);

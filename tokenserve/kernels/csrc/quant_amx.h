@@ -34,10 +34,17 @@
 
 #define AMX_PANEL 16 /* weight rows per A tile: N must be a multiple */
 #define AMX_C 4      /* C tiles: row tiles of x per pass over a panel */
-/* Rows of x per round over all panels: a round's packed x (here 512 x K bf16, 576 KiB at
- * K = 576) stays in L2 while every panel streams it; more rows are taken in rounds, each
- * expanding the weights again. */
-#define AMX_ROW_CHUNK 512
+/* Rows of x per round over all panels (amx_round_rows): as many as keep a round's packed x
+ * (rows x K bf16) within AMX_ROUND_BYTES, so that it stays in L2 while every panel streams
+ * it: 1024 rows at K = 576, 384 at K = 1536; more rows are taken in rounds, each expanding
+ * the weights again. (A loop of the kernel's tile pattern on one thread streaming B from
+ * 1.1 MiB ran at ~2.0 TFLOP/s, from 1.6-1.8 MiB at 1.2-1.3: docs/PERFORMANCE_CPU.md.) */
+#define AMX_ROUND_BYTES (1152 * 1024)
+
+static inline int64_t amx_round_rows(int64_t K) {
+    const int64_t rows = AMX_ROUND_BYTES / (K * 2) / 32 * 32;
+    return rows < 64 ? 64 : rows;
+}
 
 /* x [M, K] float32 (rounded to bf16) or bf16 (x_bf16) → xp [padded / 16][K / 2][16][2] bf16
  * pairs (rows M..padded-1 zero),

@@ -18,7 +18,7 @@ rows (`KernelConfig.bf16_block_max_rows`) to the AMX kernel instead (csrc/quant_
 bf16 model's own numerics (each weight expanded as above, then rounded to bf16 as the dense
 bf16 weight is; x rounded to bf16; float32 sums, each rounded to bf16 as oneDNN rounds
 its own), from the blocks; in an engine step faster than oneDNN's bf16 GEMM on the dense
-weights up to 512 rows (docs/PERFORMANCE_CPU.md). It reads bf16 x and writes bf16 sums, as
+weights up to 1024 rows (docs/PERFORMANCE_CPU.md). It reads bf16 x and writes bf16 sums, as
 oneDNN's bf16 products do (`reads_bf16`, `input_dtype`). Its products of one row keep the
 float32 few-row kernel (float32 weights and inputs, as without AMX):
 there the weights' bytes, not the arithmetic, set the time, and the AMX kernel's expansion
