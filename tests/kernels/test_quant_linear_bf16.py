@@ -161,29 +161,29 @@ def test_the_amx_kernel_reads_and_writes_bf16_as_it_does_float32(kernel, kind, n
 
 
 @pytest.mark.parametrize("num_rows", [2, 16, 17, 64, 65, 130])
-def test_the_amx_kernel_rounds_nan_and_tiny_sums_as_torch(kernel, num_rows):
-    # The AMX kernel rounds its sums to bf16 by vcvtneps2bf16, which reads a denormal as
-    # zero and keeps a NaN's sign and payload, where torch's rounding keeps denormals and
-    # gives every NaN as 0x7fc0. The tiles never hold a denormal (tdpbf16ps flushes its
-    # denormal results to zero: a sum of 2^-140 comes back 0, as the kernel's float32 x
-    # path says too), and the kernel gives each NaN as torch does. Row 0's x is a negative
-    # NaN with a payload, in bf16 as the operator before hands it; 48 output rows: a pair
-    # of panels and one alone, each row count taking the gather and the transpose stores.
-    if kernel != "amx":
-        pytest.skip("the vcvtneps2bf16 rounding of the sums is the AMX kernel's")
-    weight, reference = random_quantized("Q8_0", 48, 64, seed=num_rows)
+def test_a_nan_sum_is_torchs_nan_and_a_denormal_sum_is_zero(kernel, num_rows):
+    # torch rounds every NaN to bf16 as 0x7fc0, and so do the kernels: the AMX kernel rounds
+    # its sums by vcvtneps2bf16, which would keep a NaN's sign and payload, and masks them.
+    # A sum of 2^-140 (a float32 denormal) comes back 0: tdpbf16ps and vdpbf16ps flush
+    # denormal results (so vcvtneps2bf16's reading of denormals as zero never applies).
+    # Row 0's x holds a negative NaN with a payload (in bf16 as the operator before hands
+    # it to the AMX kernel; the others read float32); 48 output rows: a pair of panels and
+    # one alone, each row count taking the AMX kernel's gather and transpose stores.
+    weight, _ = random_quantized("Q8_0", 48, 64, seed=num_rows)
     x = torch.randn(num_rows, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
     x.view(torch.int16)[0, 5] = -0x3F  # 0xffc1: sign set, quiet, payload 1
-    out = _bf16(weight, x, kernel)
-    assert (out[0].view(torch.int16) == 0x7FC0).all()
+    out = _bf16(weight, x if kernel == "amx" else x.float(), kernel)
+    nan = out[0].view(torch.int16) if kernel == "amx" else out[0].view(torch.int32)
+    assert (nan == (0x7FC0 if kernel == "amx" else 0x7FC00000)).all()
     assert not out[1:].isnan().any()
     blocks = np.zeros((48, 2, 34), dtype=np.uint8)  # Q8_0: float16 d, then 32 int8 q
     blocks[:, :, 0] = 1  # d = 2^-24, the least float16
     blocks[:, 0, 2] = 1  # q = 1 at k = 0: every row's first weight 2^-24, the rest 0
     tiny = QuantizedWeight.from_blocks("Q8_0", blocks.reshape(48, 68))
-    x = torch.zeros(num_rows, 64, dtype=torch.bfloat16)
-    x[:, 0] = 2.0**-116  # times 2^-24: 2^-140, a float32 denormal
-    assert torch.equal(_bf16(tiny, x, kernel), torch.zeros(num_rows, 48, dtype=torch.bfloat16))
+    x = torch.zeros(num_rows, 64)
+    x[:, 0] = 2.0**-116  # times 2^-24: 2^-140
+    out = _bf16(tiny, x.bfloat16() if kernel == "amx" else x, kernel)
+    assert torch.equal(out.float(), torch.zeros(num_rows, 48))
 
 
 def test_the_panel_kernels_refuse_shapes_off_their_panels(kernel):
