@@ -147,21 +147,32 @@ def test_chunks_follow_the_step_cost_when_it_changes():
 
 
 def test_prefill_of_many_prompts_completes_under_a_tight_target():
+    # The target (0.5 ms: below any step's fixed cost) holds prefill to the minimum except
+    # in steps that would leave a waiting request it could admit without a token: those
+    # take the full budget, as without a target (a backlog is not starved).
     scheduler = make_scheduler(target_step_ms=0.5, num_blocks=256, max_num_seqs=8)
     rng = random.Random(7)
     for index in range(10):
         add(scheduler, f"r{index}", rng.randint(1, 120), max_tokens=5, first_token=100 * index)
+    full_steps = 0
     for _ in range(500):
         if not scheduler.has_unfinished_requests():
             break
+        room = scheduler.config.max_num_seqs - len(scheduler.running)
+        could_admit = room > 0 and len(scheduler.waiting) > 0
         output, _ = step(scheduler)
         prefill = sum(n for rid, n in output.num_scheduled_tokens.items() if n > 1)
-        assert prefill <= MIN_PREFILL_TOKENS
+        if prefill > MIN_PREFILL_TOKENS:
+            assert could_admit and scheduler.make_stats().token_budget == 2048
+            full_steps += 1
+    assert full_steps >= 1
     assert not scheduler.has_unfinished_requests()
     assert scheduler.kv_cache_manager.block_pool.num_free_blocks == 256
 
 
 def test_without_chunked_prefill_the_first_prompt_of_a_step_goes_whole():
+    # The first prompt goes whole under any target; the second would get nothing under
+    # this one, so the step takes the full budget (512: two 200-token prompts, not three).
     scheduler = make_scheduler(target_step_ms=0.5, chunked=False, budget=512, max_num_seqs=8)
     for index in range(4):
         add(scheduler, f"r{index}", 200, max_tokens=3, first_token=300 * index)
@@ -173,7 +184,35 @@ def test_without_chunked_prefill_the_first_prompt_of_a_step_goes_whole():
         admitted.append([r.request_id for r in output.scheduled_new_reqs])
         assert all(n in (1, 200) for n in output.num_scheduled_tokens.values())
     assert not scheduler.has_unfinished_requests()
-    assert [ids for ids in admitted if ids] == [["r0"], ["r1"], ["r2"], ["r3"]]
+    assert [ids for ids in admitted if ids] == [["r0", "r1"], ["r2", "r3"]]
+
+
+def test_a_backlog_takes_full_steps_and_a_lone_prompt_the_target():
+    target_ms, budget = 10.0, 2048
+    scheduler = make_scheduler(target_ms, budget=budget, num_blocks=2048, max_num_seqs=32)
+    start_decoders(scheduler, 4)
+    # A lone long prompt beside the decodes: its chunks keep each step within the target.
+    add(scheduler, "long", 3000, first_token=5000)
+    for _ in range(3):
+        output, _ = step(scheduler)
+        assert synthetic_seconds(StepShape.of(output)) * 1e3 <= target_ms * (1 + 1e-6)
+        assert scheduler.make_stats().token_budget < budget
+    # Twenty prompts arrive at once: the target would leave most of them without a token,
+    # so the first step takes the whole budget, and all have started after the second
+    # (3,000 prompt tokens; the target alone grants ~700 a step here).
+    for index in range(20):
+        add(scheduler, f"burst-{index}", 150, max_tokens=5, first_token=7000 + 10 * index)
+    output, _ = step(scheduler)
+    assert output.total_num_scheduled_tokens == budget
+    assert scheduler.make_stats().token_budget == budget
+    step(scheduler)
+    assert not any(r.status == RequestStatus.WAITING for r in scheduler.requests.values())
+    # Once they all run, the long prompt's chunks are held to the target again.
+    for _ in range(3):
+        output, _ = step(scheduler)
+        prefill = output.num_scheduled_tokens.get("long", 0)
+        if prefill > MIN_PREFILL_TOKENS:
+            assert synthetic_seconds(StepShape.of(output)) * 1e3 <= target_ms * (1 + 1e-6)
 
 
 def random_schedule(scheduler: Scheduler, seed: int) -> list[tuple]:

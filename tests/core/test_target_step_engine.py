@@ -1,5 +1,6 @@
 """--target-step-ms through the engine on the tiny model: the same tokens as without it, and
-every step within the budget its cost model computed.
+every step within the budget its cost model computed, or full where the target would have
+left a waiting request without a token.
 
 The engine core's clock is replaced by a synthetic one (each step "takes" a fixed linear cost
 of its shape), so nothing here depends on how fast this machine is.
@@ -53,7 +54,8 @@ def prompts(tiny_model_dirs) -> list[list[int]]:
 
 def generate(model_dir: str, prompts: list[list[int]], **engine_args):
     """Greedy outputs, and for every engine step: (cost model ready?, the requests that were
-    decode rows, the step's scheduler output, the scheduler stats after it)."""
+    decode rows, the step's scheduler output, the scheduler stats after it, how many
+    requests were waiting before it)."""
     llm = LLM(model_dir, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, **engine_args)
     engine_core = llm.llm_engine.engine_core
     engine_core.clock = SyntheticClock(engine_core)
@@ -67,9 +69,10 @@ def generate(model_dir: str, prompts: list[list[int]], **engine_args):
         decode_rows = {
             r.request_id for r in scheduler.running if r.num_tokens - r.num_computed_tokens == 1
         }
+        waiting = len(scheduler.waiting)
         outputs = engine_step()
         output = engine_core.last_scheduler_output
-        steps.append((ready, decode_rows, output, scheduler.make_stats()))
+        steps.append((ready, decode_rows, output, scheduler.make_stats(), waiting))
         return outputs
 
     engine_core.step = recorded_step  # type: ignore[method-assign]
@@ -89,8 +92,9 @@ def test_target_step_time_keeps_outputs_and_sizes_every_step(tiny_model_dirs, pr
     # The clock charges a decode token what it charges a prompt token.
     assert model.coefficients.tolist() == pytest.approx([*COST, COST[1]], rel=1e-3)  # learned the clock
     assert sum(1 for ready, *_ in steps if not ready) == WARMUP_STEPS + MIN_SAMPLES
-    limited = 0
-    for index, (ready, decode_rows, output, stats) in enumerate(steps):
+    limited = lifted = 0
+    sized_before = False
+    for index, (ready, decode_rows, output, stats, waiting) in enumerate(steps):
         if not ready:
             assert stats.token_budget == MAX_NUM_BATCHED_TOKENS  # as without a target
             continue
@@ -98,16 +102,23 @@ def test_target_step_time_keeps_outputs_and_sizes_every_step(tiny_model_dirs, pr
         prefill = output.total_num_scheduled_tokens - len(decode_rows)
         assert output.total_num_scheduled_tokens <= MAX_NUM_BATCHED_TOKENS
         step_ms = synthetic_seconds(StepShape.of(output), cost=COST) * 1e3
-        if index > WARMUP_STEPS + MIN_SAMPLES:
-            # Past its first prediction (from 4 look-alike steps) the model knows the cost.
+        if index > WARMUP_STEPS + MIN_SAMPLES and sized_before:
+            # Past its first prediction (from 4 look-alike full steps) and the first step
+            # the target sized, which varies the shapes it has seen, the model knows the cost.
             assert stats.predicted_step_ms == pytest.approx(step_ms, rel=1e-3)
-        if prefill > MIN_PREFILL_TOKENS:
+        sized_before = sized_before or stats.token_budget < MAX_NUM_BATCHED_TOKENS
+        if prefill > MIN_PREFILL_TOKENS and stats.token_budget == MAX_NUM_BATCHED_TOKENS:
+            # A full step: only when the target would have left a waiting request without
+            # a token.
+            assert waiting > 0
+            lifted += 1
+        elif prefill > MIN_PREFILL_TOKENS:
             # Beyond the minimum, prefill only fills what the target leaves.
             assert stats.predicted_step_ms <= TARGET_MS * (1 + 1e-9)
             assert step_ms <= TARGET_MS * (1 + 1e-3)
-            assert stats.token_budget < MAX_NUM_BATCHED_TOKENS
             limited += 1
     assert limited > 3  # the target did bind: prefill was sized by it, not by the 64 tokens
+    assert lifted > 0  # and the ten prompts, all waiting at first, started in full steps
     assert len(steps) > len(reference_steps)
     stats = engine_core.make_stats()
     assert stats.kv_cache_usage == 0.0
@@ -117,5 +128,5 @@ def test_without_a_target_the_engine_keeps_no_cost_model(tiny_model_dirs, prompt
     _, steps, engine_core = generate(tiny_model_dirs["llama"], prompts[:3])
     assert engine_core.step_cost_model is None
     assert engine_core.scheduler.step_cost_model is None
-    assert all(stats.token_budget == MAX_NUM_BATCHED_TOKENS for *_, stats in steps)
-    assert all(stats.predicted_step_ms is None for *_, stats in steps)
+    assert all(stats.token_budget == MAX_NUM_BATCHED_TOKENS for _, _, _, stats, _ in steps)
+    assert all(stats.predicted_step_ms is None for _, _, _, stats, _ in steps)

@@ -23,7 +23,8 @@ step under way is preempted only once that step is back (the request that needs 
 waits until then).
 Admission and preemption never share a step. With a target step time (`target_step_ms`),
 a `TargetStepBudget` caps the prompt tokens of each step on top of its decodes
-(core/step_cost.py).
+(core/step_cost.py), except in a step where the cap would leave a waiting request it could
+admit without a token: a backlog takes full steps, as without a target.
 A prompt chunk over an image's placeholders needs the image's encoder output: it is run
 in the step (within `max_num_encoder_input_tokens`) or found in the encoder cache, else
 the chunk stops before the image (core/encoder_cache_manager.py).
@@ -203,8 +204,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         plan = StepPlan(self.config.max_num_batched_tokens)
         plan.encoder = EncoderPlan(self.config.max_num_encoder_input_tokens)
-        prefill_budget = self._prefill_budget()
+        prefill_budget = target = self._prefill_budget()
         if self._schedule_decodes(plan):
+            if isinstance(target, TargetStepBudget) and self._target_leaves_waiting(plan):
+                prefill_budget = PrefillBudget()  # a backlog: a full step, as without a target
             self._schedule_prompt_chunks(plan, prefill_budget)
 
         scheduled_drafts = self._take_drafts(plan)
@@ -239,8 +242,8 @@ class Scheduler:
             )
         self.finished_req_ids = set()
         self.last_token_budget = prefill_budget.token_budget or self.config.max_num_batched_tokens
-        if isinstance(prefill_budget, TargetStepBudget) and not output.is_empty:
-            self.last_predicted_step_ms = prefill_budget.cost_model.predict_ms(StepShape.of(output))
+        if isinstance(target, TargetStepBudget) and not output.is_empty:
+            self.last_predicted_step_ms = target.cost_model.predict_ms(StepShape.of(output))
         return output
 
     def update_from_output(
@@ -565,6 +568,26 @@ class Scheduler:
             self.config.max_num_batched_tokens,
             chunked=self.config.enable_chunked_prefill,
         )
+
+    def _target_leaves_waiting(self, plan: StepPlan) -> bool:
+        """Whether the target step time would leave a waiting request this step could admit
+        without a token: the prompts granted before it (in `order_for_prefill`) spend the
+        target. A dry run of the grants on a budget of its own, each waiting request from
+        the tokens it has computed (its cached prefix is not looked up here)."""
+        waiting = self._admission_window(plan)
+        if not waiting:
+            return False
+        probe = self._prefill_budget()
+        running = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        shortest_first = self.config.policy == "fcfs" and self.config.prefill_order == "shortest"
+        left = plan.token_budget
+        for request in order_for_prefill(running, waiting, shortest_first):
+            wanted = min(request.num_tokens - request.num_computed_tokens, left)
+            granted = probe.grant(request.num_computed_tokens, wanted) if wanted > 0 else 0
+            if granted == 0 and request.status != RequestStatus.RUNNING:
+                return True
+            left -= granted
+        return False
 
     def _choose_victim(self) -> Request | None:
         """The request to preempt: the lowest-priority (or newest) running request; None

@@ -159,8 +159,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
     parser.add_argument("--target-step-ms", type=float, default=defaults.target_step_ms,
                         help="Target engine-step time in ms: each step's prompt tokens are sized "
                              "from the measured step cost to keep it within the target (every "
-                             "decode still gets its token; prefill gets at least 16 tokens a step). "
-                             "Default: no target, --max-num-batched-tokens alone limits a step.")
+                             "decode still gets its token; prefill gets at least 16 tokens a step; "
+                             "a step that would leave a waiting request without a token takes the "
+                             "full --max-num-batched-tokens). Default: no target, "
+                             "--max-num-batched-tokens alone limits a step.")
     parser.add_argument("-dp", "--data-parallel-size", type=int,
                         default=defaults.data_parallel_size,
                         help="Engine cores behind one API server, each with its own KV cache "
