@@ -206,9 +206,10 @@ class Scheduler:
         plan.encoder = EncoderPlan(self.config.max_num_encoder_input_tokens)
         prefill_budget = target = self._prefill_budget()
         if self._schedule_decodes(plan):
-            if isinstance(target, TargetStepBudget) and self._target_leaves_waiting(plan):
+            prompts = self._prompt_order(plan)
+            if isinstance(target, TargetStepBudget) and self._target_leaves_waiting(plan, prompts):
                 prefill_budget = PrefillBudget()  # a backlog: a full step, as without a target
-            self._schedule_prompt_chunks(plan, prefill_budget)
+            self._schedule_prompt_chunks(plan, prefill_budget, prompts)
 
         scheduled_drafts = self._take_drafts(plan)
         output = SchedulerOutput(
@@ -387,10 +388,19 @@ class Scheduler:
             request.spec_token_ids = []
         return scheduled_drafts
 
-    def _schedule_prompt_chunks(self, plan: StepPlan, prefill_budget: PrefillBudget) -> None:
-        """Grant the rest of the budget to prompts: running requests still computing theirs,
-        and waiting requests being admitted, in `order_for_prefill` (shortest remaining prompt
-        first under the fcfs policy, unless `prefill_order="arrival"`).
+    def _prompt_order(self, plan: StepPlan) -> list[Request]:
+        """The prompts this step may grant tokens to: running requests still computing theirs
+        and the admission window's waiting requests, in `order_for_prefill` (shortest
+        remaining prompt first under the fcfs policy, unless `prefill_order="arrival"`)."""
+        running = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        shortest_first = self.config.policy == "fcfs" and self.config.prefill_order == "shortest"
+        return order_for_prefill(running, self._admission_window(plan), shortest_first)
+
+    def _schedule_prompt_chunks(
+        self, plan: StepPlan, prefill_budget: PrefillBudget, prompts: list[Request]
+    ) -> None:
+        """Grant the rest of the budget to `prompts` (`_prompt_order`): running requests
+        still computing theirs, and waiting requests being admitted.
 
         Admission and preemption never share a step: nobody is admitted once a request was
         preempted, and a running prompt ordered after an admission gets a chunk only from
@@ -398,11 +408,8 @@ class Scheduler:
         running prompt that has to preempt itself ends the step. Admission also ends with
         the first waiting request that cannot be admitted.
         """
-        running = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        waiting = self._admission_window(plan)
         admitting = True
-        shortest_first = self.config.policy == "fcfs" and self.config.prefill_order == "shortest"
-        for request in order_for_prefill(running, waiting, shortest_first):
+        for request in prompts:
             if plan.token_budget == 0:
                 break
             if request.status == RequestStatus.RUNNING:
@@ -569,19 +576,16 @@ class Scheduler:
             chunked=self.config.enable_chunked_prefill,
         )
 
-    def _target_leaves_waiting(self, plan: StepPlan) -> bool:
-        """Whether the target step time would leave a waiting request this step could admit
-        without a token: the prompts granted before it (in `order_for_prefill`) spend the
-        target. A dry run of the grants on a budget of its own, each waiting request from
-        the tokens it has computed (its cached prefix is not looked up here)."""
-        waiting = self._admission_window(plan)
-        if not waiting:
+    def _target_leaves_waiting(self, plan: StepPlan, prompts: list[Request]) -> bool:
+        """Whether the target step time would leave a waiting request of `prompts` without a
+        token: the prompts granted before it spend the target. A dry run of the grants on a
+        budget of its own, each waiting request from the tokens it has computed (its cached
+        prefix is not looked up here)."""
+        if all(r.status == RequestStatus.RUNNING for r in prompts):
             return False
         probe = self._prefill_budget()
-        running = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        shortest_first = self.config.policy == "fcfs" and self.config.prefill_order == "shortest"
         left = plan.token_budget
-        for request in order_for_prefill(running, waiting, shortest_first):
+        for request in prompts:
             wanted = min(request.num_tokens - request.num_computed_tokens, left)
             granted = probe.grant(request.num_computed_tokens, wanted) if wanted > 0 else 0
             if granted == 0 and request.status != RequestStatus.RUNNING:

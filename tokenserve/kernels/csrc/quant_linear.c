@@ -458,7 +458,7 @@ static int quant_gemm_amx(void *y, int y_bf16, const void *x, int x_bf16, int64_
     if (K % BLOCK != 0 || N % AMX_PANEL != 0) return 1;
     if (!amx_permitted()) return 3;
     if (M == 0) return 0;
-    const int64_t chunk = M < amx_round_rows(K) ? M : amx_round_rows(K);
+    const int64_t round = amx_round_rows(K), chunk = M < round ? M : round;
     uint16_t *xp = (uint16_t *)aligned_alloc(64, (size_t)((chunk + 15) / 16 * 16 * K * 2));
     if (xp == NULL) return 2;
     const size_t x_size = x_bf16 ? 2 : 4, y_size = y_bf16 ? 2 : 4;
