@@ -37,6 +37,7 @@ import time
 
 from tokenserve import SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
+from tokenserve.core.gc_heap import freeze_startup_heap
 from tokenserve.engine.cli_args import add_engine_arguments, engine_args_from
 from tokenserve.engine.llm_engine import LLMEngine
 from tokenserve.kernels import build
@@ -68,6 +69,9 @@ def main() -> None:
     clock = time.thread_time if args.cpu_time else time.perf_counter
 
     engine = LLMEngine.from_engine_args(engine_args_from(args))
+    # The model and engine out of the collector's walks, as in a server's engine core and
+    # LLM.generate (core/gc_heap.py): else full collections land in the timed steps.
+    freeze_startup_heap()
     max_num_seqs = engine.config.scheduler_config.max_num_seqs
     if max(batches) > max_num_seqs:
         raise SystemExit(f"A batch of {max(batches)} rows needs --max-num-seqs of at least that "

@@ -22,6 +22,7 @@ import time
 from tokenserve import SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
 from tokenserve.core.block_pool import BlockPool
+from tokenserve.core.gc_heap import freeze_startup_heap
 from tokenserve.engine.cli_args import add_engine_arguments, engine_args_from
 from tokenserve.engine.llm_engine import LLMEngine
 
@@ -46,6 +47,9 @@ def main() -> None:
 
     BlockPool.get_new_blocks = recorded
     engine = LLMEngine.from_engine_args(engine_args_from(args))
+    # The model and engine out of the collector's walks, as in a server's engine core and
+    # LLM.generate (core/gc_heap.py): else full collections land in the timed steps.
+    freeze_startup_heap()
     num_blocks = engine.config.cache_config.num_blocks
     vocab_size = engine.config.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)

@@ -20,6 +20,7 @@ import time
 
 from tokenserve import SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
+from tokenserve.core.gc_heap import freeze_startup_heap
 from tokenserve.engine.cli_args import add_engine_arguments, engine_args_from
 from tokenserve.engine.llm_engine import LLMEngine
 from tokenserve.model.layers.activation import SiluAndMul
@@ -62,6 +63,9 @@ def main() -> None:
     )
 
     engine = LLMEngine.from_engine_args(engine_args_from(args))
+    # The model and engine out of the collector's walks, as in a server's engine core and
+    # LLM.generate (core/gc_heap.py): else full collections land in the timed steps.
+    freeze_startup_heap()
     (runner,) = engine.engine_core.collective_rpc(lambda worker: worker.model_runner)
     method = runner.model.linear_method
     method.apply = timed(method.apply, "linear")
