@@ -1,14 +1,15 @@
 """How the scheduler composes the steps of a workload, and what each costs: every engine step
-of a run, with its decode rows, its prompt tokens and the requests it admitted, its wall
-time and the time since the run began; then each request's time to first token.
+of a run, with its decode rows (rows of one token), its prompt tokens (chunks of more), the
+requests it admitted and the first tokens it made, its wall time and the time since the run
+began; then the percentiles of the time to first token.
 
 All requests are submitted at once, as W1 and the offline `LLM.generate` do (random token
 prompts, greedy, EOS ignored), so the timeline shows which requests the budget admits each
 step and where a percentile of the TTFT falls: for W3's shape (`--prefix-len 1024
 --input-len 64 --output-len 32`) the first step takes the shared prefix with as many
 requests as the budget leaves room for (a request admitted in the step that computes the
-prefix reads it from the same blocks), and the TTFT's median lies between two steps'
-groups of first tokens.
+prefix reads it from the same blocks), and the first tokens come in groups, one per step
+that completes prompts: a percentile of the TTFT is one group's step, or between two.
 
 usage: python benchmarks/step_timeline.py [--num-prompts 64] [--input-len 64]
            [--prefix-len 1024] [--output-len 32] [--steps 20]
@@ -76,14 +77,14 @@ def main() -> None:
     step = 0
     while engine.has_unfinished_requests():
         begun = time.perf_counter()
-        finished_step = engine.step()
+        step_outputs = engine.step()
         ended = time.perf_counter()
         if not outputs:
             continue
         output = outputs.pop()
         scheduled = output.num_scheduled_tokens
         firsts = 0
-        for request_output in finished_step:
+        for request_output in step_outputs:
             request_id = request_output.request_id
             if request_id not in first_token and request_output.outputs[0].token_ids:
                 first_token[request_id] = ended - started
