@@ -58,8 +58,9 @@
 #                                   and at the end (0: not measured; the cheap price ~1 s a
 #                                   GiB, the dear one ~12 s)
 #   SESSIONS=""                     only these server sessions (names as in the logs: main,
-#                                   prefix_cache_off, w4_mbt_256, w4_mbt_512, w4_mbt_2048,
-#                                   kv_2048), e.g. to run again one that failed; empty: all
+#                                   w2_lpt_128, prefix_cache_off, w4_mbt_256, w4_mbt_512,
+#                                   w4_mbt_2048, kv_2048), e.g. to run again one that failed;
+#                                   empty: all
 #   VLLM_W5_ARGS="--block-size 32 --num-gpu-blocks-override 64 --max-model-len 2016"
 #                                   vLLM's 2,048-token KV cache for W5. vLLM 0.32's CPU
 #                                   attention refused block size 16 (it wants multiples of
@@ -376,6 +377,10 @@ w2() {
   bench_serve "w2_rate_2_$1" --num-prompts "$W2_N" --input-len 256 --output-len 64 \
       --request-rate 2 --seed 0 --dataset-seed 22
 }
+w2_long_prefill() {  # W2 at 2 req/s, in a session that caps a step's tokens of one prompt
+  bench_serve "w2_lpt_128_rate_2_$1" --num-prompts "$W2_N" --input-len 256 --output-len 64 \
+      --request-rate 2 --seed 0 --dataset-seed 22
+}
 w3() {  # $2: on | off
   bench_serve "w3_prefix_cache_$2_$1" --dataset shared-prefix --prefix-len 1024 \
       --input-len 64 --output-len 32 --num-prompts "$W3_N" --request-rate inf --dataset-seed 3
@@ -467,6 +472,12 @@ main_session() {
 if has w2 || has w3 || has w5; then
   session main "--enable-prefix-caching" "--enable-prefix-caching" "" main_session
 fi
+# W2 at 2 req/s with each prompt spread over steps of at most 128 of its tokens while other
+# requests run (--long-prefill-token-threshold, vLLM's and tokenserve's; llama-server's
+# batch of 128 tokens splits a prompt the same way): the steps that carry a prompt delay the
+# running decodes less, its first token comes a step later.
+has w2 && session w2_lpt_128 "--long-prefill-token-threshold 128" \
+    "--enable-prefix-caching --long-prefill-token-threshold 128" "-b 128 -ub 128" w2_long_prefill
 # llama-server has no switch that turns its prompt cache off (a request's cache_prompt does).
 has w3 && session prefix_cache_off "--no-enable-prefix-caching" "--no-enable-prefix-caching" \
     skip w3 off

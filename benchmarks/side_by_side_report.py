@@ -73,6 +73,7 @@ _W5: list[Figure] = [
 SERVE_TABLES: list[tuple[str, list[Figure]]] = [
     ("w2_rate_inf", _W2),
     ("w2_rate_2", _W2),
+    ("w2_lpt_128_rate_2", _W2),
     ("w3_prefix_cache_on", _W3),
     ("w3_prefix_cache_off", _W3),
     *((f"w4_mbt_{mbt}", _W4) for mbt in (256, 512, 2048)),

@@ -161,6 +161,10 @@ class SchedulerConfig:
     # Milliseconds: each step's prompt tokens are sized so the step's predicted time stays
     # within it (decodes always run); None: max_num_batched_tokens alone limits a step.
     target_step_ms: float | None = None
+    # Tokens: the most of one prompt a step computes while other requests run or wait
+    # (vLLM's long_prefill_token_threshold), so a long prompt is spread over steps beside the
+    # running decodes; 0: no such limit. Needs chunked prefill.
+    long_prefill_token_threshold: int = 0
     # After the decode rows, prompt chunks go to the fewest remaining prompt tokens first
     # ("shortest"), or to running prompts and then the waiting queue ("arrival"). The
     # priority policy always takes "arrival" (in priority order).

@@ -49,15 +49,17 @@ def test_dry_run_prints_every_configuration_and_runs_nothing(tmp_path: Path):
         tmp_path, ENGINES="tokenserve,vllm,vllm_bf16,llamacpp,llamacpp_f16", VLLM_BF16="1"
     )
     vllm_servers = commands(printed, "vllm-cpu-cli serve")
+    # Each server session (main, w2_lpt_128) starts vLLM in float32, then in bfloat16.
     assert [("--dtype float32" in c, "--dtype bfloat16" in c) for c in vllm_servers] == [
         (True, False), (False, True)
-    ]
+    ] * 2
     vllm_w1 = commands(printed, "vllm-cpu-cli bench throughput")
     assert len(vllm_w1) == 2 and "--dtype bfloat16" in vllm_w1[1]
     llama_servers = commands(printed, "llama-server")
-    assert len(llama_servers) == 2
-    assert "m0-f32.gguf" in llama_servers[0] and "-ctk f32 -ctv f32" in llama_servers[0]
-    assert "m0-f16.gguf" in llama_servers[1] and "-ctk f16 -ctv f16" in llama_servers[1]
+    assert len(llama_servers) == 4
+    for f32, f16 in (llama_servers[0:2], llama_servers[2:4]):
+        assert "m0-f32.gguf" in f32 and "-ctk f32 -ctv f32" in f32
+        assert "m0-f16.gguf" in f16 and "-ctk f16 -ctv f16" in f16
     assert any("--outtype f16" in c for c in commands(printed, "gguf_to_f32.py"))
     assert len(commands(printed, "llama-batched-bench")) == 2
     assert len(commands(printed, "bench startup")) == 1
@@ -69,6 +71,12 @@ def test_dry_run_prints_every_configuration_and_runs_nothing(tmp_path: Path):
     # Every server session has its client runs, each engine's results named apart.
     for engine in ("tokenserve", "vllm", "vllm_bf16", "llamacpp", "llamacpp_f16"):
         assert any(f"w2_rate_inf_{engine}.json" in c for c in commands(printed, "bench serve"))
+    # W2 at 2 req/s again with each prompt spread over steps of 128 of its tokens.
+    capped = [c for c in commands(printed, "bench serve") if "w2_lpt_128_rate_2_" in c]
+    assert len(capped) == 5 and all("--request-rate 2" in c for c in capped)
+    servers = commands(printed, "vllm-cpu-cli serve") + commands(printed, "entrypoints.cli serve")
+    assert sum("--long-prefill-token-threshold 128" in c for c in servers) == 3
+    assert sum("-b 128 -ub 128" in c for c in llama_servers) == 2
     # Nothing ran: no results, no lock taken; the CPU is recorded all the same.
     assert not list(out.glob("w*.json")) and not list(out.glob("server_*.json"))
     assert not (tmp_path / "cpu.lock").exists()
@@ -103,11 +111,12 @@ def test_engines_run_in_the_order_given_and_tokenserve_fp32_is_float32(tmp_path:
     # float32, and its clients' results are named apart.
     servers = [c for c in printed.splitlines() if c.startswith("+ ") and (
         (" serve " in c and "bench serve" not in c) or "llama-server" in c)]
-    assert len(servers) == 4
-    assert "llama-server" in servers[0] and "m0-f16.gguf" in servers[0]
-    assert "tokenserve.entrypoints.cli serve" in servers[1] and "--dtype float32" in servers[1]
-    assert "vllm-cpu-cli serve" in servers[2]
-    assert "tokenserve.entrypoints.cli serve" in servers[3] and "--dtype" not in servers[3]
+    assert len(servers) == 8  # W2's two sessions: main, then w2_lpt_128
+    for session in (servers[:4], servers[4:]):
+        assert "llama-server" in session[0] and "m0-f16.gguf" in session[0]
+        assert "tokenserve.entrypoints.cli serve" in session[1] and "--dtype float32" in session[1]
+        assert "vllm-cpu-cli serve" in session[2]
+        assert "tokenserve.entrypoints.cli serve" in session[3] and "--dtype" not in session[3]
     assert any("w2_rate_2_tokenserve_fp32.json" in c for c in commands(printed, "bench serve"))
 
 

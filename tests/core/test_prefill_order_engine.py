@@ -68,3 +68,30 @@ def test_short_request_beside_a_long_prompt(tiny_model_dirs, prompts, references
     assert first_token_step == (1 if prefill_order == "shortest" else 5)
     assert final == references
     assert engine.get_stats().kv_cache_usage == 0.0
+
+
+def test_long_prefill_token_threshold_spreads_a_prompt_over_steps(
+    tiny_model_dirs, prompts, references
+):
+    """A 200-token prompt under a 48-token threshold takes five steps (48 x 4 + 8) even with
+    a budget that holds it whole; the short request beside it is capped too but fits; the
+    outputs are transformers'."""
+    llm = LLM(tiny_model_dirs["llama"], kv_cache_memory="64MiB", max_num_batched_tokens=256,
+              long_prefill_token_threshold=48)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine.add_request("long", {"prompt_token_ids": prompts["long"]}, params)
+    engine.add_request("short", {"prompt_token_ids": prompts["short"]}, params)
+    final: dict[str, list[int]] = {}
+    first_token_step: dict[str, int] = {}
+    for index in range(1, 100):
+        for output in engine.step():
+            if output.outputs[0].token_ids:
+                first_token_step.setdefault(output.request_id, index)
+            if output.finished:
+                final[output.request_id] = output.outputs[0].token_ids
+        if not engine.has_unfinished_requests():
+            break
+    assert first_token_step == {"short": 1, "long": 5}
+    assert final == references
+    assert engine.get_stats().kv_cache_usage == 0.0

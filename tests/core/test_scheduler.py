@@ -56,6 +56,30 @@ def test_long_prompt_is_chunked_and_decodes_share_the_step():
     assert output.num_scheduled_tokens == {"short": 1, "long": 7}
 
 
+def test_long_prefill_token_threshold_caps_each_prompt_per_step():
+    scheduler = Scheduler(
+        SchedulerConfig(64, 8, 128, True, "fcfs", admission_lookahead_tokens=0,
+                        long_prefill_token_threshold=8),
+        CacheConfig(4, 32, True, "sha256"),
+    )
+    add(scheduler, "short", 3)
+    add(scheduler, "long", 20, first_token=100)
+    # Each prompt gets at most 8 tokens a step, though the budget of 64 would hold both.
+    assert step(scheduler).num_scheduled_tokens == {"short": 3, "long": 8}
+    assert step(scheduler).num_scheduled_tokens == {"short": 1, "long": 8}
+    assert step(scheduler).num_scheduled_tokens == {"short": 1, "long": 4}
+    # A new prompt is capped at admission too; decode rows never are.
+    add(scheduler, "next", 12, first_token=200)
+    assert step(scheduler).num_scheduled_tokens == {"short": 1, "long": 1, "next": 8}
+    assert step(scheduler).num_scheduled_tokens == {"short": 1, "long": 1, "next": 4}
+    # A request alone delays nobody: its prompt takes the budget.
+    for _ in range(8):
+        step(scheduler)
+    assert not scheduler.running and not scheduler.waiting
+    add(scheduler, "alone", 20, first_token=300)
+    assert step(scheduler).num_scheduled_tokens == {"alone": 20}
+
+
 def test_no_admission_in_a_step_that_preempted():
     scheduler = make_scheduler(num_blocks=4, budget=64, block_size=4)
     add(scheduler, "a", 8, max_tokens=8)  # 2 blocks

@@ -68,15 +68,17 @@ def run_step(scheduler: Scheduler, step_index: int) -> None:
     prefill_order=st.sampled_from(["shortest", "arrival"]),
     caching=st.booleans(),
     lookahead=st.sampled_from([0, 4, 256]),
+    long_prefill=st.sampled_from([0, 1, 5]),
 )
 def test_random_workloads_keep_block_pool_invariants(
-    actions, num_blocks, budget, max_num_seqs, policy, prefill_order, caching, lookahead
+    actions, num_blocks, budget, max_num_seqs, policy, prefill_order, caching, lookahead,
+    long_prefill,
 ):
     max_model_len = 32  # 8 blocks: every request fits alone in the smallest cache
     scheduler = Scheduler(
         SchedulerConfig(
             budget, max_num_seqs, max_model_len, True, policy, prefill_order=prefill_order,
-            admission_lookahead_tokens=lookahead,
+            admission_lookahead_tokens=lookahead, long_prefill_token_threshold=long_prefill,
         ),
         CacheConfig(BLOCK_SIZE, num_blocks, caching, "sha256"),
     )

@@ -33,6 +33,11 @@ def test_memory_sizes_parse():
         (dict(target_step_ms=-5.0), "target_step_ms"),
         (dict(target_step_ms=float("nan")), "target_step_ms"),
         (dict(target_step_ms="50"), "target_step_ms"),
+        (dict(long_prefill_token_threshold=-1), "long_prefill_token_threshold"),
+        (dict(long_prefill_token_threshold=1.5), "long_prefill_token_threshold"),
+        (dict(long_prefill_token_threshold=True), "long_prefill_token_threshold"),
+        (dict(long_prefill_token_threshold=64, enable_chunked_prefill=False), "chunked prefill"),
+        (dict(long_prefill_token_threshold=4096, max_model_len=1024), "more than max_model_len"),
     ],
 )
 def test_bad_settings_are_refused(tiny_model_dirs, kwargs, message):
@@ -90,6 +95,22 @@ def test_admission_lookahead_flag_reaches_the_scheduler_config(tiny_model_dirs):
         engine_args.model = tiny_model_dirs["llama"]
         config = engine_args.create_engine_config().scheduler_config
         assert config.admission_lookahead_tokens == expected
+
+
+def test_long_prefill_token_threshold_flag_reaches_the_scheduler_config(tiny_model_dirs):
+    from tokenserve.engine.cli_args import engine_args_from
+    from tokenserve.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    for argv, expected in (
+        (["serve"], 0),  # the default: no limit
+        (["serve", "--long-prefill-token-threshold", "128"], 128),
+        (["bench", "throughput", "--long-prefill-token-threshold", "64"], 64),
+    ):
+        engine_args = engine_args_from(parser.parse_args(argv))
+        engine_args.model = tiny_model_dirs["llama"]
+        config = engine_args.create_engine_config().scheduler_config
+        assert config.long_prefill_token_threshold == expected
 
 
 def test_unknown_engine_argument_is_refused(tiny_model_dirs):

@@ -440,7 +440,8 @@ class Scheduler:
     ) -> bool:
         """Schedule the next chunk of a running request's prompt, as large as the budgets
         allow. False when it was granted tokens but not scheduled for want of blocks."""
-        num_new_tokens = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
+        num_left = request.num_tokens - request.num_computed_tokens
+        num_new_tokens = self._prompt_chunk(num_left, plan.token_budget)
         num_new_tokens = prefill_budget.grant(request.num_computed_tokens, num_new_tokens)
         if num_new_tokens == 0:
             return True
@@ -521,7 +522,7 @@ class Scheduler:
         num_new_tokens = request.num_tokens - num_computed_tokens
         if not self.config.enable_chunked_prefill and num_new_tokens > plan.token_budget:
             return False
-        num_new_tokens = min(num_new_tokens, plan.token_budget)
+        num_new_tokens = self._prompt_chunk(num_new_tokens, plan.token_budget)
         num_new_tokens = prefill_budget.grant(num_computed_tokens, num_new_tokens)
         encoder_inputs = EncoderInputs()
         if request.mm_features:
@@ -576,6 +577,16 @@ class Scheduler:
             chunked=self.config.enable_chunked_prefill,
         )
 
+    def _prompt_chunk(self, num_prompt_tokens_left: int, token_budget: int) -> int:
+        """How many of a prompt's remaining tokens a step may compute before its prefill
+        budget: what `token_budget` leaves, at most `long_prefill_token_threshold` while
+        another request runs or waits (a request alone delays nobody: it takes the budget)."""
+        num_new_tokens = min(num_prompt_tokens_left, token_budget)
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0 and len(self.running) + len(self.waiting) > 1:
+            num_new_tokens = min(num_new_tokens, threshold)
+        return num_new_tokens
+
     def _target_leaves_waiting(self, plan: StepPlan, prompts: list[Request]) -> bool:
         """Whether the target step time would leave a waiting request of `prompts` without a
         token: the prompts granted before it spend the target. A dry run of the grants on a
@@ -586,7 +597,7 @@ class Scheduler:
         probe = self._prefill_budget()
         left = plan.token_budget
         for request in prompts:
-            wanted = min(request.num_tokens - request.num_computed_tokens, left)
+            wanted = self._prompt_chunk(request.num_tokens - request.num_computed_tokens, left)
             granted = probe.grant(request.num_computed_tokens, wanted) if wanted > 0 else 0
             if granted == 0 and request.status != RequestStatus.RUNNING:
                 return True

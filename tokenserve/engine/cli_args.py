@@ -163,6 +163,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                              "a step that would leave a waiting request without a token takes the "
                              "full --max-num-batched-tokens). Default: no target, "
                              "--max-num-batched-tokens alone limits a step.")
+    parser.add_argument("--long-prefill-token-threshold", type=int,
+                        default=defaults.long_prefill_token_threshold,
+                        help="The most tokens of one prompt a step computes while other "
+                             "requests run or wait: a longer prompt is spread over steps "
+                             "(chunked prefill), so the steps that carry it delay the running "
+                             "decodes less, at some cost to its own time to first token. 0 "
+                             "(default): no limit beyond --max-num-batched-tokens.")
     parser.add_argument("-dp", "--data-parallel-size", type=int,
                         default=defaults.data_parallel_size,
                         help="Engine cores behind one API server, each with its own KV cache "

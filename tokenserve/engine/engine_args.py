@@ -122,6 +122,10 @@ class EngineArgs:
     # Size each step's prefill from the measured step cost so steps stay within this
     # many milliseconds (decodes always advance); None: no target.
     target_step_ms: float | None = None
+    # The most tokens of one prompt a step computes while other requests run or wait, so a
+    # long prompt is spread over steps beside the running decodes (vLLM's name); 0: no
+    # limit beyond the step's budget.
+    long_prefill_token_threshold: int = 0
     # The most logprobs / prompt_logprobs a request may ask for (vLLM's default).
     max_logprobs: int = 20
     # Prefill chunks that share a long cached prefix attend to it in one call (cascade
@@ -251,6 +255,16 @@ class EngineArgs:
                 f"must be at least max_model_len ({model_config.max_model_len}), or a long prompt "
                 "could never be scheduled."
             )
+        if self.long_prefill_token_threshold > 0 and not enable_chunked_prefill:
+            raise ValueError(
+                "long_prefill_token_threshold splits prompts over steps: it needs chunked "
+                "prefill, which is disabled here."
+            )
+        if self.long_prefill_token_threshold > model_config.max_model_len:
+            raise ValueError(
+                f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) is more "
+                f"than max_model_len ({model_config.max_model_len}): no prompt is that long."
+            )
         if self.batch_invariant:
             # Every product of a step on the blocks' kernel: its rows at most the budget.
             if self.bf16_quantized_max_rows is None:
@@ -276,6 +290,7 @@ class EngineArgs:
             enable_chunked_prefill=enable_chunked_prefill,
             policy=self.scheduling_policy,
             target_step_ms=self.target_step_ms,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
             prefill_order=self.prefill_order,
             admission_lookahead_tokens=self.admission_lookahead_tokens,
             max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
@@ -330,6 +345,12 @@ class EngineArgs:
         ):
             raise ValueError(
                 f"target_step_ms must be a positive number of milliseconds, got {target!r}."
+            )
+        threshold = self.long_prefill_token_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be a non-negative number of tokens, got "
+                f"{threshold!r}."
             )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
