@@ -43,6 +43,20 @@ def test_tune_prefers_a_small_budget_for_an_itl_slo():
     assert "--max-num-batched-tokens 512" in tune.serve_command("m", ranked[0].settings)
 
 
+def test_tune_finds_a_long_prefill_threshold_for_an_itl_slo():
+    # At the full budget, capping each prompt's tokens a step keeps the decodes' ITL within
+    # the SLO the uncapped budget misses, as a small budget does.
+    requests = mooncake.trace_requests(MIXED_TRACE, 1000)
+    slo = tune.parse_slo("itl_p99<40ms")
+    space = tune.SearchSpace([2048], [64], [16], [8192], ["shortest"], [None], [0, 256])
+    ranked = tune.tune(requests, *configs(budget=2048), COST, space, slo)
+    assert [(c.settings["long_prefill_token_threshold"], c.meets_slo) for c in ranked] == [
+        (256, True), (0, False)]
+    assert "--long-prefill-token-threshold 256" in tune.serve_command("m", ranked[0].settings)
+    assert "--long-prefill-token-threshold" not in tune.serve_command("m", ranked[1].settings)
+    assert " 256 " in tune.format_table(ranked, slo, 2).splitlines()[1]
+
+
 def test_simulate_and_tune_commands(tiny_model_dirs, tmp_path, capsys):
     trace, cost = tmp_path / "trace.jsonl", tmp_path / "cost.json"
     mooncake.write_trace(MIXED_TRACE, str(trace))

@@ -73,6 +73,9 @@ def add_diagnosis_parsers(
     tun.add_argument("--prefill-orders", default="shortest,arrival", help="prefill_order candidates.")
     tun.add_argument("--target-steps", default="none,100,250",
                      help="target_step_ms candidates ('none': no target).")
+    tun.add_argument("--long-prefill-thresholds", default="0",
+                     help="long_prefill_token_threshold candidates (0: no limit), e.g. "
+                          "0,128,512.")
     tun.add_argument("--top", type=int, default=10, help="Rows of the ranked table.")
     tun.add_argument("--output-json", default=None, help="Write every candidate's figures here.")
     add_engine_arguments(tun, positional_model=False)
@@ -154,13 +157,16 @@ def _run_tune(args: argparse.Namespace, serving_app: Callable[[Any], Any] | None
         prefill_order=_list(args.prefill_orders, str),
         target_step_ms=[None if t.lower() == "none" else float(t)
                         for t in _list(args.target_steps, str)],
+        long_prefill_token_threshold=_list(args.long_prefill_thresholds, int),
     )
     defaults = {"max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
                 "max_num_seqs": config.scheduler_config.max_num_seqs,
                 "block_size": config.cache_config.block_size,
                 "kv_cache_tokens": config.cache_config.num_token_slots,
                 "prefill_order": config.scheduler_config.prefill_order,
-                "target_step_ms": config.scheduler_config.target_step_ms}
+                "target_step_ms": config.scheduler_config.target_step_ms,
+                "long_prefill_token_threshold":
+                    config.scheduler_config.long_prefill_token_threshold}
     started = time.perf_counter()
     ranked = tune.tune(requests, config.scheduler_config, config.cache_config, cost, space, slo,
                        defaults)
@@ -196,4 +202,5 @@ def _settings_of(config: EngineConfig) -> dict[str, Any]:
     return {"max_num_batched_tokens": scheduler.max_num_batched_tokens,
             "max_num_seqs": scheduler.max_num_seqs, "block_size": cache.block_size,
             "num_kv_blocks": cache.num_blocks, "enable_prefix_caching": cache.enable_prefix_caching,
-            "prefill_order": scheduler.prefill_order, "target_step_ms": scheduler.target_step_ms}
+            "prefill_order": scheduler.prefill_order, "target_step_ms": scheduler.target_step_ms,
+            "long_prefill_token_threshold": scheduler.long_prefill_token_threshold}

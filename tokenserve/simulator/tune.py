@@ -97,6 +97,7 @@ class SearchSpace:
     kv_cache_tokens: list[int]  # KV cache size, in token slots
     prefill_order: list[str]
     target_step_ms: list[float | None]
+    long_prefill_token_threshold: list[int] = dataclasses.field(default_factory=lambda: [0])
 
     def settings(self) -> list[dict[str, Any]]:
         names = [f.name for f in dataclasses.fields(self)]
@@ -119,6 +120,7 @@ def tune(
     for settings in space.settings():
         if not scheduler_config.enable_chunked_prefill and (
             settings["max_num_batched_tokens"] < scheduler_config.max_model_len
+            or settings["long_prefill_token_threshold"] > 0
         ):
             continue
         scheduler, cache = configs_for(scheduler_config, cache_config, settings)
@@ -143,6 +145,7 @@ def configs_for(
         max_num_seqs=settings["max_num_seqs"],
         prefill_order=settings["prefill_order"],
         target_step_ms=settings["target_step_ms"],
+        long_prefill_token_threshold=settings["long_prefill_token_threshold"],
     )
     block_size = settings["block_size"]
     cache = dataclasses.replace(
@@ -163,22 +166,25 @@ def serve_command(model: str | None, settings: dict[str, Any]) -> str:
     ]
     if settings["target_step_ms"] is not None:
         parts.append(f"--target-step-ms {settings['target_step_ms']:g}")
+    if settings["long_prefill_token_threshold"] > 0:
+        parts.append(f"--long-prefill-token-threshold {settings['long_prefill_token_threshold']}")
     return " ".join(parts)
 
 
 def format_table(candidates: list[Candidate], slo: list[SloBound], limit: int) -> str:
     header = (f"{'#':>3} {'budget':>6} {'seqs':>5} {'block':>5} {'kv_tok':>7} {'order':>8} "
-              f"{'target':>6} {'SLO':>4} {'miss':>5} {'tok/s':>8} "
+              f"{'target':>6} {'lpt':>5} {'SLO':>4} {'miss':>5} {'tok/s':>8} "
               + " ".join(f"{b.metric!s:>10}" for b in slo))
     lines = [header]
     for rank, c in enumerate(candidates[:limit], 1):
         s = c.settings
         target = "-" if s["target_step_ms"] is None else f"{s['target_step_ms']:g}"
+        threshold = s["long_prefill_token_threshold"] or "-"
         values = " ".join(f"{_cell(b.value_of(c.summary)):>10}" for b in slo)
         lines.append(
             f"{rank:>3} {s['max_num_batched_tokens']:>6} {s['max_num_seqs']:>5} "
             f"{s['block_size']:>5} {s['kv_cache_tokens']:>7} {s['prefill_order']:>8} "
-            f"{target:>6} {'yes' if c.meets_slo else 'no':>4} {c.miss:>5.2f} "
+            f"{target:>6} {threshold:>5} {'yes' if c.meets_slo else 'no':>4} {c.miss:>5.2f} "
             f"{c.summary['total_token_throughput']:>8.1f} {values}"
         )
     return "\n".join(lines)
