@@ -32,6 +32,8 @@
 #                                   export instead, as vLLM gets
 #   TS_FLAGS=""                     more tokenserve server flags, for every session (an A/B of
 #                                   one option: e.g. TS_FLAGS=--disable-cascade-attn)
+#   W2_LONG_PREFILL="128"           thresholds of the W2 sessions w2_lpt_N (W2 at 2 req/s, every
+#                                   engine with --long-prefill-token-threshold N); "": none
 #   MODEL_DIR=$OUT/m0_hf            M0 as a HF directory (benchmarks/export_hf.py writes it
 #                                   once; both engines load this very directory)
 #   PEERS=<repo>/../shared/peers/vllm_cpu.sh   its `install` phase builds the vLLM venv
@@ -58,7 +60,7 @@
 #                                   and at the end (0: not measured; the cheap price ~1 s a
 #                                   GiB, the dear one ~12 s)
 #   SESSIONS=""                     only these server sessions (names as in the logs: main,
-#                                   w2_lpt_128, prefix_cache_off, w4_mbt_256, w4_mbt_512,
+#                                   w2_lpt_N, prefix_cache_off, w4_mbt_256, w4_mbt_512,
 #                                   w4_mbt_2048, kv_2048), e.g. to run again one that failed;
 #                                   empty: all
 #   VLLM_W5_ARGS="--block-size 32 --num-gpu-blocks-override 64 --max-model-len 2016"
@@ -87,6 +89,7 @@ STARTUP_RUNS=${STARTUP_RUNS:-3}
 MODEL_DIR=${MODEL_DIR:-$OUT/m0_hf}
 PYTHON=${PYTHON:-python3}
 TS_FLAGS=${TS_FLAGS:-}
+W2_LONG_PREFILL=${W2_LONG_PREFILL-128}
 DEFAULT_GGUF=$("$PYTHON" -c "from tokenserve.model.loader import default_model_path; print(default_model_path())")
 [ -n "$DEFAULT_GGUF" ] || { echo "PYTHON=$PYTHON cannot import tokenserve: set PYTHON to the" \
     "interpreter of its venv (e.g. PYTHON=/work/tvenv/bin/python)" >&2; exit 2; }
@@ -377,8 +380,8 @@ w2() {
   bench_serve "w2_rate_2_$1" --num-prompts "$W2_N" --input-len 256 --output-len 64 \
       --request-rate 2 --seed 0 --dataset-seed 22
 }
-w2_long_prefill() {  # W2 at 2 req/s, in a session that caps a step's tokens of one prompt
-  bench_serve "w2_lpt_128_rate_2_$1" --num-prompts "$W2_N" --input-len 256 --output-len 64 \
+w2_long_prefill() {  # $2: the session's threshold. W2 at 2 req/s, a prompt's tokens capped
+  bench_serve "w2_lpt_$2_rate_2_$1" --num-prompts "$W2_N" --input-len 256 --output-len 64 \
       --request-rate 2 --seed 0 --dataset-seed 22
 }
 w3() {  # $2: on | off
@@ -472,12 +475,17 @@ main_session() {
 if has w2 || has w3 || has w5; then
   session main "--enable-prefix-caching" "--enable-prefix-caching" "" main_session
 fi
-# W2 at 2 req/s with each prompt spread over steps of at most 128 of its tokens while other
-# requests run (--long-prefill-token-threshold, vLLM's and tokenserve's; llama-server's
-# batch of 128 tokens splits a prompt the same way): the steps that carry a prompt delay the
-# running decodes less, its first token comes a step later.
-has w2 && session w2_lpt_128 "--long-prefill-token-threshold 128" \
-    "--enable-prefix-caching --long-prefill-token-threshold 128" "-b 128 -ub 128" w2_long_prefill
+# W2 at 2 req/s with each prompt spread over steps of at most N of its tokens while other
+# requests run, for each N of W2_LONG_PREFILL (--long-prefill-token-threshold, vLLM's and
+# tokenserve's; llama-server's batch of N tokens splits a prompt the same way): the steps
+# that carry a prompt delay the running decodes less, its first token comes later.
+if has w2; then
+  for lpt in $W2_LONG_PREFILL; do
+    session "w2_lpt_$lpt" "--long-prefill-token-threshold $lpt" \
+        "--enable-prefix-caching --long-prefill-token-threshold $lpt" "-b $lpt -ub $lpt" \
+        w2_long_prefill "$lpt"
+  done
+fi
 # llama-server has no switch that turns its prompt cache off (a request's cache_prompt does).
 has w3 && session prefix_cache_off "--no-enable-prefix-caching" "--no-enable-prefix-caching" \
     skip w3 off

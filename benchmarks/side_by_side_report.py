@@ -16,8 +16,10 @@ tokenserve's start to a first answer (startup_tokenserve.json, `tokenserve bench
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -73,13 +75,23 @@ _W5: list[Figure] = [
 SERVE_TABLES: list[tuple[str, list[Figure]]] = [
     ("w2_rate_inf", _W2),
     ("w2_rate_2", _W2),
-    ("w2_lpt_128_rate_2", _W2),
     ("w3_prefix_cache_on", _W3),
     ("w3_prefix_cache_off", _W3),
     *((f"w4_mbt_{mbt}", _W4) for mbt in (256, 512, 2048)),
     ("w5_unconstrained", _W5),
     ("w5_constrained", _W5),
 ]
+
+
+def serve_tables(out_dir: str) -> list[tuple[str, list[Figure]]]:
+    """SERVE_TABLES, with a table after W2 at 2 req/s for each threshold the run's W2
+    sessions w2_lpt_N used (the script's W2_LONG_PREFILL), smallest first."""
+    found = {int(match.group(1)) for path in glob.glob(os.path.join(out_dir, "w2_lpt_*.json"))
+             if (match := re.fullmatch(r"w2_lpt_(\d+)_rate_2_.+\.json", os.path.basename(path)))}
+    tables = list(SERVE_TABLES)
+    at = [name for name, _ in tables].index("w2_rate_2") + 1
+    tables[at:at] = [(f"w2_lpt_{n}_rate_2", _W2) for n in sorted(found)]
+    return tables
 
 
 def load(out_dir: str, name: str) -> dict[str, Any] | None:
@@ -225,7 +237,7 @@ def main(out_dir: str) -> int:
     w1 = w1_figures(out_dir)
     if w1:
         summary["w1"] = w1
-    for name, fields in SERVE_TABLES:
+    for name, fields in serve_tables(out_dir):
         rows = {}
         for engine in ENGINES:
             data = load(out_dir, f"{name}_{engine}")

@@ -71,7 +71,8 @@ def test_dry_run_prints_every_configuration_and_runs_nothing(tmp_path: Path):
     # Every server session has its client runs, each engine's results named apart.
     for engine in ("tokenserve", "vllm", "vllm_bf16", "llamacpp", "llamacpp_f16"):
         assert any(f"w2_rate_inf_{engine}.json" in c for c in commands(printed, "bench serve"))
-    # W2 at 2 req/s again with each prompt spread over steps of 128 of its tokens.
+    # W2 at 2 req/s again with each prompt spread over steps of 128 of its tokens (the
+    # default of W2_LONG_PREFILL).
     capped = [c for c in commands(printed, "bench serve") if "w2_lpt_128_rate_2_" in c]
     assert len(capped) == 5 and all("--request-rate 2" in c for c in capped)
     servers = commands(printed, "vllm-cpu-cli serve") + commands(printed, "entrypoints.cli serve")
@@ -85,6 +86,19 @@ def test_dry_run_prints_every_configuration_and_runs_nothing(tmp_path: Path):
     if shutil.which("lscpu"):
         assert meta["lscpu"]["Model name"] and meta["lscpu"]["Flags"]
     assert "CPU: " in printed  # the report's header
+
+
+def test_w2_runs_a_session_for_each_long_prefill_threshold(tmp_path: Path):
+    printed, _ = dry_run(tmp_path, ENGINES="tokenserve,vllm", PHASES="w2",
+                         W2_LONG_PREFILL="64 256")
+    servers = commands(printed, "vllm-cpu-cli serve") + commands(printed, "entrypoints.cli serve")
+    for lpt in (64, 256):
+        assert sum(f"--long-prefill-token-threshold {lpt}" in c for c in servers) == 2
+        assert len([c for c in commands(printed, "bench serve")
+                    if f"w2_lpt_{lpt}_rate_2_" in c]) == 2
+    assert "w2_lpt_128" not in printed
+    printed, _ = dry_run(tmp_path, ENGINES="tokenserve", PHASES="w2", W2_LONG_PREFILL="")
+    assert "--long-prefill-token-threshold" not in printed
 
 
 def test_vllm_bfloat16_runs_only_on_a_cpu_with_native_bf16(tmp_path: Path):

@@ -167,3 +167,24 @@ def test_report_gives_the_price_of_fresh_memory_at_the_start_and_end(tmp_path, c
 def test_report_has_no_fresh_memory_line_where_it_was_not_measured(tmp_path, capsys):
     assert load_report_script().main(str(tmp_path)) == 0
     assert "Fresh memory" not in capsys.readouterr().out
+
+
+def test_report_has_a_table_for_each_long_prefill_threshold_of_the_run(tmp_path, capsys):
+    files = {
+        "w2_rate_2_tokenserve": serve_result(50.0, ["a"]),
+        "w2_lpt_128_rate_2_tokenserve": serve_result(51.0, ["a"]),
+        "w2_lpt_128_rate_2_vllm_bf16": serve_result(30.0, ["a"]),
+        "w2_lpt_64_rate_2_tokenserve": serve_result(52.0, ["a"]),
+        "w3_prefix_cache_on_tokenserve": serve_result(60.0, ["a"]),
+    }
+    for name, data in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+
+    assert load_report_script().main(str(tmp_path)) == 0
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    # After W2 at 2 req/s, smallest threshold first, then the rest of the workloads.
+    assert list(summary) == ["w2_rate_2", "w2_lpt_64_rate_2", "w2_lpt_128_rate_2",
+                             "w3_prefix_cache_on"]
+    assert summary["w2_lpt_128_rate_2"]["vllm_bf16"]["output tok/s"] == 30.0
+    assert "### w2_lpt_64_rate_2" in capsys.readouterr().out
