@@ -81,36 +81,29 @@ def test_prefill_order_flag_reaches_the_scheduler_config(tiny_model_dirs):
         parser.parse_args(["serve", "--prefill-order", "longest"])
 
 
-def test_admission_lookahead_flag_reaches_the_scheduler_config(tiny_model_dirs):
+@pytest.mark.parametrize(
+    "flag, field, default, values",
+    [
+        ("--admission-lookahead-tokens", "admission_lookahead_tokens", 256, (0, 64)),
+        ("--long-prefill-token-threshold", "long_prefill_token_threshold", 0, (128, 64)),
+    ],
+)
+def test_token_count_flags_reach_the_scheduler_config(
+    tiny_model_dirs, flag, field, default, values
+):
     from tokenserve.engine.cli_args import engine_args_from
     from tokenserve.entrypoints.cli import build_parser
 
     parser = build_parser()
     for argv, expected in (
-        (["serve"], 256),  # the default
-        (["serve", "--admission-lookahead-tokens", "0"], 0),
-        (["bench", "throughput", "--admission-lookahead-tokens", "64"], 64),
+        (["serve"], default),
+        (["serve", flag, str(values[0])], values[0]),
+        (["bench", "throughput", flag, str(values[1])], values[1]),
     ):
         engine_args = engine_args_from(parser.parse_args(argv))
         engine_args.model = tiny_model_dirs["llama"]
         config = engine_args.create_engine_config().scheduler_config
-        assert config.admission_lookahead_tokens == expected
-
-
-def test_long_prefill_token_threshold_flag_reaches_the_scheduler_config(tiny_model_dirs):
-    from tokenserve.engine.cli_args import engine_args_from
-    from tokenserve.entrypoints.cli import build_parser
-
-    parser = build_parser()
-    for argv, expected in (
-        (["serve"], 0),  # the default: no limit
-        (["serve", "--long-prefill-token-threshold", "128"], 128),
-        (["bench", "throughput", "--long-prefill-token-threshold", "64"], 64),
-    ):
-        engine_args = engine_args_from(parser.parse_args(argv))
-        engine_args.model = tiny_model_dirs["llama"]
-        config = engine_args.create_engine_config().scheduler_config
-        assert config.long_prefill_token_threshold == expected
+        assert getattr(config, field) == expected
 
 
 def test_unknown_engine_argument_is_refused(tiny_model_dirs):
