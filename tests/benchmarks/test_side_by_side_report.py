@@ -21,6 +21,12 @@ def serve_result(output_throughput: float, texts: list[str]) -> dict:
     }
 
 
+def write_results(out_dir, files: dict[str, dict]) -> None:
+    """Each result as the script leaves it: OUT/<name>.json."""
+    for name, data in files.items():
+        (out_dir / f"{name}.json").write_text(json.dumps(data))
+
+
 def test_report_puts_engines_side_by_side(tmp_path, capsys):
     files = {
         "w1_tokenserve": {"output_tokens_per_second": 100.0, "total_tokens_per_second": 300.0,
@@ -33,8 +39,7 @@ def test_report_puts_engines_side_by_side(tmp_path, capsys):
         "w5_unconstrained_vllm": serve_result(80.0, ["a", "b"]),
         "w5_constrained_vllm": serve_result(100.0, ["a", "b"]),
     }
-    for name, data in files.items():
-        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    write_results(tmp_path, files)
 
     assert load_report_script().main(str(tmp_path)) == 0
 
@@ -58,8 +63,7 @@ def test_report_adds_llama_cpp_and_its_ratio_where_it_ran(tmp_path, capsys):
         "w2_rate_inf_tokenserve": serve_result(50.0, ["a"]),
         "w2_rate_inf_llamacpp": serve_result(25.0, ["a"]),
     }
-    for name, data in files.items():
-        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    write_results(tmp_path, files)
 
     assert load_report_script().main(str(tmp_path)) == 0
 
@@ -98,8 +102,7 @@ def test_report_names_the_cpu_and_puts_every_peer_configuration_and_server_besid
         "startup_tokenserve": {"summary": {"ready_s": {"median": 2.0},
                                            "first_answer_s": {"median": 2.75}}},
     }
-    for name, data in files.items():
-        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    write_results(tmp_path, files)
 
     assert load_report_script().main(str(tmp_path)) == 0
 
@@ -134,8 +137,7 @@ def test_report_puts_tokenserve_in_float32_beside_the_float32_peers(tmp_path, ca
                                         "ready_s": 3.0, "rss_kib": 1024 * 1200,
                                         "peak_rss_kib": 1024 * 1300},
     }
-    for name, data in files.items():
-        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    write_results(tmp_path, files)
 
     assert load_report_script().main(str(tmp_path)) == 0
 
@@ -177,8 +179,7 @@ def test_report_has_a_table_for_each_long_prefill_threshold_of_the_run(tmp_path,
         "w2_lpt_64_rate_2_tokenserve": serve_result(52.0, ["a"]),
         "w3_prefix_cache_on_tokenserve": serve_result(60.0, ["a"]),
     }
-    for name, data in files.items():
-        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    write_results(tmp_path, files)
 
     assert load_report_script().main(str(tmp_path)) == 0
 
