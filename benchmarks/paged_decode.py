@@ -11,10 +11,12 @@ bytes read per second; and the process's CPU time per step, which on a shared ma
 moves less with the load than the wall clock (with one thread they agree when idle).
 A bfloat16 cache runs twice on a level with native bf16: read in float32 arithmetic, and
 with bf16 numerics ("bfloat16 dp": the dot-product path a bf16 model's decode rows take).
+`--prefetch` names how the threads keep memory busy (paged_attention.DECODE_PREFETCH; the
+engine takes the CPU's plan, `decode_prefetch()`); several plans take turns case by case.
 
 usage: python benchmarks/paged_decode.py [--rows 64] [--context 340] [--block-size 16]
        [--layers 30] [--kv-cache-dtype float32 bfloat16] [--cpu-isa avx2 avx512 ...]
-       [--repeats 7]
+       [--prefetch stream_next_item own_tokens_ahead] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ def main() -> None:
                         default=["float32", "bfloat16"])
     parser.add_argument("--cpu-isa", nargs="+", default=cpu_isa.supported_levels(),
                         help="Levels to run (default: every one this CPU runs).")
+    parser.add_argument("--prefetch", nargs="+", choices=list(paged_attention.DECODE_PREFETCH),
+                        default=[paged_attention.decode_prefetch()],
+                        help="How the threads prefetch (default: this CPU's plan); several "
+                             "take turns.")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     levels = [cpu_isa.resolve(level) for level in args.cpu_isa]
@@ -73,14 +79,15 @@ def main() -> None:
     modes = [(dtype, False) for dtype in caches]
     if "bfloat16" in caches:
         modes.insert(modes.index(("bfloat16", False)) + 1, ("bfloat16", True))
-    cases = [(level, dtype, dp, order) for level in levels for dtype, dp in modes
-             for order in tables if not dp or cpu_isa.native_bf16(level)]
+    cases = [(level, dtype, dp, order, plan) for level in levels for dtype, dp in modes
+             for order in tables for plan in args.prefetch
+             if not dp or cpu_isa.native_bf16(level)]
 
-    def step(case: tuple[str, str, bool, str]) -> None:
-        level, dtype, dp, order = case
+    def step(case: tuple[str, str, bool, str, str]) -> None:
+        level, dtype, dp, order, plan = case
         for key_cache, value_cache in caches[dtype]:
             kernels[level].decode(out, query, rows, key_cache, value_cache, tables[order],
-                                  seq_lens, scale, bf16_numerics=dp)
+                                  seq_lens, scale, bf16_numerics=dp, prefetch=plan)
 
     wall = dict.fromkeys(cases, float("inf"))
     cpu = dict.fromkeys(cases, float("inf"))
@@ -97,17 +104,17 @@ def main() -> None:
         f"heads x {args.head_dim}, block size {args.block_size}, {args.layers} layers, "
         f"{torch.get_num_threads()} threads"
     )
-    for level, dtype, dp, order in cases:
+    for level, dtype, dp, order, plan in cases:
         element = caches[dtype][0][0].element_size()
         kv_bytes = (2 * args.rows * args.context * args.kv_heads * args.head_dim * element
                     * args.layers)
-        seconds = wall[level, dtype, dp, order]
+        seconds = wall[level, dtype, dp, order, plan]
         name = dtype + (" dp" if dp else "")
         # Microseconds and three significant digits: a tiny shape on a fast CPU is not 0.0.
         print(
-            f"  {level:11s} {name:11s} blocks {order:9s} {seconds * 1e3:9.3f} ms per step  "
-            f"{kv_bytes / seconds / 1e9:8.3g} GB/s  "
-            f"cpu {cpu[level, dtype, dp, order] * 1e3:9.3f} ms"
+            f"  {level:11s} {name:11s} blocks {order:9s} {plan:16s} {seconds * 1e3:9.3f} ms "
+            f"per step  {kv_bytes / seconds / 1e9:8.3g} GB/s  "
+            f"cpu {cpu[level, dtype, dp, order, plan] * 1e3:9.3f} ms"
         )
 
 

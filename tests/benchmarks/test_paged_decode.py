@@ -1,8 +1,8 @@
 """benchmarks/paged_decode.py: the decode kernel timed over blocks in order and scattered.
 
 Timings depend on the host, so only their shape is checked: every instruction-set level the
-host runs, both cache dtypes and both block orders reported, each figure a finite,
-non-negative number (a fast CPU may time a tiny shape near 0).
+host runs, both cache dtypes, both block orders and each prefetch plan asked for reported,
+each figure a finite, non-negative number (a fast CPU may time a tiny shape near 0).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tokenserve.kernels import cpu_isa
+from tokenserve.kernels import cpu_isa, paged_attention
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "paged_decode.py"
 NUMBER = r"([-+\d.eE]+|inf|nan)"
@@ -22,7 +22,7 @@ NUMBER = r"([-+\d.eE]+|inf|nan)"
 def test_paged_decode_times_both_block_orders():
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--rows", "3", "--context", "40", "--block-size", "8",
-         "--layers", "2", "--repeats", "1"],
+         "--layers", "2", "--repeats", "1", "--prefetch", *paged_attention.DECODE_PREFETCH],
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stderr
@@ -30,15 +30,17 @@ def test_paged_decode_times_both_block_orders():
         "3 rows x 40 tokens, 9 heads / 3 kv heads x 64, block size 8, 2 layers, "
     ), result.stdout
     timed = re.findall(
-        rf"^\s+(\S+)\s+(float32|bfloat16)\s+blocks (in order|scattered)\s+{NUMBER} ms per step"
+        rf"^\s+(\S+)\s+(float32|bfloat16)\s+blocks (in order|scattered)\s+(\w+)\s+{NUMBER} ms "
+        rf"per step"
         rf"\s+{NUMBER} GB/s\s+cpu\s+{NUMBER} ms$",
         result.stdout, re.MULTILINE,
     )
-    assert [row[:3] for row in timed] == [
-        (level, dtype, order)
+    assert [row[:4] for row in timed] == [
+        (level, dtype, order, plan)
         for level in cpu_isa.supported_levels()
         for dtype in ("float32", "bfloat16")
         for order in ("in order", "scattered")
+        for plan in paged_attention.DECODE_PREFETCH
     ], result.stdout
     for *_, ms, rate, cpu_ms in timed:
         for value in (float(ms), float(rate), float(cpu_ms)):

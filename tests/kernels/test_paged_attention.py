@@ -5,7 +5,7 @@ a variable (96; 192 and 256, done in slices), ones only the plain loop takes (40
 bfloat16 cache), a bfloat16 cache read with the bf16 numerics of the dot-product path (and
 blocks of an odd size, which it leaves to the float32 code), query-head groups that fill its
 per-pass head counts unevenly (1, 3, 4, 5, 7), contexts on and off block edges, one row and
-many."""
+many; under each prefetch plan (paged_attention.DECODE_PREFETCH), which give the same bits."""
 
 from __future__ import annotations
 
@@ -86,10 +86,15 @@ def test_paged_decode_matches_float64_attention(
     tables = tables.view(len(seq_lens), max_blocks).contiguous()
     # Scores of a few units, as trained models have: the softmax neither flat nor one-hot.
     query = 2 * torch.randn(len(seq_lens), num_heads, head_dim, generator=generator)
-    out = torch.full_like(query, float("nan"))
     scale = head_dim**-0.5
-    paged.decode(out, query, torch.arange(len(seq_lens)), key_cache, value_cache, tables,
-                 seq_lens, scale, bf16_numerics)
+    outs = {}
+    for plan in paged_attention.DECODE_PREFETCH:
+        outs[plan] = torch.full_like(query, float("nan"))
+        paged.decode(outs[plan], query, torch.arange(len(seq_lens)), key_cache, value_cache,
+                     tables, seq_lens, scale, bf16_numerics, prefetch=plan)
+    out = outs["stream_next_item"]
+    # Prefetches move no arithmetic.
+    assert torch.equal(outs["own_tokens_ahead"], out)
     dot_products = paged.dot_products(cache_dtype, head_dim, block_size, bf16_numerics)
     assert dot_products == (bf16_numerics and cpu_isa.native_bf16(cpu_isa_level)
                             and head_dim % 32 == 0 and block_size % 2 == 0)
@@ -131,3 +136,19 @@ def test_paged_decode_row_alone_equals_row_among_many(paged, cache_dtype, bf16_n
                      key_cache, value_cache, moved.view(1, -1).contiguous(),
                      seq_lens[row : row + 1].contiguous(), 0.125, bf16_numerics)
         assert torch.equal(alone[0], together[row])
+
+
+def test_the_prefetch_plan_follows_the_cpu_vendor(monkeypatch: pytest.MonkeyPatch):
+    intel = "processor\t: 0\nvendor_id\t: GenuineIntel\ncpu family\t: 6\n"
+    amd = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n"
+    assert cpu_isa.parse_vendor(intel) == "GenuineIntel"
+    assert cpu_isa.parse_vendor(amd) == "AuthenticAMD"
+    assert cpu_isa.parse_vendor("processor\t: 0\n") == ""
+    assert paged_attention.decode_prefetch("GenuineIntel") == "own_tokens_ahead"
+    assert paged_attention.decode_prefetch("AuthenticAMD") == "stream_next_item"
+    assert paged_attention.decode_prefetch("") == "stream_next_item"  # e.g. not x86 Linux
+    monkeypatch.setattr(cpu_isa, "cpu_vendor", lambda: "GenuineIntel")
+    assert paged_attention.prefetch_code(None) == paged_attention.DECODE_PREFETCH[
+        "own_tokens_ahead"]
+    with pytest.raises(ValueError, match="decode prefetch must be one of"):
+        paged_attention.prefetch_code("l3")

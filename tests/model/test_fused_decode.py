@@ -12,7 +12,7 @@ import torch
 from tokenserve import LLM, SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
 from tokenserve.config import KernelConfig
-from tokenserve.kernels import build, quant_linear
+from tokenserve.kernels import build, paged_attention, quant_linear
 from tokenserve.kernels.cpu_isa import cpu_flags
 from tokenserve.model.fused_decode import FusedDecodeLayerStack
 
@@ -102,6 +102,20 @@ def test_a_fused_step_above_the_block_kernels_row_round_has_the_same_results(fus
     expected = _generate(llm, fused=False, num_prompts=12)
     assert _generate(llm, fused=True, num_prompts=12) == expected
     assert 834 in fused_calls
+
+
+def test_the_decode_prefetch_plans_give_the_same_results(fused_calls, monkeypatch):
+    # How the decode attention's threads prefetch (paged_attention.decode_prefetch, chosen
+    # by the CPU's vendor) moves no arithmetic: under either plan, fused or operator by
+    # operator, the same tokens and logprobs.
+    llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=False)
+    results = []
+    for plan in paged_attention.DECODE_PREFETCH:
+        monkeypatch.setattr(paged_attention, "decode_prefetch", lambda vendor=None, p=plan: p)
+        results += [_generate(llm, fused=True, num_prompts=5),
+                    _generate(llm, fused=False, num_prompts=5)]
+    assert all(result == results[0] for result in results[1:])
+    assert fused_calls
 
 
 @pytest.fixture

@@ -54,6 +54,25 @@ def parse_flags(cpuinfo: str) -> frozenset[str]:
     return frozenset()
 
 
+def parse_vendor(cpuinfo: str) -> str:
+    """The vendor of /proc/cpuinfo's first `vendor_id` line ("GenuineIntel",
+    "AuthenticAMD"; "" where there is none)."""
+    for line in cpuinfo.splitlines():
+        if line.startswith("vendor_id"):
+            return line.partition(":")[2].strip()
+    return ""
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """This CPU's vendor (empty where /proc/cpuinfo cannot say)."""
+    try:
+        with open("/proc/cpuinfo") as file:
+            return parse_vendor(file.read())
+    except OSError:
+        return ""
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """This CPU's feature flags (empty where /proc/cpuinfo cannot say)."""

@@ -9,7 +9,7 @@ import functools
 import torch
 
 from tokenserve.kernels import build
-from tokenserve.kernels.paged_attention import DecodeRows
+from tokenserve.kernels.paged_attention import DecodeRows, prefetch_code
 from tokenserve.kernels.prompt_attention import PromptChunks
 from tokenserve.kernels.quant_linear import check_weight
 from tokenserve.kernels.tensor_checks import check_caches, check_f32, check_i64, i64, ptr
@@ -36,7 +36,8 @@ class _Step(ctypes.Structure):
             "positions", "slots", "block_tables", "seq_lens", "cos", "sin", "normed", "qkv",
             "attn", "o", "gate_up", "act", "decode_rows")),
         ("num_decode_rows", i64), ("chunks", ptr), ("chunk_tables", ptr),
-        *((name, i64) for name in ("num_chunks", "chunk_table_stride", "prompt_kv")),
+        *((name, i64) for name in (
+            "num_chunks", "chunk_table_stride", "prompt_kv", "decode_prefetch")),
     ]
 
 
@@ -102,11 +103,13 @@ class DecodeLayerOps:
         block_size: int,
         num_blocks: int,
         kv_mode: int,
+        decode_prefetch: str | None = None,
     ) -> tuple[_Step, tuple]:
         """The step's shared arguments: one position and cache slot per row of the step;
-        its decode rows (the paged decode kernel's, in kv_mode) and its prompt chunks (the
-        prompt-attention kernel's, over caches of num_blocks blocks), either may be None,
-        between them every row once.
+        its decode rows (the paged decode kernel's, in kv_mode, prefetching as
+        decode_prefetch says: paged_attention.DECODE_PREFETCH, None for this CPU's plan) and
+        its prompt chunks (the prompt-attention kernel's, over caches of num_blocks blocks),
+        either may be None, between them every row once.
         Returns the bound step and the tensors it points into (keep them alive for the
         step)."""
         rows = positions.shape[0]
@@ -141,7 +144,7 @@ class DecodeLayerOps:
             None if chunks is None else chunks.block_tables.data_ptr(),
             0 if chunks is None else chunks.num_chunks,
             0 if chunks is None else chunks.block_tables.stride(0),
-            int(kv_mode != 0),
+            int(kv_mode != 0), prefetch_code(decode_prefetch),
         )
         return bound, (positions, slots, decode_rows, prompt_chunks, cos, sin, scratch)
 

@@ -7,8 +7,31 @@ import functools
 
 import torch
 
-from tokenserve.kernels import build
+from tokenserve.kernels import build, cpu_isa
 from tokenserve.kernels.tensor_checks import check_caches, check_i64, check_rows, i64, ptr
+
+
+# How a decode step's threads keep memory busy while they compute (csrc/paged_attention.c's
+# decode_items): each claims its next item one ahead and streams all of it into L2, or
+# each item prefetches its own tokens a short way ahead (and the next item's first ones).
+DECODE_PREFETCH = {"stream_next_item": 0, "own_tokens_ahead": 1}
+
+
+def decode_prefetch(vendor: str | None = None) -> str:
+    """The plan for a CPU of `vendor` (default: this one's): own_tokens_ahead on Intel,
+    where streaming the next item starves the current one's loads (1.2-1.3x slower on a
+    Xeon with AMX), stream_next_item elsewhere (1.45-1.6x faster than the other on an AMD
+    EPYC); docs/PERFORMANCE_CPU.md. The outputs are the same bits either way."""
+    vendor = cpu_isa.cpu_vendor() if vendor is None else vendor
+    return "own_tokens_ahead" if vendor == "GenuineIntel" else "stream_next_item"
+
+
+def prefetch_code(prefetch: str | None) -> int:
+    """The C kernels' argument for a plan of DECODE_PREFETCH (None: this CPU's)."""
+    plan = decode_prefetch() if prefetch is None else prefetch
+    if plan not in DECODE_PREFETCH:
+        raise ValueError(f"decode prefetch must be one of {list(DECODE_PREFETCH)}, got {plan!r}.")
+    return DECODE_PREFETCH[plan]
 
 
 class DecodeRows:
@@ -34,7 +57,7 @@ class PagedAttentionOps:
         self._decode = library.ts_paged_decode
         self._decode.restype = ctypes.c_int
         self._decode.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr,
-                                 i64, i64, i64, i64, i64, ctypes.c_float, i64]
+                                 i64, i64, i64, i64, i64, ctypes.c_float, i64, i64]
         self._write_kv = library.ts_write_kv
         self._write_kv.restype = None
         self._write_kv.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64]
@@ -62,12 +85,15 @@ class PagedAttentionOps:
         seq_lens: torch.Tensor,
         scale: float,
         bf16_numerics: bool = False,
+        prefetch: str | None = None,
     ) -> None:
         """Attend query rows `rows` of query [tokens, heads, dim] (a view into a fused QKV
         tensor is fine) over their contexts; write the same rows of out [tokens, heads, dim].
-        The caches are float32 or bfloat16; `bf16_numerics`: see kv_mode()."""
+        The caches are float32 or bfloat16; `bf16_numerics`: see kv_mode(); `prefetch`: a
+        plan of DECODE_PREFETCH (None: this CPU's, decode_prefetch())."""
         self.decode_prepared(out, query, key_cache, value_cache,
-                             DecodeRows(rows, block_tables, seq_lens), scale, bf16_numerics)
+                             DecodeRows(rows, block_tables, seq_lens), scale, bf16_numerics,
+                             prefetch)
 
     def decode_prepared(
         self,
@@ -78,6 +104,7 @@ class PagedAttentionOps:
         decode_rows: DecodeRows,
         scale: float,
         bf16_numerics: bool = False,
+        prefetch: str | None = None,
     ) -> None:
         """decode() with the step's rows, block tables and lengths checked beforehand, once
         for all layers."""
@@ -91,6 +118,7 @@ class PagedAttentionOps:
             decode_rows.block_tables.data_ptr(), decode_rows.block_tables.stride(0),
             decode_rows.seq_lens.data_ptr(), decode_rows.num_rows, num_heads, num_kv_heads,
             head_dim, block_size, scale, kv_mode(key_cache.dtype, bf16_numerics),
+            prefetch_code(prefetch),
         )
         if status != 0:
             raise MemoryError("paged decode could not allocate its scratch buffers.")

@@ -64,6 +64,7 @@ typedef struct {
     int64_t num_decode_rows;
     const int64_t *chunks, *chunk_tables;     /* [num_chunks, 3], [num_chunks, stride] */
     int64_t num_chunks, chunk_table_stride, prompt_kv; /* prompt_kv: ts_prompt_attention's */
+    int64_t decode_prefetch; /* decode_items' prefetch */
 } ts_decode_step;
 
 /* `panel` and `sums` (M * PANEL floats) are the calling thread's, for the many-row kernel;
@@ -194,7 +195,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                      layer->key_cache, layer->value_cache, step->block_tables,
                      step->block_table_stride, step->seq_lens, step->num_decode_rows,
                      step->num_heads, step->num_kv_heads, D, step->block_size, step->scale,
-                     scores, step->kv_mode);
+                     scores, step->kv_mode, step->decode_prefetch);
         if (plan.num_items)
             prompt_items(&plan, attn_scratch, step->attn, q_size, step->qkv, qkv_width,
                          layer->key_cache, layer->value_cache, step->chunks,

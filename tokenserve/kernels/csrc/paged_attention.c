@@ -5,8 +5,8 @@
  * cache blocks its block table names: nothing is gathered or padded. Work items are
  * (row, kv head) pairs, spread over the OpenMP threads of the process (the same libgomp
  * runtime torch uses, so one thread pool serves both), each thread claiming its next item
- * one ahead and streaming that item's keys and values into L2 while it computes the
- * current one (decode_items). The query heads that share a kv head (grouped-query
+ * one ahead and prefetching from it while it computes the current one, as much as suits
+ * the CPU (decode_items). The query heads that share a kv head (grouped-query
  * attention) are done together, so each key and value is read once from memory.
  *
  * Two passes per item, each reading every key (value) once for all the query heads of the
@@ -66,6 +66,17 @@ static inline float kv_load1(const void *cache, int64_t i, int bf16) {
 #define RUN 16
 #define AHEAD 64
 #define AHEAD_BF16 32
+/* What an item prefetches of its own tokens as it goes (attend_item): nothing (the thread
+ * streamed them in during the item before); a float32 cache's keys AHEAD tokens on into
+ * L1, a bfloat16 one's AHEAD_BF16 on into L2 (OWN_FAR) or AHEAD_NEAR_BF16 on into L1
+ * (OWN_NEAR); the values with the keys, into L2. */
+#define OWN_NONE 0
+#define OWN_FAR 1
+#define OWN_NEAR 2
+#define AHEAD_NEAR_BF16 16
+/* The next item's first LEAD tokens, which an item prefetches into L2 before its second
+ * pass under the OWN_TOKENS_AHEAD plan (decode_items). */
+#define LEAD 32
 #define SCORE_HEADS (VW == 16 ? 3 : 1)
 /* What the cache holds and how it is multiplied: float32; bfloat16 widened to float32
  * (bf16_pairs) for float32 multiply-adds; bfloat16 into vdpbf16ps (PAGED_DP builds only). */
@@ -161,9 +172,9 @@ static inline float softmax_unnormalised(float *s, int64_t n) {
     return sum;
 }
 
-/* The work item a thread does after this one, whose keys and values it streams into L2
- * while computing this one (decode_items): the block table, context length and kv head
- * offset it reads with. */
+/* The work item a thread does after this one, whose keys and values it prefetches while
+ * computing this one (decode_items): the block table, context length and kv head offset it
+ * reads with. */
 typedef struct {
     const int64_t *table;
     int64_t seq_len, kv_offset;
@@ -185,6 +196,21 @@ static inline __attribute__((always_inline)) void prefetch_next(
         for (int64_t b = 0; b < count * head_dim * element; b += 64)
             __builtin_prefetch((const char *)cache + row * element + b, 0, 2);
         at += count;
+    }
+}
+
+/* The next item's keys and values of its first LEAD tokens, into L2. */
+static inline __attribute__((always_inline)) void prefetch_lead(
+    const void *key_cache, const void *value_cache, const NextItem *next, int64_t head_dim,
+    int64_t block_stride, int64_t block_size, const int64_t element) {
+    const int64_t until = next->seq_len < LEAD ? next->seq_len : LEAD;
+    for (int64_t at = 0; at < until; at += block_size) {
+        const int64_t count = until - at < block_size ? until - at : block_size;
+        const int64_t row = next->table[at / block_size] * block_stride + next->kv_offset;
+        for (int64_t b = 0; b < count * head_dim * element; b += 64) {
+            __builtin_prefetch((const char *)key_cache + row * element + b, 0, 2);
+            __builtin_prefetch((const char *)value_cache + row * element + b, 0, 2);
+        }
     }
 }
 
@@ -385,12 +411,14 @@ static inline __attribute__((always_inline)) void weigh_values_dp(
  * follow. A float32 cache's keys go to L1, AHEAD tokens on; a bfloat16 cache's to L2,
  * AHEAD_BF16 tokens on (on an AMD EPYC 1-13% faster than the float32 cache's choice at the
  * engine's block size, 14-25% at 16, where a float32 cache lost 5-8% with it:
- * docs/PERFORMANCE_CPU.md). The values go to L2. `element` is a constant where this is inlined, and so are the hints. */
+ * docs/PERFORMANCE_CPU.md), or with `near` to L1, AHEAD_NEAR_BF16 tokens on (OWN_NEAR).
+ * The values go to L2. `element` is a constant where this is inlined, and so are the
+ * hints. */
 static inline __attribute__((always_inline)) void prefetch_ahead(
     const void *key_cache, const void *value_cache, const int64_t *table, int64_t start,
     int64_t count, int64_t seq_len, int64_t head_dim, int64_t block_stride,
-    int64_t block_size, int64_t kv_offset, const int64_t element) {
-    const int64_t ahead = element == 2 ? AHEAD_BF16 : AHEAD;
+    int64_t block_size, int64_t kv_offset, const int64_t element, int near) {
+    const int64_t ahead = element == 4 ? AHEAD : near ? AHEAD_NEAR_BF16 : AHEAD_BF16;
     const int64_t until = start + ahead + count;
     for (int64_t at = start ? start + ahead : 0; at < until && at < seq_len;) {
         const int64_t at_offset = at % block_size;
@@ -400,7 +428,7 @@ static inline __attribute__((always_inline)) void prefetch_ahead(
         n = until - at < n ? until - at : n;
         n = seq_len - at < n ? seq_len - at : n;
         for (int64_t b = 0; b < n * head_dim * element; b += 64) {
-            if (element == 2)
+            if (element == 2 && !near)
                 __builtin_prefetch((const char *)key_cache + row * element + b, 0, 2);
             else
                 __builtin_prefetch((const char *)key_cache + row * element + b, 0, 3);
@@ -413,12 +441,16 @@ static inline __attribute__((always_inline)) void prefetch_ahead(
 /* The group of query heads sharing one kv head, for one decode row: scores for the whole
  * context (SCORE_HEADS heads per pass over each block's keys), a softmax per head, then
  * the probability-weighted sum of values (as many heads per pass as fit in registers). The
- * caller guarantees head_dim % CHUNK(bf16) == 0 and head_dim <= 256. */
+ * caller guarantees head_dim % CHUNK(bf16) == 0 and head_dim <= 256. own: what the item
+ * prefetches of its own tokens (OWN_NONE, OWN_FAR, OWN_NEAR); next: the item whose keys
+ * and values stream into L2 meanwhile, spread over this one's tokens, and lead: the item
+ * whose first tokens do so before the second pass (either may be NULL). */
 static inline __attribute__((always_inline)) void attend_item(
     float *o, const float *q, const void *key_cache, const void *value_cache,
     const int64_t *table, int64_t seq_len, int64_t group, const int64_t head_dim,
     int64_t block_stride, int64_t block_size, int64_t kv_offset,
-    float scale, float *scores, int bf16, int own, const NextItem *next) {
+    float scale, float *scores, int bf16, int own, const NextItem *next,
+    const NextItem *lead) {
     const int64_t element = bf16 ? 2 : 4;
     const int dp = bf16 == KV_BF16_DP;
     /* The queries scaled, and for bf16 de-interleaved per chunk as kv_chunk reads keys; on
@@ -440,9 +472,9 @@ static inline __attribute__((always_inline)) void attend_item(
                               offset * head_dim;
         int64_t count = block_size - offset < RUN ? block_size - offset : RUN;
         count = seq_len - start < count ? seq_len - start : count;
-        if (own)
+        if (own != OWN_NONE)
             prefetch_ahead(key_cache, value_cache, table, start, count, seq_len, head_dim,
-                           block_stride, block_size, kv_offset, element);
+                           block_stride, block_size, kv_offset, element, own == OWN_NEAR);
         if (next)
             prefetch_next(key_cache, next, start, start + count, seq_len, head_dim,
                           block_stride, block_size, element);
@@ -474,6 +506,8 @@ static inline __attribute__((always_inline)) void attend_item(
         if (dp) bf16_pairs_in_place(scores + g * seq_len, seq_len);
 #endif
     }
+    if (lead)
+        prefetch_lead(key_cache, value_cache, lead, head_dim, block_stride, block_size, element);
     /* Pass 2: per slice of the head, as many heads per pass over the values as their
      * outputs fit in registers. */
     const int64_t width = head_dim < SLICE_VECTORS * VW ? head_dim : SLICE_VECTORS * VW;
@@ -558,13 +592,13 @@ int ts_paged_decode_dot_products(int64_t head_dim, int64_t block_size) {
  * decode row `row` (its query at q, its output at o), over the row's seq_len positions;
  * `scores` holds group * seq_len floats. kv_bf16 is the cache's mode: KV_F32, KV_BF16 or
  * KV_BF16_DP (bf16 numerics: the dot-product path where the build and shapes allow it,
- * else as KV_BF16). own: whether its keys and values still have to be fetched (none
- * streamed them in ahead); next: the item to stream into L2 meanwhile, or NULL. */
+ * else as KV_BF16). own, next and lead: what it prefetches (attend_item). */
 static void decode_item_then(float *o, const float *q, const void *key_cache,
                              const void *value_cache, const int64_t *table, int64_t seq_len,
                              int64_t kv_head, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, int64_t block_size, float scale, float *scores,
-                             int64_t kv_bf16, int own, const NextItem *next) {
+                             int64_t kv_bf16, int own, const NextItem *next,
+                             const NextItem *lead) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     const int64_t kv_offset = kv_head * block_size * head_dim;
@@ -573,7 +607,7 @@ static void decode_item_then(float *o, const float *q, const void *key_cache,
     /* Head size and element type constants in each call, for the compiler. */
 #define ATTEND(dim, bf16)                                                                     \
     attend_item(o, q, key_cache, value_cache, table, seq_len, group, dim, block_stride,        \
-                block_size, kv_offset, scale, scores, bf16, own, next)
+                block_size, kv_offset, scale, scores, bf16, own, next, lead)
 #if PAGED_DP
     if (kv_bf16 == KV_BF16_DP && ts_paged_decode_dot_products(head_dim, block_size)) {
         if (head_dim == 64)
@@ -610,42 +644,65 @@ static inline void decode_item(float *o, const float *q, const void *key_cache,
                         int64_t head_dim, int64_t block_size, float scale, float *scores,
                         int64_t kv_bf16) {
     decode_item_then(o, q, key_cache, value_cache, table, seq_len, kv_head, num_heads,
-                     num_kv_heads, head_dim, block_size, scale, scores, kv_bf16, 1, NULL);
+                     num_kv_heads, head_dim, block_size, scale, scores, kv_bf16, OWN_FAR, NULL,
+                     NULL);
 }
+
+/* How the threads of a decode step keep memory busy while they compute (decode_items; the
+ * choice is per CPU, kernels/paged_attention.py): a block table is a pointer chase the
+ * hardware prefetcher cannot follow, and an item that only reads waits on memory in its
+ * first pass and leaves memory idle in the rest.
+ *   STREAM_NEXT_ITEM  each thread claims its next item one ahead and streams that item's
+ *                     keys into L2 during the current one's first pass, its values during
+ *                     the second; only a thread's first item prefetches its own tokens
+ *                     (OWN_FAR). On an AMD EPYC (Zen 4) 1.45-1.6x faster than each item
+ *                     on its own.
+ *   OWN_TOKENS_AHEAD  each item prefetches its own tokens a short way ahead (OWN_NEAR), and
+ *                     the next item's first LEAD tokens before its second pass. On an Intel
+ *                     Xeon with AMX 1.2-1.3x faster than streaming the next item, whose
+ *                     prefetches (each holding one of a core's few L1 miss buffers for a
+ *                     whole trip to memory) starve the current item's own loads from L2.
+ * docs/PERFORMANCE_CPU.md has the figures. Prefetches change no arithmetic: both give the
+ * same bits. */
+#define STREAM_NEXT_ITEM 0
+#define OWN_TOKENS_AHEAD 1
 
 /* A decode step's work items, (row, kv head) for each of num_rows rows, called by every
  * thread of a parallel region, *claimed 0 before it: the items as a dynamic schedule hands
- * them out, but each thread claims its next one ahead, so that the next one's keys and
- * values stream into L2 while this one computes (a block table is a pointer chase the
- * hardware prefetcher cannot follow, and an item alone waits on memory in its first pass
- * and leaves memory idle in the rest). Row r reads its query at query + i * query_stride
- * and writes out + i * out_stride, i = rows[r] (r where rows is NULL). No barrier at the
- * end. With scores NULL (the thread's allocation failed) items are claimed, not done. */
+ * them out, but each thread claims its next one ahead, to prefetch from it as `prefetch`
+ * (STREAM_NEXT_ITEM or OWN_TOKENS_AHEAD) says. Row r reads its query at query + i *
+ * query_stride and writes out + i * out_stride, i = rows[r] (r where rows is NULL). No
+ * barrier at the end. With scores NULL (the thread's allocation failed) items are claimed,
+ * not done. */
 static void decode_items(int64_t *claimed, float *out, int64_t out_stride, const float *query,
                          int64_t query_stride, const int64_t *rows, const void *key_cache,
                          const void *value_cache, const int64_t *block_tables,
                          int64_t block_table_stride, const int64_t *seq_lens, int64_t num_rows,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t block_size, float scale, float *scores, int64_t kv_bf16) {
+                         int64_t block_size, float scale, float *scores, int64_t kv_bf16,
+                         int64_t prefetch) {
     const int64_t num_items = num_rows * num_kv_heads;
+    const int stream = prefetch == STREAM_NEXT_ITEM;
     int64_t item, next;
 #pragma omp atomic capture
     item = (*claimed)++;
 #pragma omp atomic capture
     next = (*claimed)++;
-    for (int own = 1; item < num_items; own = 0) {
+    for (int first = 1; item < num_items; first = 0) {
         const int64_t row = item / num_kv_heads, at = rows ? rows[row] : row;
         NextItem ahead = {0};
         if (next < num_items)
             ahead = (NextItem){block_tables + next / num_kv_heads * block_table_stride,
                                seq_lens[next / num_kv_heads],
                                next % num_kv_heads * block_size * head_dim};
+        const NextItem *then = next < num_items ? &ahead : NULL;
+        const int own = !stream ? OWN_NEAR : first ? OWN_FAR : OWN_NONE;
         if (scores != NULL)
             decode_item_then(out + at * out_stride, query + at * query_stride, key_cache,
                              value_cache, block_tables + row * block_table_stride,
                              seq_lens[row], item % num_kv_heads, num_heads, num_kv_heads,
                              head_dim, block_size, scale, scores, kv_bf16, own,
-                             next < num_items ? &ahead : NULL);
+                             stream ? then : NULL, stream ? NULL : then);
         item = next;
         if (item < num_items) {
 #pragma omp atomic capture
@@ -657,13 +714,13 @@ static void decode_items(int64_t *claimed, float *out, int64_t out_stride, const
 /* Returns 0, or -1 if a scratch buffer could not be allocated. Decode row r reads its
  * query at query + rows[r] * query_stride and writes out + rows[r] * out_stride (rows index
  * the step's flat token dimension; query may be a view into a fused QKV tensor). kv_bf16:
- * the caches' mode (decode_item_then). */
+ * the caches' mode (decode_item_then); prefetch: STREAM_NEXT_ITEM or OWN_TOKENS_AHEAD. */
 int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t query_stride,
                     const int64_t *rows, const void *key_cache, const void *value_cache,
                     const int64_t *block_tables, int64_t block_table_stride,
                     const int64_t *seq_lens, int64_t num_rows, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                    int64_t kv_bf16) {
+                    int64_t kv_bf16, int64_t prefetch) {
     const int64_t group = num_heads / num_kv_heads;
     int64_t max_seq_len = 0;
     for (int64_t r = 0; r < num_rows; ++r)
@@ -680,7 +737,8 @@ int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t 
         }
         decode_items(&claimed, out, out_stride, query, query_stride, rows, key_cache,
                      value_cache, block_tables, block_table_stride, seq_lens, num_rows,
-                     num_heads, num_kv_heads, head_dim, block_size, scale, scores, kv_bf16);
+                     num_heads, num_kv_heads, head_dim, block_size, scale, scores, kv_bf16,
+                     prefetch);
         free(scores);
     }
     return failed ? -1 : 0;
