@@ -23,9 +23,13 @@ row limit for its GGUF blocks' bf16 kernel (AMX or vdpbf16ps; `--bf16-quantized-
 as the engine set it and N: steps of more rows than N then run operator by operator, their
 products on oneDNN's bf16 GEMM.
 
+`--other-decode-prefetch PLAN` takes turns the same way between the CPU's plan for the
+decode attention's prefetches (kernels/paged_attention.py, `decode_prefetch()`) and PLAN, one
+of `stream_next_item`, `own_tokens_ahead`: whether the CPU at hand takes the faster one.
+
 usage: python benchmarks/decode_step_cost.py [--batches 1,4,8,16,32,64] [--input-len 256]
-           [--steps 20] [--cpu-time] [--other-csrc DIR | --other-bf16-quantized-max-rows N]
-           [engine flags as for bench throughput]
+           [--steps 20] [--cpu-time] [--other-csrc DIR | --other-bf16-quantized-max-rows N |
+           --other-decode-prefetch PLAN] [engine flags as for bench throughput]
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from tokenserve.benchmarks.datasets import random_token_prompts
 from tokenserve.core.gc_heap import freeze_startup_heap
 from tokenserve.engine.cli_args import add_engine_arguments, engine_args_from
 from tokenserve.engine.llm_engine import LLMEngine
-from tokenserve.kernels import build
+from tokenserve.kernels import build, paged_attention
 from tokenserve.kernels.decode_layer import DecodeLayerOps
 from tokenserve.model.fused_decode import FusedDecodeLayerStack
 from tokenserve.model.layers.quantization.gguf import QuantizedWeight
@@ -57,6 +61,10 @@ def main() -> None:
                         help="Another tree's kernels/csrc: its decode layer takes every other step.")
     parser.add_argument("--other-bf16-quantized-max-rows", type=int, default=None,
                         help="Every other step with this row limit for the bf16 block kernel.")
+    parser.add_argument("--other-decode-prefetch", default=None,
+                        choices=list(paged_attention.DECODE_PREFETCH),
+                        help="Every other step with this plan for the decode attention's "
+                             "prefetches.")
     add_engine_arguments(parser, positional_model=False)
     args = parser.parse_args()
     batches = [int(n) for n in args.batches.split(",")]
@@ -66,6 +74,10 @@ def main() -> None:
     if other_limit is not None and (other_limit < 1 or args.other_csrc is not None):
         raise SystemExit("--other-bf16-quantized-max-rows takes a limit of at least 1, and not "
                          "with --other-csrc.")
+    if args.other_decode_prefetch is not None and (args.other_csrc is not None
+                                                   or other_limit is not None):
+        raise SystemExit("--other-decode-prefetch takes turns with this tree's build and the "
+                         "CPU's plan: not with --other-csrc or --other-bf16-quantized-max-rows.")
     clock = time.thread_time if args.cpu_time else time.perf_counter
 
     engine = LLMEngine.from_engine_args(engine_args_from(args))
@@ -102,6 +114,12 @@ def main() -> None:
         limits = [_bf16_row_limit(blocks), other_limit]
         builds = [None, None]
         print(f"bf16 block kernel's row limit: {limits[0]}, other: {limits[1]}")
+    plans: list[str | None] = []  # the decode attention's prefetch plan by turn
+    if args.other_decode_prefetch is not None:
+        plans = [None, args.other_decode_prefetch]
+        builds = [None, None]
+        print(f"decode prefetch: {paged_attention.decode_prefetch()} (this CPU's), other: "
+              f"{args.other_decode_prefetch}")
     vocab_size = engine.config.model_config.vocab_size
     # Room for every step until the last prompt is in (at least a token each) and the timed
     # ones: the first requests decode while the later prompts' chunks are computed.
@@ -124,6 +142,8 @@ def main() -> None:
             turn = step % len(builds)
             if limits:
                 _set_bf16_row_limit(blocks, stack, limits[turn])
+            elif plans:
+                paged_attention.force_decode_prefetch(plans[turn])
             elif stack is not None:
                 stack.ops = builds[turn]
             begin = clock()
@@ -134,6 +154,8 @@ def main() -> None:
             engine.step()
         if limits:
             _set_bf16_row_limit(blocks, stack, limits[0])
+        elif plans:
+            paged_attention.force_decode_prefetch(None)
         elif stack is not None:
             stack.ops = builds[0]
         medians = [statistics.median(t) * 1e3 for t in times]

@@ -1,7 +1,8 @@
 """benchmarks/decode_step_cost.py on a tiny model: decode steps of each batch size, timed for
 real, with every row running; with `--other-csrc`, on the default model, two builds of the
-fused decode layer taking turns, and with `--other-bf16-quantized-max-rows` two row limits of
-the bf16 block kernel."""
+fused decode layer taking turns, with `--other-bf16-quantized-max-rows` two row limits of
+the bf16 block kernel, and with `--other-decode-prefetch` two plans of the decode
+attention's prefetches."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from tests.kernel_sources import other_kernel_sources
 from tokenserve.config import BF16_QUANTIZED_MAX_ROWS_DP
-from tokenserve.kernels import build, cpu_isa
+from tokenserve.kernels import build, cpu_isa, paged_attention
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_step_cost.py"
 
@@ -107,3 +108,18 @@ def test_another_bf16_row_limit_needs_a_bf16_block_kernel(tiny_model_dirs):
     result = subprocess.run(command + ["0"], capture_output=True, text=True, timeout=300,
                             check=False)
     assert result.returncode != 0 and "at least 1" in result.stderr
+
+
+def test_another_decode_prefetch_plan_takes_turns_with_the_cpus(tiny_model_dirs):
+    command = [sys.executable, str(SCRIPT), "--model", tiny_model_dirs["llama"],
+               "--kv-cache-memory", "64MiB", "--batches", "3", "--input-len", "24", "--steps",
+               "2", "--other-decode-prefetch", "stream_next_item"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    assert re.search(rf"^decode prefetch: {paged_attention.decode_prefetch()} \(this CPU's\), "
+                     r"other: stream_next_item$", result.stdout, re.MULTILINE), result.stdout
+    rows = re.findall(r"^\s+(\d+)" + r"\s+([\d.]+)" * 5 + "$", result.stdout, re.MULTILINE)
+    assert [int(row[0]) for row in rows] == [3], result.stdout
+    result = subprocess.run(command + ["--other-csrc", build.SOURCE_DIR], capture_output=True,
+                            text=True, timeout=300, check=False)
+    assert result.returncode != 0 and "not with --other-csrc" in result.stderr

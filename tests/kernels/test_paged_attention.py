@@ -148,7 +148,17 @@ def test_the_prefetch_plan_follows_the_cpu_vendor(monkeypatch: pytest.MonkeyPatc
     assert paged_attention.decode_prefetch("AuthenticAMD") == "stream_next_item"
     assert paged_attention.decode_prefetch("") == "stream_next_item"  # e.g. not x86 Linux
     monkeypatch.setattr(cpu_isa, "cpu_vendor", lambda: "GenuineIntel")
-    assert paged_attention.prefetch_code(None) == paged_attention.DECODE_PREFETCH[
-        "own_tokens_ahead"]
-    with pytest.raises(ValueError, match="decode prefetch must be one of"):
-        paged_attention.prefetch_code("l3")
+    codes = paged_attention.DECODE_PREFETCH
+    assert paged_attention.prefetch_code(None) == codes["own_tokens_ahead"]
+    # A plan forced for the process (benchmarks) stands in for the CPU's, not for a named one.
+    paged_attention.force_decode_prefetch("stream_next_item")
+    try:
+        assert paged_attention.prefetch_code(None) == codes["stream_next_item"]
+        assert paged_attention.prefetch_code("own_tokens_ahead") == codes["own_tokens_ahead"]
+    finally:
+        paged_attention.force_decode_prefetch(None)
+    assert paged_attention.prefetch_code(None) == codes["own_tokens_ahead"]
+    for call in (lambda: paged_attention.prefetch_code("l3"),
+                 lambda: paged_attention.force_decode_prefetch("l3")):
+        with pytest.raises(ValueError, match="decode prefetch must be one of"):
+            call()

@@ -104,14 +104,20 @@ def test_a_fused_step_above_the_block_kernels_row_round_has_the_same_results(fus
     assert 834 in fused_calls
 
 
-def test_the_decode_prefetch_plans_give_the_same_results(fused_calls, monkeypatch):
+@pytest.fixture
+def restore_decode_prefetch():
+    yield
+    paged_attention.force_decode_prefetch(None)
+
+
+def test_the_decode_prefetch_plans_give_the_same_results(fused_calls, restore_decode_prefetch):
     # How the decode attention's threads prefetch (paged_attention.decode_prefetch, chosen
     # by the CPU's vendor) moves no arithmetic: under either plan, fused or operator by
     # operator, the same tokens and logprobs.
     llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=False)
     results = []
     for plan in paged_attention.DECODE_PREFETCH:
-        monkeypatch.setattr(paged_attention, "decode_prefetch", lambda vendor=None, p=plan: p)
+        paged_attention.force_decode_prefetch(plan)
         results += [_generate(llm, fused=True, num_prompts=5),
                     _generate(llm, fused=False, num_prompts=5)]
     assert all(result == results[0] for result in results[1:])

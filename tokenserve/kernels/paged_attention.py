@@ -26,9 +26,24 @@ def decode_prefetch(vendor: str | None = None) -> str:
     return "own_tokens_ahead" if vendor == "GenuineIntel" else "stream_next_item"
 
 
+# A plan every decode step of the process takes instead of the CPU's (force_decode_prefetch).
+_forced_prefetch: str | None = None
+
+
+def force_decode_prefetch(plan: str | None) -> None:
+    """Make every decode step of this process that names no plan prefetch by `plan` (one of
+    DECODE_PREFETCH), or by the CPU's again with None: for benchmarks that time the plans
+    side by side in one engine (benchmarks/decode_step_cost.py)."""
+    global _forced_prefetch
+    if plan is not None and plan not in DECODE_PREFETCH:
+        raise ValueError(f"decode prefetch must be one of {list(DECODE_PREFETCH)}, got {plan!r}.")
+    _forced_prefetch = plan
+
+
 def prefetch_code(prefetch: str | None) -> int:
-    """The C kernels' argument for a plan of DECODE_PREFETCH (None: this CPU's)."""
-    plan = decode_prefetch() if prefetch is None else prefetch
+    """The C kernels' argument for a plan of DECODE_PREFETCH (None: the one forced for the
+    process, else this CPU's)."""
+    plan = prefetch or _forced_prefetch or decode_prefetch()
     if plan not in DECODE_PREFETCH:
         raise ValueError(f"decode prefetch must be one of {list(DECODE_PREFETCH)}, got {plan!r}.")
     return DECODE_PREFETCH[plan]
