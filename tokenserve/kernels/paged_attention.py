@@ -18,10 +18,11 @@ DECODE_PREFETCH = {"stream_next_item": 0, "own_tokens_ahead": 1}
 
 
 def decode_prefetch(vendor: str | None = None) -> str:
-    """The plan for a CPU of `vendor` (default: this one's): own_tokens_ahead on Intel,
-    where streaming the next item starves the current one's loads (1.2-1.3x slower on a
-    Xeon with AMX), stream_next_item elsewhere (1.45-1.6x faster than the other on an AMD
-    EPYC); docs/PERFORMANCE_CPU.md. The outputs are the same bits either way."""
+    """The plan for a CPU of `vendor` (default: this one's): own_tokens_ahead on Intel
+    (streaming the next item: the kernel 1.08-1.17x slower on a Xeon with AMX),
+    stream_next_item elsewhere (on an AMD EPYC 1.45-1.6x faster than every item prefetching
+    its own tokens into L2; own_tokens_ahead not measured there); docs/PERFORMANCE_CPU.md.
+    The outputs are the same bits either way."""
     vendor = cpu_isa.cpu_vendor() if vendor is None else vendor
     return "own_tokens_ahead" if vendor == "GenuineIntel" else "stream_next_item"
 

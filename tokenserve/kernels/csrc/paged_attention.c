@@ -656,12 +656,14 @@ static inline void decode_item(float *o, const float *q, const void *key_cache,
  *                     keys into L2 during the current one's first pass, its values during
  *                     the second; only a thread's first item prefetches its own tokens
  *                     (OWN_FAR). On an AMD EPYC (Zen 4) 1.45-1.6x faster than each item
- *                     on its own.
+ *                     prefetching its own tokens into L2 (OWN_FAR for every item).
  *   OWN_TOKENS_AHEAD  each item prefetches its own tokens a short way ahead (OWN_NEAR), and
  *                     the next item's first LEAD tokens before its second pass. On an Intel
- *                     Xeon with AMX 1.2-1.3x faster than streaming the next item, whose
- *                     prefetches (each holding one of a core's few L1 miss buffers for a
- *                     whole trip to memory) starve the current item's own loads from L2.
+ *                     Xeon with AMX the kernel alone is 1.08-1.17x faster than streaming
+ *                     the next item (the engine's decode step 0-2 %): there, it seems, the
+ *                     next item's prefetches, each holding one of a core's few L1 miss
+ *                     buffers for a whole trip to memory, hold up the current item's loads
+ *                     from L2. Not measured on the EPYC.
  * docs/PERFORMANCE_CPU.md has the figures. Prefetches change no arithmetic: both give the
  * same bits. */
 #define STREAM_NEXT_ITEM 0
