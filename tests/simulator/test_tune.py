@@ -93,9 +93,16 @@ def test_calibrate_fits_the_served_steps(tiny_model_dirs, tmp_path, capsys):
                  "-o", str(cost)]) == 0
     fit = json.loads(cost.read_text())
     assert fit["num_samples"] >= 20 and fit["calibration"]["num_steps"] >= 20
-    coefficients = [fit["intercept_ms"], fit["ms_per_1k_tokens"], fit["ms_per_1m_attention_pairs"]]
+    # Every coefficient of the fit, the shared terms and each kernel regime's (KernelConfig's
+    # row limits), non-negative and not all 0. Which terms take the steps' time is the
+    # host's: a tiny model's steps of over 192 rows may cost no more than the regimes below
+    # price them, leaving the oneDNN regime's terms at 0.
+    coefficients = [fit["intercept_ms"], fit["ms_per_1k_tokens"], fit["ms_per_1m_attention_pairs"],
+                    fit["ms_per_1k_decode_tokens"]]
+    for regime in fit["kernel_regimes"]:
+        coefficients += [regime["intercept_ms"], regime["ms_per_1k_rows"]]
     assert all(c >= 0 for c in coefficients) and any(c > 0 for c in coefficients)
-    # Per kernel regime (KernelConfig's row limits), and the lone requests' delays.
+    # The lone requests' delays.
     assert [r["max_rows"] for r in fit["kernel_regimes"]] == [10, 192]
     assert fit["arrival_delay_ms"] >= 0 and fit["output_delay_ms"] >= 0
     assert fit["calibration"]["request_delays_ms"]
