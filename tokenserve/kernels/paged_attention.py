@@ -36,18 +36,19 @@ def force_decode_prefetch(plan: str | None) -> None:
     DECODE_PREFETCH), or by the CPU's again with None: for benchmarks that time the plans
     side by side in one engine (benchmarks/decode_step_cost.py)."""
     global _forced_prefetch
-    if plan is not None and plan not in DECODE_PREFETCH:
-        raise ValueError(f"decode prefetch must be one of {list(DECODE_PREFETCH)}, got {plan!r}.")
-    _forced_prefetch = plan
+    _forced_prefetch = None if plan is None else _checked(plan)
 
 
 def prefetch_code(prefetch: str | None) -> int:
     """The C kernels' argument for a plan of DECODE_PREFETCH (None: the one forced for the
     process, else this CPU's)."""
-    plan = prefetch or _forced_prefetch or decode_prefetch()
+    return DECODE_PREFETCH[_checked(prefetch or _forced_prefetch or decode_prefetch())]
+
+
+def _checked(plan: str) -> str:
     if plan not in DECODE_PREFETCH:
         raise ValueError(f"decode prefetch must be one of {list(DECODE_PREFETCH)}, got {plan!r}.")
-    return DECODE_PREFETCH[plan]
+    return plan
 
 
 class DecodeRows:
