@@ -309,18 +309,22 @@ start_server() {  # $1 engine, $2 session name, rest: engine flags
   SERVER_READY_S=$(awk -v a="$started" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
   log "$engine server ($session) pid $SERVER_PID ready in $SERVER_READY_S s"
 }
-# The server's start time and memory: the RSS and peak RSS (VmHWM) of every process of its
-# process group (the engine's workers included), summed, in KiB, once its benchmarks ran.
+# The server's start time and memory: the RSS, peak RSS (VmHWM) and PSS of every process of
+# its process group (the engine's workers included), summed, in KiB, once its benchmarks ran.
+# The RSS sum counts a page shared by several of the processes (a library's, a model file
+# mapped twice) once per process; the PSS sum counts it once, shared out among them: the
+# memory the server holds, comparable between a one-process server and a multi-process one.
 record_server() {  # $1 engine, $2 session name
   [ -n "$SERVER_PID" ] || return 0
-  local rss=0 peak=0 pid value
+  local rss=0 peak=0 pss=0 pid value
   for pid in $(pgrep -g "$SERVER_PID"); do
     value=$(awk '/^VmRSS:/ { print $2 }' "/proc/$pid/status" 2>/dev/null); rss=$(( rss + ${value:-0} ))
     value=$(awk '/^VmHWM:/ { print $2 }' "/proc/$pid/status" 2>/dev/null); peak=$(( peak + ${value:-0} ))
+    value=$(awk '/^Pss:/ { print $2 }' "/proc/$pid/smaps_rollup" 2>/dev/null); pss=$(( pss + ${value:-0} ))
   done
-  printf '{"engine": "%s", "session": "%s", "ready_s": %s, "rss_kib": %d, "peak_rss_kib": %d}\n' \
-      "$1" "$2" "${SERVER_READY_S:-null}" "$rss" "$peak" > "$OUT/server_$2_$1.json"
-  log "$1 server ($2): RSS $(( rss / 1024 )) MiB, peak $(( peak / 1024 )) MiB"
+  printf '{"engine": "%s", "session": "%s", "ready_s": %s, "rss_kib": %d, "peak_rss_kib": %d, "pss_kib": %d}\n' \
+      "$1" "$2" "${SERVER_READY_S:-null}" "$rss" "$peak" "$pss" > "$OUT/server_$2_$1.json"
+  log "$1 server ($2): RSS $(( rss / 1024 )) MiB, peak $(( peak / 1024 )) MiB, PSS $(( pss / 1024 )) MiB"
 }
 stop_server() {
   [ -n "$SERVER_PID" ] || return 0

@@ -142,8 +142,9 @@ def w1_figures(out_dir: str) -> dict[str, dict[str, float | None]]:
 
 
 def server_figures(out_dir: str) -> dict[str, dict[str, float | None]]:
-    """Each engine's server in its main session (else its first): seconds to /health, RSS
-    and peak RSS in MiB; tokenserve's `bench startup` medians beside them."""
+    """Each engine's server in its main session (else its first): seconds to /health, RSS,
+    peak RSS and (sittings since it was recorded) PSS in MiB; tokenserve's `bench startup`
+    medians beside them."""
     figures: dict[str, dict[str, float | None]] = {}
     names = sorted(
         name[: -len(".json")] for name in os.listdir(out_dir)
@@ -161,6 +162,8 @@ def server_figures(out_dir: str) -> dict[str, dict[str, float | None]]:
             "RSS MiB": data["rss_kib"] / 1024,
             "peak RSS MiB": data["peak_rss_kib"] / 1024,
         }
+        if "pss_kib" in data:
+            figures[engine]["PSS MiB"] = data["pss_kib"] / 1024
     startup = load(out_dir, "startup_tokenserve")
     if startup is not None:
         summary = startup["summary"]

@@ -205,6 +205,9 @@ def test_a_server_session_records_its_server_and_stops_its_whole_group(tmp_path:
     server = json.loads((out / "server_main_llamacpp.json").read_text())
     # The stand-in and its child: tens of MiB, not the 0 of a PID outside the server's group.
     assert server["rss_kib"] > 10 * 1024 and server["ready_s"] > 0
+    # Their PSS: the pages they share (the interpreter's libraries) counted once, so below
+    # the RSS sum, and not nothing.
+    assert 1024 < server["pss_kib"] <= server["rss_kib"]
     server_pid, child_pid = map(int, pids.read_text().split())
     assert not alive(server_pid) and not alive(child_pid)
     # The host's price for fresh memory, at the start and at the end, and in the report.

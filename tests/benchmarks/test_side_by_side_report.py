@@ -92,11 +92,15 @@ def test_report_names_the_cpu_and_puts_every_peer_configuration_and_server_besid
         "w1_llamacpp": {"pp": 256, "tg": 128, "pl": 64, "t": 160.0, "speed": 153.6},
         "w1_llamacpp_f16": {"pp": 256, "tg": 128, "pl": 64, "t": 80.0, "speed": 307.2},
         "server_main_tokenserve": {"engine": "tokenserve", "session": "main", "ready_s": 2.5,
-                                   "rss_kib": 1024 * 900, "peak_rss_kib": 1024 * 1000},
+                                   "rss_kib": 1024 * 900, "peak_rss_kib": 1024 * 1000,
+                                   "pss_kib": 1024 * 800},
         "server_w4_mbt_256_tokenserve": {"engine": "tokenserve", "session": "w4_mbt_256",
-                                         "ready_s": 9.0, "rss_kib": 1, "peak_rss_kib": 1},
+                                         "ready_s": 9.0, "rss_kib": 1, "peak_rss_kib": 1,
+                                         "pss_kib": 1},
         "server_main_vllm_bf16": {"engine": "vllm_bf16", "session": "main", "ready_s": 100.0,
-                                  "rss_kib": 1024 * 3000, "peak_rss_kib": 1024 * 3600},
+                                  "rss_kib": 1024 * 3000, "peak_rss_kib": 1024 * 3600,
+                                  "pss_kib": 1024 * 2400},
+        # A sitting from before PSS was recorded: its server has no PSS figure.
         "server_main_llamacpp_f16": {"engine": "llamacpp_f16", "session": "main", "ready_s": 1.0,
                                      "rss_kib": 1024 * 450, "peak_rss_kib": 1024 * 500},
         "startup_tokenserve": {"summary": {"ready_s": {"median": 2.0},
@@ -121,6 +125,10 @@ def test_report_names_the_cpu_and_puts_every_peer_configuration_and_server_besid
     assert servers["tokenserve"]["start: first answer s"] == 2.75
     assert servers["vllm_bf16"]["RSS MiB"] == 3000
     assert "| RSS MiB | 900.0 | - | 3000.0 | 450.0 | - | 0.30 | 2.00 |" in printed
+    # PSS where the sitting recorded it (shared pages counted once across a server's processes).
+    assert servers["tokenserve"]["PSS MiB"] == 800 and servers["vllm_bf16"]["PSS MiB"] == 2400
+    assert "PSS MiB" not in servers["llamacpp_f16"]
+    assert "| PSS MiB | 800.0 | - | 2400.0 | - | - | 0.33 | - |" in printed
 
 
 def test_report_puts_tokenserve_in_float32_beside_the_float32_peers(tmp_path, capsys):

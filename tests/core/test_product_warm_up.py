@@ -60,11 +60,14 @@ def test_an_idle_engine_core_builds_each_product_once_per_bucket(tiny_model_dirs
         calls += 1
     assert calls == len(plan)
     assert not core.warm_up_products()
+    core.release_freed_memory()  # what the idle loop does next
     # The products' weights untouched: the same tokens as an engine that did not warm up.
     assert greedy_tokens(core) == greedy_tokens(_core(tiny_model_dirs["llama"]))
     core.add_request(Request("s", [5, 6], SamplingParams(max_tokens=2), eos_token_id=None))
     with pytest.raises(AssertionError, match="only while idle"):
         core.warm_up_products()
+    with pytest.raises(AssertionError, match="only while idle"):
+        core.release_freed_memory()
 
 
 def test_the_plan_leaves_out_rows_other_kernels_take():
@@ -103,6 +106,9 @@ class _IdleCore:
         self.products -= 1
         return self.products > 0
 
+    def release_freed_memory(self) -> None:
+        self._called("release")
+
     def prefault_kv_cache(self, max_seconds: float) -> bool:
         assert max_seconds == PREFAULT_SLICE_SECONDS
         self._called("slice")
@@ -110,14 +116,15 @@ class _IdleCore:
         return self.slices > 0
 
 
-def test_the_idle_loop_builds_the_products_before_faulting_pages_in():
+def test_the_idle_loop_builds_the_products_then_frees_memory_then_faults_pages_in():
     proc = EngineCoreProc.__new__(EngineCoreProc)  # no sockets: the loop's own state only
     proc.input_queue = queue.Queue()
     proc.warming = proc.prefaulting = True
     core = proc.engine_core = _IdleCore(proc.input_queue, products=3, slices=2, input_after=2)
     assert proc._next_input_while_idle() == ("ADD", "request")
     assert core.calls == ["product", "product"] and proc.warming  # the input after a piece
-    core.input_after = 5
+    core.input_after = 6
     assert proc._next_input_while_idle() == ("ADD", "request")
-    assert core.calls == ["product"] * 3 + ["slice"] * 2
+    # The warm-up's temporaries given back once, right after its last product.
+    assert core.calls == ["product"] * 3 + ["release"] + ["slice"] * 2
     assert not proc.warming and not proc.prefaulting
