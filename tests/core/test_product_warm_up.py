@@ -5,6 +5,7 @@ the step budget's, that bucket first, one product per call, before the KV cache'
 from __future__ import annotations
 
 import queue
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -82,6 +83,12 @@ def test_the_plan_leaves_out_rows_other_kernels_take():
     assert plan == [(True, 64), (False, 64), (False, 16), (False, 32), (True, 48), (False, 48)]
     warm_up = ProductWarmUp(model, 60)
     assert [warm_up.step() for _ in range(len(plan) + 1)] == [True] * len(plan) + [False]
+    # A GGUF layer whose blocks' AMX kernel takes up to 32 rows: it reads bf16 there too,
+    # but builds no oneDNN primitive, so those rows are left out as well.
+    amx = _packed(48, 16)
+    amx.blocks = SimpleNamespace(takes=lambda rows: rows <= 32)
+    amx.input_dtype = lambda rows: torch.bfloat16
+    assert [rows for _, rows in warm_up_plan(torch.nn.ModuleList([amx]), 60)] == [64, 48]
     # A budget of 600 buckets: the first MAX_PRODUCTS products, the budget's bucket first.
     plan = warm_up_plan(torch.nn.ModuleList([large]), 600 * 16)
     assert len(plan) == MAX_PRODUCTS

@@ -70,7 +70,7 @@ def release_freed_memory() -> bool:
 
     keep_freed_memory() keeps up to TRIM_THRESHOLD of freed memory mapped, so that a step's
     activations reuse it. The idle warm-up of the bf16 products (worker/product_warm_up.py)
-    frees every bucket's inputs and outputs, up to a 2048-row step's, between the oneDNN
+    frees every bucket's inputs and outputs, up to a 2,048-row step's, between the oneDNN
     primitives it builds, which stay: its free blocks are spread over the heap and far more
     than one step's activations reuse (~450 MiB of the default model's engine). Released once
     after it, they cost the next large step its first touches once, not for good."""

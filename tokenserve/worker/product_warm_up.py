@@ -27,9 +27,10 @@ MAX_PRODUCTS = 512
 
 def warm_up_plan(model: nn.Module, max_rows: int) -> list[tuple[LinearBase, int]]:
     """(layer, rows) for each distinct weight shape among the model's linear layers whose
-    product of `rows` rows is a bf16 oneDNN product (the layer holds oneDNN's packed weight
-    and reads bf16 at that many rows), for every bucket up to max_rows' own: that one first,
-    then from the smallest up; the first MAX_PRODUCTS of them."""
+    product of `rows` rows is a bf16 oneDNN product (the layer holds oneDNN's packed weight,
+    reads bf16 at that many rows and its GGUF blocks do not take them), for every bucket up
+    to max_rows' own: that one first, then from the smallest up; the first MAX_PRODUCTS of
+    them."""
     layers: dict[tuple[int, int], LinearBase] = {}
     for module in model.modules():
         if isinstance(module, LinearBase) and getattr(module, "packed_weight", None) is not None:
@@ -38,8 +39,18 @@ def warm_up_plan(model: nn.Module, max_rows: int) -> list[tuple[LinearBase, int]
     top = bucket_rows(max_rows)
     order = [top, *range(ROW_BUCKET, top, ROW_BUCKET)]
     plan = [(layer, rows) for rows in order for layer in layers.values()
-            if layer.input_dtype(rows) == torch.bfloat16]
+            if _onednn_bf16(layer, rows)]
     return plan[:MAX_PRODUCTS]
+
+
+def _onednn_bf16(layer: LinearBase, rows: int) -> bool:
+    """Whether a product of `rows` rows is a bf16 product on oneDNN's packed weight: one that
+    reads bf16 and that the layer's GGUF blocks, if any, do not take (their AMX kernel reads
+    bf16 too, and builds no primitive)."""
+    blocks = getattr(layer, "blocks", None)
+    if blocks is not None and blocks.takes(rows):
+        return False
+    return layer.input_dtype(rows) == torch.bfloat16
 
 
 class ProductWarmUp:
