@@ -4,7 +4,7 @@
 # (`tokenserve bench serve`) for every server. Each workload runs on one engine right after
 # the other, so that all see the same machine. The sitting records the CPU (lscpu: model,
 # flags) in meta.json, each server's start time and resident memory (its processes'
-# RSS and peak RSS) in server_<session>_<engine>.json, and what the host charges for fresh
+# RSS, peak RSS and PSS) in server_<session>_<engine>.json, and what the host charges for fresh
 # memory at the sitting's start and end (benchmarks/first_touch.py: first_touch_start.json,
 # first_touch_end.json); the report prints them.
 #
