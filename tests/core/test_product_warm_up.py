@@ -1,6 +1,6 @@
 """An idle engine core builds its bf16 products' oneDNN primitives ahead of the steps that
 run them (worker/product_warm_up.py): each distinct weight shape once per row bucket up to
-the step budget's, that bucket first, one product per call, before the KV cache's pages."""
+the step budget's, the most rows first, one product per call, before the KV cache's pages."""
 
 from __future__ import annotations
 
@@ -51,9 +51,10 @@ def test_an_idle_engine_core_builds_each_product_once_per_bucket(tiny_model_dirs
     if not plan:
         pytest.skip("torch's oneDNN did not pack the bf16 weights here")
     shapes = {_shape(layer) for layer, _ in plan}
-    # q/k/v, o, gate/up and down: each shape at every bucket, the budget's (112) first.
+    # q/k/v, o, gate/up and down: each shape at every bucket, the budget's (112) first,
+    # then down from there.
     assert len(shapes) == 4
-    buckets = (112, 16, 32, 48, 64, 80, 96)
+    buckets = (112, 96, 80, 64, 48, 32, 16)
     assert [rows for _, rows in plan] == [rows for rows in buckets for _ in shapes]
     assert all({_shape(layer) for layer, r in plan if r == rows} == shapes for rows in buckets)
     calls = 0
@@ -61,14 +62,11 @@ def test_an_idle_engine_core_builds_each_product_once_per_bucket(tiny_model_dirs
         calls += 1
     assert calls == len(plan)
     assert not core.warm_up_products()
-    core.release_freed_memory()  # what the idle loop does next
     # The products' weights untouched: the same tokens as an engine that did not warm up.
     assert greedy_tokens(core) == greedy_tokens(_core(tiny_model_dirs["llama"]))
     core.add_request(Request("s", [5, 6], SamplingParams(max_tokens=2), eos_token_id=None))
     with pytest.raises(AssertionError, match="only while idle"):
         core.warm_up_products()
-    with pytest.raises(AssertionError, match="only while idle"):
-        core.release_freed_memory()
 
 
 def test_the_plan_leaves_out_rows_other_kernels_take():
@@ -79,8 +77,8 @@ def test_the_plan_leaves_out_rows_other_kernels_take():
     small.input_dtype = lambda rows: None if rows <= 32 else torch.bfloat16
     model = torch.nn.ModuleList([small, large, _packed(64, 32)])  # a shape seen twice
     plan = [(layer is small, rows) for layer, rows in warm_up_plan(model, 60)]
-    # Budget 60: its bucket (64) first, then 16, 32, 48; `small` from 48 rows on.
-    assert plan == [(True, 64), (False, 64), (False, 16), (False, 32), (True, 48), (False, 48)]
+    # Budget 60: its bucket (64) first, then 48, 32, 16; `small` from 48 rows on.
+    assert plan == [(True, 64), (False, 64), (True, 48), (False, 48), (False, 32), (False, 16)]
     warm_up = ProductWarmUp(model, 60)
     assert [warm_up.step() for _ in range(len(plan) + 1)] == [True] * len(plan) + [False]
     # A GGUF layer whose blocks' AMX kernel takes up to 32 rows: it reads bf16 there too,
@@ -89,10 +87,11 @@ def test_the_plan_leaves_out_rows_other_kernels_take():
     amx.blocks = SimpleNamespace(takes=lambda rows: rows <= 32)
     amx.input_dtype = lambda rows: torch.bfloat16
     assert [rows for _, rows in warm_up_plan(torch.nn.ModuleList([amx]), 60)] == [64, 48]
-    # A budget of 600 buckets: the first MAX_PRODUCTS products, the budget's bucket first.
+    # A budget of 600 buckets: MAX_PRODUCTS products, the budget's bucket and the smallest
+    # ones, run from the most rows down.
     plan = warm_up_plan(torch.nn.ModuleList([large]), 600 * 16)
     assert len(plan) == MAX_PRODUCTS
-    assert [rows for _, rows in plan[:3]] == [600 * 16, 16, 32]
+    assert [rows for _, rows in plan] == [600 * 16, *range((MAX_PRODUCTS - 1) * 16, 0, -16)]
 
 
 class _IdleCore:
@@ -113,9 +112,6 @@ class _IdleCore:
         self.products -= 1
         return self.products > 0
 
-    def release_freed_memory(self) -> None:
-        self._called("release")
-
     def prefault_kv_cache(self, max_seconds: float) -> bool:
         assert max_seconds == PREFAULT_SLICE_SECONDS
         self._called("slice")
@@ -123,15 +119,14 @@ class _IdleCore:
         return self.slices > 0
 
 
-def test_the_idle_loop_builds_the_products_then_frees_memory_then_faults_pages_in():
+def test_the_idle_loop_builds_the_products_before_faulting_pages_in():
     proc = EngineCoreProc.__new__(EngineCoreProc)  # no sockets: the loop's own state only
     proc.input_queue = queue.Queue()
     proc.warming = proc.prefaulting = True
     core = proc.engine_core = _IdleCore(proc.input_queue, products=3, slices=2, input_after=2)
     assert proc._next_input_while_idle() == ("ADD", "request")
     assert core.calls == ["product", "product"] and proc.warming  # the input after a piece
-    core.input_after = 6
+    core.input_after = 5
     assert proc._next_input_while_idle() == ("ADD", "request")
-    # The warm-up's temporaries given back once, right after its last product.
-    assert core.calls == ["product"] * 3 + ["release"] + ["slice"] * 2
+    assert core.calls == ["product"] * 3 + ["slice"] * 2
     assert not proc.warming and not proc.prefaulting

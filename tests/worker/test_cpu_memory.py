@@ -58,41 +58,6 @@ def test_freed_blocks_are_reused_without_page_faults():
     assert _page_faults("set") < 1024
 
 
-# 64 blocks of 4 MiB written and freed under keep_freed_memory's thresholds, then given back;
-# prints the process's resident MiB above its start after the free and after the release.
-_RELEASE = """
-import ctypes, ctypes.util, mmap
-from tokenserve.worker.cpu_memory import keep_freed_memory, release_freed_memory
-assert keep_freed_memory()
-libc = ctypes.CDLL(ctypes.util.find_library("c"))
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-def resident_mib():
-    with open("/proc/self/statm") as file:
-        return int(file.read().split()[1]) * mmap.PAGESIZE / 2**20
-start = resident_mib()
-blocks = [libc.malloc(4 << 20) for _ in range(64)]
-for block in blocks:
-    ctypes.memset(block, 1, 4 << 20)
-pin = libc.malloc(4096)  # a live block above them: the heap's top cannot shrink past it
-for block in blocks:
-    libc.free(block)
-kept = resident_mib() - start
-released = release_freed_memory()
-print(kept, resident_mib() - start, released)
-"""
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc_trim only")
-def test_freed_memory_kept_for_reuse_goes_back_to_the_kernel_on_release():
-    done = subprocess.run([sys.executable, "-c", _RELEASE], capture_output=True, text=True,
-                          check=True)
-    kept, after, released = done.stdout.split()
-    # 256 MiB freed stays resident for the next activations, until released.
-    assert float(kept) > 200 and released == "True"
-    assert float(after) < 32
-
-
 def test_the_worker_sets_them_on_cpu(monkeypatch):
     from tokenserve.worker import worker
 

@@ -123,13 +123,6 @@ class EngineCore:
         assert not self.has_unfinished_requests(), "only while idle"
         return self.executor.warm_up_products()
 
-    def release_freed_memory(self) -> None:
-        """Between steps only, while nothing is to compute: the workers give their heaps'
-        free blocks back to the kernel (worker/cpu_memory.py), as once the warm-up's
-        temporaries are gone."""
-        assert not self.has_unfinished_requests(), "only while idle"
-        self.executor.release_freed_memory()
-
     def step(self) -> list[EngineCoreOutput]:
         if self.max_concurrent_batches > 1:
             return self._step_with_batch_queue()

@@ -203,17 +203,14 @@ class EngineCoreProc:
     def _next_input_while_idle(self) -> tuple[str, Any]:
         """The next input. Until it comes, idle time goes to what later steps would
         otherwise pay for, a small piece at a time (an input waits for one piece at most):
-        first the bf16 products' oneDNN primitives, one product per piece, and the memory
-        their temporaries leave free back to the kernel, then the KV cache's pages,
-        PREFAULT_SLICE_SECONDS a piece; once all is done, block on the queue."""
+        first the bf16 products' oneDNN primitives, one product per piece, then the KV
+        cache's pages, PREFAULT_SLICE_SECONDS a piece; once all is done, block on the queue."""
         while self.warming or self.prefaulting:
             try:
                 return self.input_queue.get_nowait()
             except queue.Empty:
                 if self.warming:
                     self.warming = self.engine_core.warm_up_products()
-                    if not self.warming:
-                        self.engine_core.release_freed_memory()
                 else:
                     self.prefaulting = self.engine_core.prefault_kv_cache(PREFAULT_SLICE_SECONDS)
         return self.input_queue.get()

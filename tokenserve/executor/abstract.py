@@ -86,11 +86,6 @@ class Executor(ABC):
         run them (between steps only); whether any worker has some left."""
         return any(self.collective_rpc("warm_up_products"))
 
-    def release_freed_memory(self) -> None:
-        """Each CPU worker gives its heap's free blocks back to the kernel (between steps
-        only; worker/cpu_memory.py)."""
-        self.collective_rpc("release_freed_memory")
-
     @property
     def max_concurrent_batches(self) -> int:
         """How many steps may be under way at once: one, unless pipeline stages overlap."""

@@ -64,24 +64,6 @@ def keep_freed_memory() -> bool:
     return done
 
 
-def release_freed_memory() -> bool:
-    """Give the pages of the heap's free blocks back to the kernel (glibc's malloc_trim(0));
-    whether any went back. False where the C library is not glibc.
-
-    keep_freed_memory() keeps up to TRIM_THRESHOLD of freed memory mapped, so that a step's
-    activations reuse it. The idle warm-up of the bf16 products (worker/product_warm_up.py)
-    frees every bucket's inputs and outputs, up to a 2,048-row step's, between the oneDNN
-    primitives it builds, which stay: its free blocks are spread over the heap and far more
-    than one step's activations reuse (~450 MiB of the default model's engine). Released once
-    after it, they cost the next large step its first touches once, not for good."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    libc.malloc_trim.argtypes = [ctypes.c_size_t]
-    libc.malloc_trim.restype = ctypes.c_int
-    return libc.malloc_trim(0) == 1
-
-
 # madvise(2) advice (Linux 5.14 and later): fault the range's pages in as a write would,
 # leaving their contents as they are.
 _MADV_POPULATE_WRITE = 23

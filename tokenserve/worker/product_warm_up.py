@@ -7,9 +7,10 @@ of the default model's first 256-row prompt step took 46.8 ms against 36.0 ms in
 (docs/PERFORMANCE_CPU.md, "Row buckets of bf16 products"). ProductWarmUp runs each of
 the model's distinct products once at each bucket a step may bring, one product per call,
 for the engine core's idle time (core/engine_core_proc.py): the step budget's own bucket
-first (chunked prefill's steps are that size), then the others from the smallest up, at
-most MAX_PRODUCTS of them, so that oneDNN's primitive cache (1024 by default) keeps what
-they built.
+(chunked prefill's steps are that size) and the others, the smallest where MAX_PRODUCTS
+leaves some out (so that oneDNN's primitive cache, 1024 by default, keeps what they built),
+run from the most rows down, so that each product's temporaries reuse the heap blocks the
+one before freed.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def warm_up_plan(model: nn.Module, max_rows: int) -> list[tuple[LinearBase, int]
     """(layer, rows) for each distinct weight shape among the model's linear layers whose
     product of `rows` rows is a bf16 oneDNN product (the layer holds oneDNN's packed weight,
     reads bf16 at that many rows and its GGUF blocks do not take them), for every bucket up
-    to max_rows' own: that one first, then from the smallest up; the first MAX_PRODUCTS of
-    them."""
+    to max_rows' own: of them that one and then the smallest, MAX_PRODUCTS at most, in the
+    order of most rows first."""
     layers: dict[tuple[int, int], LinearBase] = {}
     for module in model.modules():
         if isinstance(module, LinearBase) and getattr(module, "packed_weight", None) is not None:
@@ -39,8 +40,12 @@ def warm_up_plan(model: nn.Module, max_rows: int) -> list[tuple[LinearBase, int]
     top = bucket_rows(max_rows)
     order = [top, *range(ROW_BUCKET, top, ROW_BUCKET)]
     plan = [(layer, rows) for rows in order for layer in layers.values()
-            if _onednn_bf16(layer, rows)]
-    return plan[:MAX_PRODUCTS]
+            if _onednn_bf16(layer, rows)][:MAX_PRODUCTS]
+    # Run from the most rows down: each product's input and output then fit in the blocks
+    # the one before freed, where from the fewest up every one needed a larger block than
+    # any freed so far and the heap grew by each (~390 MiB of the default model's engine,
+    # kept mapped by the worker's malloc settings: docs/PERFORMANCE_CPU.md).
+    return sorted(plan, key=lambda unit: -unit[1])
 
 
 def _onednn_bf16(layer: LinearBase, rows: int) -> bool:

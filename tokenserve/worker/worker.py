@@ -15,7 +15,7 @@ from tokenserve.config import EngineConfig
 from tokenserve.distributed.parallel_state import destroy_model_parallel, init_model_parallel
 from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.messages.scheduler_output import SchedulerOutput
-from tokenserve.worker.cpu_memory import keep_freed_memory, release_freed_memory
+from tokenserve.worker.cpu_memory import keep_freed_memory
 from tokenserve.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -51,9 +51,6 @@ class Worker:
 
     def warm_up_products(self) -> bool:
         return self.model_runner.warm_up_products()
-
-    def release_freed_memory(self) -> bool:
-        return self.device.type == "cpu" and release_freed_memory()
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
