@@ -18,6 +18,7 @@ from tokenserve.core.request import Request
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.model.layers.linear import ReplicatedLinear
 from tokenserve.model.layers.quantization.unquantized import UnquantizedLinearMethod
+from tokenserve.kernels.row_buckets import buckets_up_to
 from tokenserve.worker.product_warm_up import MAX_PRODUCTS, ProductWarmUp, warm_up_plan
 
 
@@ -87,11 +88,17 @@ def test_the_plan_leaves_out_rows_other_kernels_take():
     amx.blocks = SimpleNamespace(takes=lambda rows: rows <= 32)
     amx.input_dtype = lambda rows: torch.bfloat16
     assert [rows for _, rows in warm_up_plan(torch.nn.ModuleList([amx]), 60)] == [64, 48]
-    # A budget of 600 buckets: MAX_PRODUCTS products, the budget's bucket and the smallest
-    # ones, run from the most rows down.
-    plan = warm_up_plan(torch.nn.ModuleList([large]), 600 * 16)
+    # Above 1,024 rows the buckets are coarser: a budget of 9,600 rows has 115 of them
+    # (up to 9,728). Five shapes at each would be 575 products: MAX_PRODUCTS are kept, the
+    # budget's bucket and the smallest, run from the most rows down.
+    buckets = buckets_up_to(9600)
+    assert len(buckets) == 115 and buckets[-1] == 9728
+    shapes = torch.nn.ModuleList([_packed(32, 16 * (i + 1)) for i in range(5)])
+    plan = warm_up_plan(shapes, 9600)
     assert len(plan) == MAX_PRODUCTS
-    assert [rows for _, rows in plan] == [600 * 16, *range((MAX_PRODUCTS - 1) * 16, 0, -16)]
+    # The budget's bucket, then buckets from 16 rows up: 101 whole and 2 of the 102nd's 5.
+    kept = [9728] * 5 + [rows for rows in buckets[:101] for _ in range(5)] + [buckets[101]] * 2
+    assert [rows for _, rows in plan] == sorted(kept, reverse=True)
 
 
 class _IdleCore:

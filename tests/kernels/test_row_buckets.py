@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from tokenserve.kernels import layer_ops
-from tokenserve.kernels.row_buckets import ROW_BUCKET, bucket_rows, bucketed, empty_rows
+from tokenserve.kernels.row_buckets import (
+    FINE_ROWS,
+    ROW_BUCKET,
+    bucket_rows,
+    bucketed,
+    buckets_up_to,
+    empty_rows,
+)
 from tokenserve.model.layers.linear import ReplicatedLinear
 from tokenserve.model.layers.quantization import UnquantizedLinearMethod
 
@@ -17,6 +24,24 @@ from tokenserve.model.layers.quantization import UnquantizedLinearMethod
 def test_bucket_rows_rounds_up_to_the_bucket():
     assert [bucket_rows(r) for r in (1, ROW_BUCKET, ROW_BUCKET + 1)] == [
         ROW_BUCKET, ROW_BUCKET, 2 * ROW_BUCKET]
+    # Multiples of ROW_BUCKET up to FINE_ROWS (1,024), then of a sixteenth of the power of
+    # two below the rows: 64 up to 2,048, 128 up to 4,096, ...
+    assert FINE_ROWS == 1024
+    assert [bucket_rows(r) for r in (1023, 1024, 1025, 1088, 1089, 2047, 2048, 2049, 4097)] == [
+        1024, 1024, 1088, 1088, 1152, 2048, 2048, 2176, 4352]
+
+
+def test_buckets_pad_little_and_stay_few():
+    buckets = buckets_up_to(8192)
+    assert buckets == sorted(set(buckets)) and buckets[0] == ROW_BUCKET
+    assert buckets[:64] == list(range(ROW_BUCKET, FINE_ROWS + 1, ROW_BUCKET))
+    assert len(buckets) == 64 + 3 * 16 and buckets[-1] == 8192  # 16 more per doubling
+    for rows in range(1, 8193):
+        bucket = bucket_rows(rows)
+        assert bucket in buckets and bucket_rows(bucket) == bucket
+        # Never more than ROW_BUCKET - 1 padding rows, or under 1/16 of the rows above.
+        assert bucket - rows < max(ROW_BUCKET, rows / 16)
+    assert buckets_up_to(1) == [ROW_BUCKET] and buckets_up_to(1030) == [*buckets[:64], 1088]
 
 
 def test_empty_rows_is_made_on_the_device_asked_for():
@@ -49,7 +74,8 @@ def test_bucketed_copies_with_zero_rows_where_the_storage_has_no_room():
     assert bucketed(whole) is whole
 
 
-@pytest.mark.parametrize("rows", [1, ROW_BUCKET - 1, ROW_BUCKET + 2, 3 * ROW_BUCKET + 5])
+@pytest.mark.parametrize("rows", [1, ROW_BUCKET - 1, ROW_BUCKET + 2, 3 * ROW_BUCKET + 5,
+                                  FINE_ROWS + 5])
 @pytest.mark.parametrize("use_onednn", [True, False])
 def test_padding_rows_never_reach_the_result(rows, use_onednn):
     # Non-finite padding (what an uninitialised or reused buffer may hold) must not change a

@@ -1,8 +1,8 @@
 """A bf16 model's oneDNN products built ahead of the steps that run them.
 
 oneDNN builds (JITs) a primitive for each shape a bf16 product runs at; the rows are padded
-to buckets of ROW_BUCKET (kernels/row_buckets.py), so a model needs one primitive per weight
-shape and bucket, and the first step of each size pays for building its own: the products
+to buckets (kernels/row_buckets.py), so a model needs one primitive per weight shape and
+bucket, and the first step of each size pays for building its own: the products
 of the default model's first 256-row prompt step took 46.8 ms against 36.0 ms in the next
 (docs/PERFORMANCE_CPU.md, "Row buckets of bf16 products"). ProductWarmUp runs each of
 the model's distinct products once at each bucket a step may bring, one product per call,
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from tokenserve.kernels.row_buckets import ROW_BUCKET, bucket_rows
+from tokenserve.kernels.row_buckets import buckets_up_to
 from tokenserve.model.layers.linear import LinearBase
 
 MAX_PRODUCTS = 512
@@ -37,8 +37,8 @@ def warm_up_plan(model: nn.Module, max_rows: int) -> list[tuple[LinearBase, int]
         if isinstance(module, LinearBase) and getattr(module, "packed_weight", None) is not None:
             shape = (module.input_size_per_partition, module.output_size_per_partition)
             layers.setdefault(shape, module)
-    top = bucket_rows(max_rows)
-    order = [top, *range(ROW_BUCKET, top, ROW_BUCKET)]
+    *smaller, top = buckets_up_to(max_rows)
+    order = [top, *smaller]
     plan = [(layer, rows) for rows in order for layer in layers.values()
             if _onednn_bf16(layer, rows)][:MAX_PRODUCTS]
     # Run from the most rows down: each product's input and output then fit in the blocks
