@@ -152,6 +152,82 @@ static inline __attribute__((always_inline)) void tile(
     for (int i = 0; i < rows; ++i) y[i * y_stride] = hsum8(even[i] + odd[i]);
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* tile() on an AVX-512 build: the same weights (each d * q (+ m), unfused), 16 lanes at a
+ * time, in fewer instructions and with shorter chains of sums. A Q4_1 block's 16 possible
+ * weights (q = 0..15) are expanded once into one vector and its 32 weights looked up from
+ * it (vpermps reads the low 4 bits of an index: the low nibbles need no mask), weights 0-15
+ * and 16-31 each one lookup. Each row keeps four accumulators, weights 0-15 and 16-31 of
+ * even and of odd blocks, so that a block's two multiply-adds per row wait on the block
+ * before last, not the one before: with 8-lane vectors and two accumulators a row, one
+ * row's sums were a chain of two multiply-adds per block, ~8 cycles, longer than the
+ * block's expansion. Summed in another order than tile(), so not bit for bit its sums. */
+/* Block b's 32 weights: 0-15 into *w0, 16-31 into *w1. */
+static inline __attribute__((always_inline)) void block16(const uint8_t *qs,
+                                                          const float *scales, int64_t b,
+                                                          int q4_1, __m512 *w0, __m512 *w1) {
+    if (q4_1) {
+        const __m512 values =
+            _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512 table = _mm512_add_ps(_mm512_mul_ps(values, _mm512_set1_ps(scales[2 * b])),
+                                           _mm512_set1_ps(scales[2 * b + 1]));
+        const __m512i bytes =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + b * 16)));
+        *w0 = _mm512_permutexvar_ps(bytes, table);
+        *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+    } else {
+        const int8_t *q = (const int8_t *)qs + b * BLOCK;
+        const __m512 d = _mm512_set1_ps(scales[b]);
+        *w0 = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), d);
+        *w1 = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))),
+            d);
+    }
+}
+
+static inline __attribute__((always_inline)) void tile16(
+    float *y, int64_t y_stride, const float *x, int64_t K, const uint8_t *qs,
+    const float *scales, int q4_1, int rows) {
+    __m512 a0[ROWS], a1[ROWS], a2[ROWS], a3[ROWS]; /* even blocks' 0-15, 16-31; odd blocks' */
+#pragma GCC unroll 4
+    for (int i = 0; i < ROWS; ++i) a0[i] = a1[i] = a2[i] = a3[i] = _mm512_setzero_ps();
+    const int64_t blocks = K / BLOCK;
+    int64_t b = 0;
+    for (; b + 1 < blocks; b += 2) {
+        __m512 w0, w1, w2, w3;
+        block16(qs, scales, b, q4_1, &w0, &w1);
+        block16(qs, scales, b + 1, q4_1, &w2, &w3);
+        const float *xb = x + b * BLOCK;
+#pragma GCC unroll 4
+        for (int i = 0; i < rows; ++i) {
+            a0[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + i * K), w0, a0[i]);
+            a1[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + i * K + 16), w1, a1[i]);
+            a2[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + i * K + 32), w2, a2[i]);
+            a3[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + i * K + 48), w3, a3[i]);
+        }
+    }
+    if (b < blocks) { /* an odd number of blocks: the last one */
+        __m512 w0, w1;
+        block16(qs, scales, b, q4_1, &w0, &w1);
+        const float *xb = x + b * BLOCK;
+#pragma GCC unroll 4
+        for (int i = 0; i < rows; ++i) {
+            a0[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + i * K), w0, a0[i]);
+            a1[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + i * K + 16), w1, a1[i]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < rows; ++i)
+        y[i * y_stride] = _mm512_reduce_add_ps(
+            _mm512_add_ps(_mm512_add_ps(a0[i], a1[i]), _mm512_add_ps(a2[i], a3[i])));
+}
+#define FEW_ROWS_TILE tile16
+#else
+#define FEW_ROWS_TILE tile
+#endif
+
 /* The tile functions with the row count (1..max, max at most 8) as a constant, so the
  * accumulators stay in registers. */
 #define DISPATCH_ROWS(tile, rows, max, ...)                      \
@@ -181,8 +257,8 @@ static inline __attribute__((always_inline)) void linear_column(
     for (int64_t i = 0; i < row_scales; i += 16) __builtin_prefetch(next_scales + i, 0, 2);
     for (int64_t m = 0; m < M; m += ROWS) {
         const int rows = M - m < ROWS ? (int)(M - m) : ROWS;
-        DISPATCH_ROWS(tile, rows, ROWS, y + m * N + n, N, x + m * K, K, qs + n * row_bytes,
-                      scales + n * row_scales, q4_1)
+        DISPATCH_ROWS(FEW_ROWS_TILE, rows, ROWS, y + m * N + n, N, x + m * K, K,
+                      qs + n * row_bytes, scales + n * row_scales, q4_1)
     }
 }
 
