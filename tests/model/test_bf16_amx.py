@@ -13,7 +13,7 @@ from tokenserve import LLM, SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
 from tokenserve.config import BF16_QUANTIZED_MAX_ROWS_DP, DEFAULT_BF16_QUANTIZED_MAX_ROWS
 from tokenserve.kernels import cpu_isa
-from tokenserve.model.layers.quantization.gguf import QuantizedWeight
+from tokenserve.model.layers.quantization.gguf import AMX_MIN_ROWS, QuantizedWeight
 
 pytestmark = pytest.mark.skipif(
     not set(cpu_isa.ISA_LEVELS["amx"][0]) <= cpu_isa.cpu_flags(), reason="no AMX on this CPU"
@@ -73,8 +73,8 @@ def test_bf16_products_take_the_amx_kernel_up_to_the_limit_fused_or_not(amx_rows
 
 def test_amx_products_read_bf16_and_hand_on_bf16(monkeypatch):
     # Operator by operator the norms and SwiGLU round their results into bf16 for the AMX
-    # block products as for oneDNN's, and the sums come back in bf16; a product of one row
-    # (the float32 few-row kernel) reads and writes float32.
+    # block products as for oneDNN's, and the sums come back in bf16; a product of fewer
+    # than AMX_MIN_ROWS rows (the float32 few-row kernel) reads and writes float32.
     seen: list[tuple[int, torch.dtype, torch.dtype]] = []
     original = QuantizedWeight.matmul
 
@@ -93,7 +93,7 @@ def test_amx_products_read_bf16_and_hand_on_bf16(monkeypatch):
     llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
     assert {rows for rows, _, _ in seen} >= {1, 3, 36}
     for rows, x_dtype, out_dtype in seen:
-        expected = torch.float32 if rows == 1 else torch.bfloat16
+        expected = torch.float32 if rows < AMX_MIN_ROWS else torch.bfloat16
         assert (x_dtype, out_dtype) == (expected, expected), rows
 
 

@@ -13,16 +13,16 @@ multiples of 16. Larger products stay on oneDNN's float32 GEMM, which is as fast
 weights are reused across enough rows (docs/benchmarks/cpu-hot-path.md). The row limits
 are `KernelConfig.quantized_max_rows` / `quantized_gemm_max_rows`.
 
-A bfloat16 model on the amx level sends its products of AMX_MIN_ROWS (2) to `amx_max_rows`
+A bfloat16 model on the amx level sends its products of AMX_MIN_ROWS (4) to `amx_max_rows`
 rows (`KernelConfig.bf16_block_max_rows`) to the AMX kernel instead (csrc/quant_amx.h): the
 bf16 model's own numerics (each weight expanded as above, then rounded to bf16 as the dense
 bf16 weight is; x rounded to bf16; float32 sums, each rounded to bf16 as oneDNN rounds
 its own), from the blocks; in an engine step faster than oneDNN's bf16 GEMM on the dense
 weights up to 1024 rows (docs/PERFORMANCE_CPU.md). It reads bf16 x and writes bf16 sums, as
-oneDNN's bf16 products do (`reads_bf16`, `input_dtype`). Its products of one row keep the
-float32 few-row kernel (float32 weights and inputs, as without AMX):
-there the weights' bytes, not the arithmetic, set the time, and the AMX kernel's expansion
-to bf16 costs more than it saves. With `batch_invariant` every product takes the AMX
+oneDNN's bf16 products do (`reads_bf16`, `input_dtype`). Its products of up to 3 rows keep
+the float32 few-row kernel (float32 weights and inputs, as without AMX): there the weights'
+bytes and their expansion set the time, and the AMX kernel's expansion to bf16 and its
+tile loads cost more than its products save. With `batch_invariant` every product takes the AMX
 kernel, one row included, so that a row's sums never depend on the batch
 (docs/PERFORMANCE_CPU.md, "Outputs independent of the batch").
 
@@ -51,10 +51,11 @@ from tokenserve.model.layers.quantization.unquantized import UnquantizedLinearMe
 from tokenserve.model.layers.weight_loading import Rows
 
 # A bf16 model on amx: products of fewer rows keep the float32 few-row kernel, which streams
-# the blocks faster than the AMX kernel expands them to bf16 (a fused decode step of the
-# default model: 1 row 7.1-7.2 vs 7.4-7.6 ms, 2 rows 8.3-8.5 vs 7.8-7.9 ms;
-# docs/PERFORMANCE_CPU.md, "Packing x for the AMX block kernel").
-AMX_MIN_ROWS = 2
+# the blocks faster than the AMX kernel expands them to bf16 (decode steps of the default
+# model with it at 1-3 rows, 16 lanes wide on AVX-512, against the AMX kernel: 2 rows 10.0-
+# 10.3 vs 12.4-12.7 ms, 3 rows 11.8-12.0 vs 13.2-13.3, 4 rows about the same;
+# docs/PERFORMANCE_CPU.md, "The few-row float32 kernel on AVX-512").
+AMX_MIN_ROWS = 4
 
 # A bf16 model on avx512_bf16: products of up to this many rows take the vdpbf16ps kernel's
 # dot-product form, more its panel form (csrc/quant_dp.h), which expands a panel of weight
