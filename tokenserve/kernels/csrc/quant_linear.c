@@ -152,17 +152,7 @@ static inline __attribute__((always_inline)) void tile(
     for (int i = 0; i < rows; ++i) y[i * y_stride] = hsum8(even[i] + odd[i]);
 }
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-/* tile() on an AVX-512 build: the same weights (each d * q (+ m), unfused), 16 lanes at a
- * time, in fewer instructions and with shorter chains of sums. A Q4_1 block's 16 possible
- * weights (q = 0..15) are expanded once into one vector and its 32 weights looked up from
- * it (vpermps reads the low 4 bits of an index: the low nibbles need no mask), weights 0-15
- * and 16-31 each one lookup. Each row keeps four accumulators, weights 0-15 and 16-31 of
- * even and of odd blocks, so that a block's two multiply-adds per row wait on the block
- * before last, not the one before: with 8-lane vectors and two accumulators a row, one
- * row's sums were a chain of two multiply-adds per block, ~8 cycles, longer than the
- * block's expansion. Summed in another order than tile(), so not bit for bit its sums. */
+#if defined(__AVX512F__) /* (immintrin.h is included above: AVX-512 builds have AVX2) */
 /* Block b's 32 weights: 0-15 into *w0, 16-31 into *w1. */
 static inline __attribute__((always_inline)) void block16(const uint8_t *qs,
                                                           const float *scales, int64_t b,
@@ -187,6 +177,15 @@ static inline __attribute__((always_inline)) void block16(const uint8_t *qs,
     }
 }
 
+/* tile() on an AVX-512 build: the same weights (each d * q (+ m), unfused), 16 lanes at a
+ * time, in fewer instructions and with shorter chains of sums. A Q4_1 block's 16 possible
+ * weights (q = 0..15) are expanded once into one vector and its 32 weights looked up from
+ * it (vpermps reads the low 4 bits of an index: the low nibbles need no mask), weights 0-15
+ * and 16-31 each one lookup. Each row keeps four accumulators, weights 0-15 and 16-31 of
+ * even and of odd blocks, so that a block's two multiply-adds per row wait on the block
+ * before last, not the one before: with 8-lane vectors and two accumulators a row, one
+ * row's sums were a chain of two multiply-adds per block, ~8 cycles, longer than the
+ * block's expansion. Summed in another order than tile(), so not bit for bit its sums. */
 static inline __attribute__((always_inline)) void tile16(
     float *y, int64_t y_stride, const float *x, int64_t K, const uint8_t *qs,
     const float *scales, int q4_1, int rows) {
