@@ -9,6 +9,7 @@ many; under each prefetch plan (paged_attention.DECODE_PREFETCH), which give the
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -162,3 +163,16 @@ def test_the_prefetch_plan_follows_the_cpu_vendor(monkeypatch: pytest.MonkeyPatc
                  lambda: paged_attention.force_decode_prefetch("l3")):
         with pytest.raises(ValueError, match="decode prefetch must be one of"):
             call()
+
+
+def test_the_shared_prefix_is_the_blocks_every_row_holds_first():
+    tables = np.array([[4, 5, 6, 9, 0], [4, 5, 6, 7, 8], [4, 5, 6, 7, 2]])
+    # Three blocks of 16 in all three tables; the fourth differs in the first row.
+    assert paged_attention.shared_prefix_len(tables, [70, 80, 75], 16) == 48
+    # Every row keeps its last position: 48 positions hold nothing of the first row's own.
+    assert paged_attention.shared_prefix_len(tables, [48, 80, 75], 16) == 32
+    assert paged_attention.shared_prefix_len(tables, [49, 80, 75], 16) == 48
+    assert paged_attention.shared_prefix_len(tables[1:], [80, 75], 16) == 64
+    # No block in common, or no row.
+    assert paged_attention.shared_prefix_len(np.array([[1, 2], [3, 2]]), [30, 30], 16) == 0
+    assert paged_attention.shared_prefix_len(np.zeros((0, 3), dtype=np.int64), [], 16) == 0

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tokenserve.kernels import cpu_isa, prompt_attention
+from tokenserve.kernels.paged_attention import DecodeRows
 from tokenserve.kernels.prompt_attention import PromptChunks
 
 
@@ -183,3 +184,79 @@ def test_bad_chunk_tables_are_refused(kernel):
                       PromptChunks(batch.chunks, batch.block_tables + 1000), 0.125)
     with pytest.raises(ValueError, match="past the step's tokens"):
         kernel.attend(out[:3], query[:3], key_cache, value_cache, batch, 0.125)
+
+
+def _shared_prefix_rows(num_heads, num_kv_heads, head_dim, block_size, prefix, suffixes,
+                        seed=0):
+    """Decode rows whose contexts start with the same `prefix` positions (the same blocks,
+    first in every table) and go on with `suffixes[r]` positions of their own, rows 2.. of
+    the queries (rows 0 and 1 not the kernel's)."""
+    generator = torch.Generator().manual_seed(seed)
+    shared = prefix // block_size
+    own = [-(-suffix // block_size) for suffix in suffixes]
+    num_blocks = 1 + shared + sum(own) + 2
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    value_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    order = (1 + torch.randperm(num_blocks - 1, generator=generator)).tolist()
+    tables = torch.zeros(len(suffixes), shared + max(own), dtype=torch.int64)
+    tables[:, :shared] = torch.tensor(order[:shared])
+    order = order[shared:]
+    for row, n in enumerate(own):
+        tables[row, shared : shared + n] = torch.tensor(order[:n])
+        order = order[n:]
+    seq_lens = torch.tensor([prefix + suffix for suffix in suffixes])
+    query = 2 * torch.randn(len(suffixes) + 2, num_heads, head_dim, generator=generator)
+    rows = torch.arange(2, len(suffixes) + 2)
+    return query, key_cache, value_cache, DecodeRows(rows, tables, seq_lens, prefix)
+
+
+PREFIX_CASES = {
+    # (heads, kv heads, head size, block size, shared prefix, each row's own positions)
+    # A prefix ending inside a key tile of the AMX kernel (64 keys), rows of 1..100 more.
+    "gqa3-d64-b16": (9, 3, 64, 16, 48, [1, 2, 17, 40, 5, 9, 100, 3, 16]),
+    "gqa4-d128-b128": (8, 2, 128, 128, 256, [1, 130, 7, 9, 12, 200, 1, 1]),
+    # 300 rows of 3 heads: more queries per kv head than one AMX item takes (768).
+    "gqa3-d64-many": (9, 3, 64, 16, 32, [1 + row % 5 for row in range(300)]),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFIX_CASES))
+def test_decode_rows_over_a_shared_prefix_match_float64_attention(kernel, cpu_isa_level, case):
+    """Decode rows sharing their first blocks attend to them together on the AMX path (each
+    half of the context with its own softmax, merged by their log-sum-exps), elsewhere as
+    the decode kernel does: float64 attention within the bf16 bound either way, the rows
+    outside untouched."""
+    num_heads, num_kv_heads, head_dim, block_size, prefix, suffixes = PREFIX_CASES[case]
+    query, key_cache, value_cache, decode_rows = _shared_prefix_rows(
+        num_heads, num_kv_heads, head_dim, block_size, prefix, suffixes)
+    shared = kernel.shared_prefix_path(torch.bfloat16, True, num_heads, num_kv_heads,
+                                       head_dim, block_size)
+    assert shared == (cpu_isa_level == "amx")
+    out = torch.full_like(query, float("nan"))
+    scale = head_dim**-0.5
+    kernel.decode_shared_prefix(out, query, key_cache, value_cache, decode_rows, scale,
+                                bf16_numerics=True)
+    assert out[:2].isnan().all(), "rows outside the decode rows were written"
+    chunks = PromptChunks(
+        torch.tensor([[row, row + 1, seq_len] for row, seq_len in
+                      zip(decode_rows.rows.tolist(), decode_rows.seq_lens.tolist())]),
+        decode_rows.block_tables)
+    native = cpu_isa.native_bf16(cpu_isa_level)
+    expected = _reference(query, key_cache, value_cache, chunks, scale, bf16_queries=native)
+    # Each half's probabilities rounded to bf16 (relative 2^-9 per weight), the halves'
+    # outputs merged as a convex combination, float32 sums: 2^-8 · max|v| bounds it, as for
+    # the prompt kernel; the decode kernel's float32 path (no native bf16) is exact but for
+    # the order of its sums.
+    atol = 2**-8 * value_cache.abs().max().item() if native else 2e-5
+    torch.testing.assert_close(out[2:].double(), expected[2:], rtol=0, atol=atol)
+
+
+def test_a_shared_prefix_must_be_whole_blocks_within_every_context(kernel):
+    query, key_cache, value_cache, decode_rows = _shared_prefix_rows(9, 3, 64, 16, 32, [1, 5])
+    out = torch.empty_like(query)
+    for prefix in (20, 48):  # not a whole block; a row's whole context (32 + 1 < 48)
+        bad = DecodeRows(decode_rows.rows, decode_rows.block_tables, decode_rows.seq_lens,
+                         prefix)
+        with pytest.raises(ValueError, match="whole blocks"):
+            kernel.decode_shared_prefix(out, query, key_cache, value_cache, bad, 0.125, True)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tokenserve import LLM, SamplingParams
+from tokenserve.attention import torch_sdpa
 from tokenserve.benchmarks.datasets import random_token_prompts
 from tokenserve.config import KernelConfig
 from tokenserve.kernels import build, paged_attention, quant_linear
@@ -244,3 +245,41 @@ def test_the_settings_turn_the_fused_path_off(tiny_model_dirs):
     # A model without GGUF blocks (a Hugging Face checkpoint) has nothing to fuse.
     hf_model = _model(LLM(tiny_model_dirs["llama"], kv_cache_memory="64MiB"))
     assert hf_model.model.layer_stack.max_rows == 0
+
+
+def test_decode_rows_over_a_shared_prefix_fuse_with_the_same_results(monkeypatch, fused_calls):
+    # Ten requests behind one 272-token prefix (17 blocks of 16, cached by a first request
+    # alone): their decode steps share those blocks, which the fused layer, and the
+    # operators one by one, attend to for all rows at once on the AMX path
+    # (DecodeRows.prefix_len; elsewhere each row alone). Fused or not, the same results.
+    prefixes: list[int] = []
+    original = torch_sdpa.shared_prefix_len
+
+    def recording(block_tables, seq_lens, block_size):
+        prefixes.append(original(block_tables, seq_lens, block_size))
+        return prefixes[-1]
+
+    monkeypatch.setattr(torch_sdpa, "shared_prefix_len", recording)
+    llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=True,
+              block_size=16)
+    shared, *rest = random_token_prompts(11, 272, 49152, seed=5)
+    prompts = [shared + tail[:8 + index] for index, tail in enumerate(rest)]
+
+    def generate(fused: bool):
+        _model(llm).model.layer_stack.enabled = fused
+        assert llm.llm_engine.reset_prefix_cache()
+        first = SamplingParams(temperature=0.0, max_tokens=1)
+        llm.generate([{"prompt_token_ids": shared + [7]}], first, use_tqdm=False)
+        outputs = llm.generate(
+            [{"prompt_token_ids": prompt} for prompt in prompts],
+            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2),
+            use_tqdm=False)
+        return [(list(output.outputs[0].token_ids),
+                 [sorted((k, v.logprob) for k, v in step.items())
+                  for step in output.outputs[0].logprobs]) for output in outputs]
+
+    expected = generate(fused=False)
+    assert 272 in prefixes, "the decode rows' shared prefix was not found"
+    prefixes.clear()
+    assert generate(fused=True) == expected
+    assert 272 in prefixes and 10 in fused_calls

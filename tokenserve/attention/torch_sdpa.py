@@ -28,6 +28,11 @@ and each context in place from its blocks, and writes its rows of the output; a 
 kernel writes the step's new keys and values into their slots. Where the kernels are off,
 decode rows are attended in one padded SDPA call over gathered contexts instead (the same
 results, more memory traffic). Index tensors are built once per step, in `build_metadata`.
+Where at least DECODE_PREFIX_MIN_ROWS decode rows all start with the same cached blocks
+(DECODE_PREFIX_MIN_TOKENS positions or more), `DecodeRows.prefix_len` says so, and the
+prompt kernel attends to that prefix for all rows at once and to the rest of each context
+row by row, merged (`decode_shared_prefix`; the fused decode layer likewise; on AMX, else
+whole contexts); `--disable-cascade-attn` turns it off too.
 
 A layer's cache is [2, num_blocks, num_kv_heads, block_size, head_dim], keys then values: a
 kv head's keys within a block are contiguous, which is what the decode kernel streams. A
@@ -60,12 +65,17 @@ from tokenserve.attention.backend import (
 from tokenserve.attention.cascade import Cascade, attend_cascade, plan_cascades
 from tokenserve.attention.paged_context import context_index, gather_context, offset_causal_mask
 from tokenserve.kernels import build, cpu_isa, paged_attention, prompt_attention
-from tokenserve.kernels.paged_attention import DecodeRows
+from tokenserve.kernels.paged_attention import DecodeRows, shared_prefix_len
 from tokenserve.kernels.prompt_attention import PromptChunks
 from tokenserve.kernels.row_buckets import empty_rows
 
 # The shortest shared prefix that cascade attention takes (see the module docstring).
 CASCADE_MIN_PREFIX_TOKENS = 1024
+# Decode rows whose contexts all start with the same cached blocks: from how many rows and
+# positions the fused decode layer attends to those blocks for all rows at once
+# (DecodeRows.prefix_len; docs/PERFORMANCE_CPU.md, "Decode rows over a shared prefix").
+DECODE_PREFIX_MIN_ROWS = 8
+DECODE_PREFIX_MIN_TOKENS = 256
 
 
 def prompt_kernel_paths(flags: frozenset[str] | None = None) -> tuple[str, ...]:
@@ -235,10 +245,16 @@ class TorchSDPABackend(AttentionBackend):
         for row, i in enumerate(decode_reqs):
             used = -(-seq_lens[row] // block_size)
             tables[row, :used] = common.block_tables[i][:used]
+        prefix_len = 0
+        if self.cascade and len(decode_reqs) >= DECODE_PREFIX_MIN_ROWS:
+            prefix_len = shared_prefix_len(tables, seq_lens, block_size)
+            if prefix_len < DECODE_PREFIX_MIN_TOKENS:
+                prefix_len = 0
         return DecodeRows(
             rows,
             torch.from_numpy(tables).to(self.device),
             torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
+            prefix_len,
         )
 
     def _prompt_batch(
@@ -371,10 +387,13 @@ class TorchSDPABackend(AttentionBackend):
 
         if metadata.decode_batch is not None:
             assert self.ops is not None
-            self.ops.decode_prepared(
-                output, query, key_cache, value_cache, metadata.decode_batch, scale,
-                self.bf16_decode(query.dtype, key_cache.dtype),
-            )
+            bf16 = self.bf16_decode(query.dtype, key_cache.dtype)
+            if metadata.decode_batch.prefix_len and self.prompt_ops is not None:
+                self.prompt_ops.decode_shared_prefix(
+                    output, query, key_cache, value_cache, metadata.decode_batch, scale, bf16)
+            else:
+                self.ops.decode_prepared(
+                    output, query, key_cache, value_cache, metadata.decode_batch, scale, bf16)
         elif metadata.padded_decode is not None:
             rows, padded = metadata.decode_rows, metadata.padded_decode
             # In the prompt chunks' dtype, as the C kernel's decode rows (bf16_decode).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
+import numpy as np
 import torch
 
 from tokenserve.kernels import build, cpu_isa
@@ -54,17 +55,51 @@ def _checked(plan: str) -> str:
 class DecodeRows:
     """A step's decode rows for the paged decode kernel: the rows' indices in the step's
     tokens, their block tables [rows, stride] and context lengths, all int64, checked once
-    and then used by every layer."""
+    and then used by every layer. prefix_len: positions at the start of every row's context
+    held in the same blocks (`shared_prefix_len`), which the fused decode layer attends to
+    for all rows at once (kernels/csrc/prompt_attention.c, "Decode rows over a shared
+    prefix"); 0 for none. The kernels that do not take it attend to whole contexts."""
 
-    __slots__ = ("block_tables", "num_rows", "rows", "seq_lens")
+    __slots__ = ("block_tables", "num_rows", "prefix_len", "rows", "seq_lens")
 
     def __init__(self, rows: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor) -> None:
+                 seq_lens: torch.Tensor, prefix_len: int = 0) -> None:
         check_i64(rows, block_tables, seq_lens)
         if not rows.shape[0] == seq_lens.shape[0] == block_tables.shape[0]:
             raise ValueError("paged decode: rows, seq_lens and block_tables disagree in length.")
         self.rows, self.block_tables, self.seq_lens = rows, block_tables, seq_lens
         self.num_rows = rows.shape[0]
+        self.prefix_len = prefix_len
+
+
+def shared_prefix_len(block_tables: np.ndarray, seq_lens: list[int], block_size: int) -> int:
+    """Positions at the start of every row's context that lie in the same blocks for all
+    rows (the same block ids at the same places: blocks shared through the prefix cache,
+    full, never written again), whole blocks, leaving each row at least its last position
+    of its own. block_tables [rows, stride]: each row's blocks in order."""
+    if len(seq_lens) == 0:
+        return 0
+    most = (min(seq_lens) - 1) // block_size
+    same = (block_tables[:, :most] == block_tables[:1, :most]).all(axis=0)
+    shared = most if same.all() else int(np.argmin(same))
+    return shared * block_size
+
+
+def decode_arguments(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, decode_rows: DecodeRows, scale: float,
+                     bf16_numerics: bool, prefetch: str | None) -> tuple:
+    """ts_paged_decode's arguments (those of ts_paged_decode_prefix but the prefix), the
+    tensors checked."""
+    check_caches(key_cache, value_cache)
+    check_rows(out, query)
+    _, num_heads, head_dim = query.shape
+    _, num_kv_heads, block_size, _ = key_cache.shape
+    return (out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
+            decode_rows.rows.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+            decode_rows.block_tables.data_ptr(), decode_rows.block_tables.stride(0),
+            decode_rows.seq_lens.data_ptr(), decode_rows.num_rows, num_heads, num_kv_heads,
+            head_dim, block_size, scale, kv_mode(key_cache.dtype, bf16_numerics),
+            prefetch_code(prefetch))
 
 
 class PagedAttentionOps:
@@ -125,18 +160,8 @@ class PagedAttentionOps:
     ) -> None:
         """decode() with the step's rows, block tables and lengths checked beforehand, once
         for all layers."""
-        check_caches(key_cache, value_cache)
-        check_rows(out, query)
-        _, num_heads, head_dim = query.shape
-        _, num_kv_heads, block_size, _ = key_cache.shape
-        status = self._decode(
-            out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
-            decode_rows.rows.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
-            decode_rows.block_tables.data_ptr(), decode_rows.block_tables.stride(0),
-            decode_rows.seq_lens.data_ptr(), decode_rows.num_rows, num_heads, num_kv_heads,
-            head_dim, block_size, scale, kv_mode(key_cache.dtype, bf16_numerics),
-            prefetch_code(prefetch),
-        )
+        status = self._decode(*decode_arguments(out, query, key_cache, value_cache,
+                                                decode_rows, scale, bf16_numerics, prefetch))
         if status != 0:
             raise MemoryError("paged decode could not allocate its scratch buffers.")
 

@@ -7,7 +7,8 @@ import functools
 
 import torch
 
-from tokenserve.kernels import build
+from tokenserve.kernels import build, paged_attention
+from tokenserve.kernels.paged_attention import DecodeRows
 from tokenserve.kernels.tensor_checks import check_caches, check_i64, check_rows, i64, ptr
 
 # ts_prompt_attention_path's answers.
@@ -65,6 +66,13 @@ class PromptAttentionOps:
         self._path = library.ts_prompt_attention_path
         self._path.restype = ctypes.c_int
         self._path.argtypes = [i64, i64, i64, i64]
+        self._decode_prefix = library.ts_paged_decode_prefix
+        self._decode_prefix.restype = ctypes.c_int
+        self._decode_prefix.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64,
+                                        i64, i64, i64, i64, ctypes.c_float, i64, i64, i64]
+        self._prefix_available = library.ts_decode_prefix_available
+        self._prefix_available.restype = ctypes.c_int
+        self._prefix_available.argtypes = [i64, i64, i64, i64, i64]
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - one instance per level, kept for good
     def path(self, cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
@@ -114,6 +122,44 @@ class PromptAttentionOps:
         )
         if status != 0:
             raise MemoryError("prompt attention could not allocate its scratch buffers.")
+
+
+    def shared_prefix_path(self, cache_dtype: torch.dtype, bf16_numerics: bool,
+                           num_heads: int, num_kv_heads: int, head_dim: int,
+                           block_size: int) -> bool:
+        """Whether decode rows with a shared prefix (DecodeRows.prefix_len) attend to it
+        together here (`decode_shared_prefix`; kernels/csrc/prompt_attention.c, "Decode rows
+        over a shared prefix"): the AMX prompt path and the decode kernel's bf16 numerics."""
+        mode = paged_attention.kv_mode(cache_dtype, bf16_numerics)
+        return bool(self._prefix_available(mode, num_heads, num_kv_heads, head_dim,
+                                           block_size))
+
+    def decode_shared_prefix(
+        self,
+        out: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        decode_rows: DecodeRows,
+        scale: float,
+        bf16_numerics: bool = False,
+        prefetch: str | None = None,
+    ) -> None:
+        """PagedAttentionOps.decode_prepared for rows whose contexts share their first
+        decode_rows.prefix_len positions: that prefix attended to by all rows at once, the
+        rest by each row, merged (where shared_prefix_path says so; else whole contexts,
+        as decode_prepared)."""
+        arguments = paged_attention.decode_arguments(out, query, key_cache, value_cache,
+                                                     decode_rows, scale, bf16_numerics,
+                                                     prefetch)
+        if decode_rows.prefix_len % key_cache.shape[2] or (
+            decode_rows.num_rows and decode_rows.prefix_len >= int(decode_rows.seq_lens.min())
+        ):
+            raise ValueError("paged decode: a shared prefix is whole blocks, shorter than "
+                             "every row's context.")
+        status = self._decode_prefix(*arguments, decode_rows.prefix_len)
+        if status != 0:
+            raise MemoryError("paged decode could not allocate its scratch buffers.")
 
 
 def load(isa: str | None = None) -> PromptAttentionOps | None:

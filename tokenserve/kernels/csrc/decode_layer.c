@@ -65,6 +65,12 @@ typedef struct {
     const int64_t *chunks, *chunk_tables;     /* [num_chunks, 3], [num_chunks, stride] */
     int64_t num_chunks, chunk_table_stride, prompt_kv; /* prompt_kv: ts_prompt_attention's */
     int64_t decode_prefetch; /* decode_items' prefetch */
+    /* Positions every decode row's context shares (whole blocks; 0: none), and with them
+     * the shared-prefix path's buffers (prompt_attention.c): the prefix half's output
+     * [num_decode_rows, heads * head_dim], and both halves' log-sum-exps [num_decode_rows,
+     * heads]. */
+    int64_t prefix_len;
+    float *prefix_out, *prefix_lse, *suffix_lse;
 } ts_decode_step;
 
 /* `panel` and `sums` (M * PANEL floats) are the calling thread's, for the many-row kernel;
@@ -160,10 +166,35 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
     (void)bf16_gates;
     int failed = 0;
     int64_t claimed = 0; /* decode_items' */
+    /* The decode rows' shared prefix (prompt_attention.c): positions skipped by the decode
+     * items, and the rows per prefix item. */
+    const int64_t prefix = step->prefix_len > 0 && step->num_decode_rows > 0 &&
+                                   ts_decode_prefix_available(step->kv_mode, step->num_heads,
+                                                              step->num_kv_heads, D,
+                                                              step->block_size)
+                               ? step->prefix_len
+                               : 0;
+    const int64_t prefix_rows = prefix ? prefix_item_rows(step->num_decode_rows, group,
+                                                          step->num_kv_heads,
+                                                          omp_get_max_threads())
+                                       : 0;
 #pragma omp parallel
     {
         _Alignas(64) float panel[PANEL_K * PANEL];
         float *scores = (float *)malloc(sizeof(float) * (size_t)(group * decode_len));
+#if PREFIX_AMX
+        /* The thread's AMX scratch is one buffer, kept (amx_scratch): first asked for the
+         * larger of both needs, so that the prompt items' request below hands back the same. */
+        AmxScratch *prefix_scratch = NULL;
+        if (prefix) {
+            const int64_t need = prefix_rows * group, prompt = plan.amx ? plan.max_rows * group : 0;
+            prefix_scratch = amx_scratch(((need > prompt ? need : prompt) + 15) / 16 * 16, D);
+            if (prefix_scratch == NULL) {
+#pragma omp atomic write
+                failed = 1;
+            }
+        }
+#endif
         void *attn_scratch = plan.num_items ? prompt_scratch(&plan) : NULL;
         float *sums = (float *)malloc(sizeof(float) * (size_t)(M * PANEL));
 #if QUANT_DP
@@ -191,11 +222,19 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                            q + q_size + kv_size, step->slots[r], step->num_kv_heads,
                            step->block_size, D, step->kv_mode);
         }
+#if PREFIX_AMX
+        if (prefix)
+            prefix_items(step->prefix_out, q_size, step->prefix_lse, step->qkv, qkv_width,
+                         step->decode_rows, step->num_decode_rows, prefix_rows,
+                         layer->key_cache, layer->value_cache, step->block_tables, prefix,
+                         step->num_heads, step->num_kv_heads, D, step->block_size,
+                         step->scale, prefix_scratch);
+#endif
         decode_items(&claimed, step->attn, q_size, step->qkv, qkv_width, step->decode_rows,
                      layer->key_cache, layer->value_cache, step->block_tables,
                      step->block_table_stride, step->seq_lens, step->num_decode_rows,
                      step->num_heads, step->num_kv_heads, D, step->block_size, step->scale,
-                     scores, step->kv_mode, step->decode_prefetch);
+                     scores, step->kv_mode, step->decode_prefetch, prefix, step->suffix_lse);
         if (plan.num_items)
             prompt_items(&plan, attn_scratch, step->attn, q_size, step->qkv, qkv_width,
                          layer->key_cache, layer->value_cache, step->chunks,
@@ -203,6 +242,10 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                          step->num_kv_heads, D, step->block_size, step->scale,
                          step->prompt_kv);
 #pragma omp barrier
+        if (prefix)
+            merge_attention(step->attn, q_size, step->decode_rows, step->prefix_out, q_size,
+                            step->prefix_lse, step->suffix_lse, step->num_decode_rows,
+                            step->num_heads, D);
         project(step->o, step->attn, M, &layer->o, panel, sums, xp, a);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r)

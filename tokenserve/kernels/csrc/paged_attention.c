@@ -144,8 +144,8 @@ static inline __attribute__((always_inline)) void score_keys(
     }
 }
 
-/* Scores e^(s - max) in place; returns their sum. */
-static inline float softmax_unnormalised(float *s, int64_t n) {
+/* Scores e^(s - max) in place; returns their sum, and the maximum in *top. */
+static inline float softmax_unnormalised(float *s, int64_t n, float *top_out) {
     /* The maximum and the sum eight lanes at a time, each reduced once at the end. */
     float max = s[0];
     int64_t t = 0;
@@ -169,6 +169,7 @@ static inline float softmax_unnormalised(float *s, int64_t n) {
         s[t] = expf(s[t] - max);
         sum += s[t];
     }
+    *top_out = max;
     return sum;
 }
 
@@ -444,13 +445,14 @@ static inline __attribute__((always_inline)) void prefetch_ahead(
  * caller guarantees head_dim % CHUNK(bf16) == 0 and head_dim <= 256. own: what the item
  * prefetches of its own tokens (OWN_NONE, OWN_FAR, OWN_NEAR); next: the item whose keys
  * and values stream into L2 meanwhile, spread over this one's tokens, and lead: the item
- * whose first tokens do so before the second pass (either may be NULL). */
+ * whose first tokens do so before the second pass (either may be NULL). With lse, each
+ * head's log-sum-exp of its scaled scores goes to lse[g] (merge_attention). */
 static inline __attribute__((always_inline)) void attend_item(
     float *o, const float *q, const void *key_cache, const void *value_cache,
     const int64_t *table, int64_t seq_len, int64_t group, const int64_t head_dim,
     int64_t block_stride, int64_t block_size, int64_t kv_offset,
     float scale, float *scores, int bf16, int own, const NextItem *next,
-    const NextItem *lead) {
+    const NextItem *lead, float *lse) {
     const int64_t element = bf16 ? 2 : 4;
     const int dp = bf16 == KV_BF16_DP;
     /* The queries scaled, and for bf16 de-interleaved per chunk as kv_chunk reads keys; on
@@ -501,7 +503,10 @@ static inline __attribute__((always_inline)) void attend_item(
     }
     float inv[group];
     for (int64_t g = 0; g < group; ++g) {
-        inv[g] = 1.0f / softmax_unnormalised(scores + g * seq_len, seq_len);
+        float top;
+        const float sum = softmax_unnormalised(scores + g * seq_len, seq_len, &top);
+        inv[g] = 1.0f / sum;
+        if (lse != NULL) lse[g] = top + logf(sum);
 #if PAGED_DP
         if (dp) bf16_pairs_in_place(scores + g * seq_len, seq_len);
 #endif
@@ -592,22 +597,25 @@ int ts_paged_decode_dot_products(int64_t head_dim, int64_t block_size) {
  * decode row `row` (its query at q, its output at o), over the row's seq_len positions;
  * `scores` holds group * seq_len floats. kv_bf16 is the cache's mode: KV_F32, KV_BF16 or
  * KV_BF16_DP (bf16 numerics: the dot-product path where the build and shapes allow it,
- * else as KV_BF16). own, next and lead: what it prefetches (attend_item). */
+ * else as KV_BF16). own, next and lead: what it prefetches (attend_item). With lse (the
+ * row's num_heads floats), each head's log-sum-exp goes there too; not on the generic path
+ * (head_dim not a multiple of the vector chunk, or above 256: lse is left alone). */
 static void decode_item_then(float *o, const float *q, const void *key_cache,
                              const void *value_cache, const int64_t *table, int64_t seq_len,
                              int64_t kv_head, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, int64_t block_size, float scale, float *scores,
                              int64_t kv_bf16, int own, const NextItem *next,
-                             const NextItem *lead) {
+                             const NextItem *lead, float *lse) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     const int64_t kv_offset = kv_head * block_size * head_dim;
     o += kv_head * group * head_dim;
     q += kv_head * group * head_dim;
+    if (lse != NULL) lse += kv_head * group;
     /* Head size and element type constants in each call, for the compiler. */
 #define ATTEND(dim, bf16)                                                                     \
     attend_item(o, q, key_cache, value_cache, table, seq_len, group, dim, block_stride,        \
-                block_size, kv_offset, scale, scores, bf16, own, next, lead)
+                block_size, kv_offset, scale, scores, bf16, own, next, lead, lse)
 #if PAGED_DP
     if (kv_bf16 == KV_BF16_DP && ts_paged_decode_dot_products(head_dim, block_size)) {
         if (head_dim == 64)
@@ -645,7 +653,7 @@ static inline void decode_item(float *o, const float *q, const void *key_cache,
                         int64_t kv_bf16) {
     decode_item_then(o, q, key_cache, value_cache, table, seq_len, kv_head, num_heads,
                      num_kv_heads, head_dim, block_size, scale, scores, kv_bf16, OWN_FAR, NULL,
-                     NULL);
+                     NULL, NULL);
 }
 
 /* How the threads of a decode step keep memory busy while they compute (decode_items; the
@@ -675,15 +683,17 @@ static inline void decode_item(float *o, const float *q, const void *key_cache,
  * (STREAM_NEXT_ITEM or OWN_TOKENS_AHEAD) says. Row r reads its query at query + i *
  * query_stride and writes out + i * out_stride, i = rows[r] (r where rows is NULL). No
  * barrier at the end. With scores NULL (the thread's allocation failed) items are claimed,
- * not done. */
+ * not done. With skip > 0 (a multiple of block_size, below every row's context) each row
+ * attends to its context past the first `skip` positions only, and writes its heads'
+ * log-sum-exps to lse + r * num_heads: the suffix half of a shared prefix (decode_prefix). */
 static void decode_items(int64_t *claimed, float *out, int64_t out_stride, const float *query,
                          int64_t query_stride, const int64_t *rows, const void *key_cache,
                          const void *value_cache, const int64_t *block_tables,
                          int64_t block_table_stride, const int64_t *seq_lens, int64_t num_rows,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, float scale, float *scores, int64_t kv_bf16,
-                         int64_t prefetch) {
-    const int64_t num_items = num_rows * num_kv_heads;
+                         int64_t prefetch, int64_t skip, float *lse) {
+    const int64_t num_items = num_rows * num_kv_heads, skipped = skip / block_size;
     const int stream = prefetch == STREAM_NEXT_ITEM;
     int64_t item, next;
 #pragma omp atomic capture
@@ -694,17 +704,19 @@ static void decode_items(int64_t *claimed, float *out, int64_t out_stride, const
         const int64_t row = item / num_kv_heads, at = rows ? rows[row] : row;
         NextItem ahead = {0};
         if (next < num_items)
-            ahead = (NextItem){block_tables + next / num_kv_heads * block_table_stride,
-                               seq_lens[next / num_kv_heads],
+            ahead = (NextItem){block_tables + next / num_kv_heads * block_table_stride +
+                                   skipped,
+                               seq_lens[next / num_kv_heads] - skip,
                                next % num_kv_heads * block_size * head_dim};
         const NextItem *then = next < num_items ? &ahead : NULL;
         const int own = !stream ? OWN_NEAR : first ? OWN_FAR : OWN_NONE;
         if (scores != NULL)
             decode_item_then(out + at * out_stride, query + at * query_stride, key_cache,
-                             value_cache, block_tables + row * block_table_stride,
-                             seq_lens[row], item % num_kv_heads, num_heads, num_kv_heads,
-                             head_dim, block_size, scale, scores, kv_bf16, own,
-                             stream ? then : NULL, stream ? NULL : then);
+                             value_cache, block_tables + row * block_table_stride + skipped,
+                             seq_lens[row] - skip, item % num_kv_heads, num_heads,
+                             num_kv_heads, head_dim, block_size, scale, scores, kv_bf16, own,
+                             stream ? then : NULL, stream ? NULL : then,
+                             skip > 0 ? lse + row * num_heads : NULL);
         item = next;
         if (item < num_items) {
 #pragma omp atomic capture
@@ -740,7 +752,7 @@ int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t 
         decode_items(&claimed, out, out_stride, query, query_stride, rows, key_cache,
                      value_cache, block_tables, block_table_stride, seq_lens, num_rows,
                      num_heads, num_kv_heads, head_dim, block_size, scale, scores, kv_bf16,
-                     prefetch);
+                     prefetch, 0, NULL);
         free(scores);
     }
     return failed ? -1 : 0;

@@ -139,15 +139,33 @@ static inline __attribute__((always_inline)) void softmax_row(
     w->sum[m] = sum;
 }
 
-static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
-                            int64_t query_stride, const uint16_t *key_cache,
-                            const uint16_t *value_cache, const int64_t *table, int64_t start,
-                            int64_t q_len, int64_t seq_len, int64_t first_row, int64_t count,
-                            int64_t h, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t block_size, float scale,
-                            AmxScratch *w) {
+/* The item's rows of queries and output, and what each sees, for amx_attend: query row i
+ * (0..count-1) at query + (rows ? rows[i] : i) * query_stride, its output at out + i *
+ * out_stride (both at kv head h's heads), attending to context positions 0..limit0 + i *
+ * limit_step; with lse, its heads' log-sum-exps at lse + i * num_heads (the heads of h). */
+typedef struct {
+    float *out;
+    int64_t out_stride;
+    const float *query;
+    int64_t query_stride;
+    const int64_t *rows;
+    int64_t count, limit0, limit_step;
+    float *lse;
+} AmxRows;
+
+/* Query row i of an item's rows (AmxRows), at kv head h's heads (span floats). */
+static inline const float *amx_query_row(const AmxRows *r, int64_t i, int64_t h, int64_t span) {
+    return r->query + (r->rows ? r->rows[i] : i) * r->query_stride + h * span;
+}
+
+/* The attention of an item's rows (AmxRows) to kv head h's keys and values (see the top of
+ * this file). */
+static inline __attribute__((always_inline)) void amx_attend(
+    const AmxRows *rows, const uint16_t *key_cache, const uint16_t *value_cache,
+    const int64_t *table, int64_t h, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, float scale, AmxScratch *w) {
     const int64_t group = num_heads / num_kv_heads, pairs = head_dim / 2;
-    const int64_t queries = count * group, context = seq_len - q_len;
+    const int64_t count = rows->count, queries = count * group;
     const int64_t padded = (queries + 15) / 16 * 16;
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
     const int64_t kv_offset = h * block_size * head_dim;
@@ -155,18 +173,20 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
      * strided, a new page each, where the hardware's prefetch restarts: fetched ROWS_AHEAD
      * rows early. */
     const int64_t span = group * head_dim;
-    const float *q0 = query + (start + first_row) * query_stride + h * span;
-    for (int64_t i = 0; i < ROWS_AHEAD && i < count; ++i) prefetch_span(q0 + i * query_stride, span, 0);
+    for (int64_t i = 0; i < ROWS_AHEAD && i < count; ++i)
+        prefetch_span(amx_query_row(rows, i, h, span), span, 0);
     for (int64_t i = 0; i < count; ++i) {
-        if (i + ROWS_AHEAD < count) prefetch_span(q0 + (i + ROWS_AHEAD) * query_stride, span, 0);
-        const float *q = q0 + i * query_stride;
+        if (i + ROWS_AHEAD < count)
+            prefetch_span(amx_query_row(rows, i + ROWS_AHEAD, h, span), span, 0);
+        const float *q = amx_query_row(rows, i, h, span);
         for (int64_t e = 0; e < span; e += 16)
             _mm256_storeu_si256((__m256i *)(w->q + i * span + e),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(q + e)));
     }
     memset(w->q + queries * head_dim, 0, sizeof(uint16_t) * (size_t)((padded - queries) * head_dim));
     for (int64_t m = 0, row = 0, g = 0; m < padded; ++m) {
-        w->limit[m] = (int32_t)(context + first_row + (m < queries ? row : count - 1));
+        w->limit[m] = (int32_t)(rows->limit0 + rows->limit_step *
+                                                   (m < queries ? row : count - 1));
         w->max[m] = -INFINITY;
         w->sum[m] = _mm512_setzero_ps();
         if (++g == group) {
@@ -186,16 +206,17 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
     const __m512 scales = _mm512_set1_ps(scale);
     const __m512 scales_l2 = _mm512_set1_ps(scale * 1.44269504088896341f);
     const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const int64_t last = context + first_row + count - 1;
+    /* Positions past the last row's limit are never read (tile_rows: rows of zeros). */
+    const int64_t last = rows->limit0 + rows->limit_step * (count - 1);
     for (int64_t k0 = 0; k0 <= last; k0 += AKT) {
         /* The tile's keys as pairs of dims, [pairs][AKT]; values as pairs of keys. */
-        tile_rows(w->rows, AKT, key_cache, table, k0, seq_len, block_stride, block_size,
+        tile_rows(w->rows, AKT, key_cache, table, k0, last + 1, block_stride, block_size,
                   kv_offset, head_dim);
         pack_keys(w->kp, w->rows, pairs);
-        tile_rows(w->rows, AKT, value_cache, table, k0, seq_len, block_stride, block_size,
+        tile_rows(w->rows, AKT, value_cache, table, k0, last + 1, block_stride, block_size,
                   kv_offset, head_dim);
         pack_values(w->vp, w->rows, head_dim, AKT);
-        const int masked = k0 + AKT - 1 > context + first_row;
+        const int masked = k0 + AKT - 1 > rows->limit0;
         const __m512i pos0 = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)k0));
         /* Per block of 16 queries: scores, softmax, output, while they are in L1. */
         for (int64_t r = 0; r < padded; r += 16) {
@@ -236,18 +257,39 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
         }
     }
     _tile_release();
-    float *out0 = out + (start + first_row) * out_stride + h * span;
+    float *out0 = rows->out + h * span;
+    const int64_t out_stride = rows->out_stride;
     for (int64_t i = 0; i < ROWS_AHEAD && i < count; ++i) prefetch_span(out0 + i * out_stride, span, 1);
     for (int64_t i = 0; i < count; ++i) {
         if (i + ROWS_AHEAD < count) prefetch_span(out0 + (i + ROWS_AHEAD) * out_stride, span, 1);
         for (int64_t g = 0; g < group; ++g) {
             const int64_t m = i * group + g;
-            const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(w->sum[m]));
+            const float sum = _mm512_reduce_add_ps(w->sum[m]);
+            const __m512 inv = _mm512_set1_ps(1.0f / sum);
             float *row = out0 + i * out_stride + g * head_dim;
             for (int64_t d = 0; d < head_dim; d += 16)
                 _mm512_storeu_ps(row + d, _mm512_mul_ps(_mm512_loadu_ps(w->o + m * head_dim + d), inv));
+            /* The probabilities are e^(s - max), s the scaled scores. */
+            if (rows->lse != NULL)
+                rows->lse[i * num_heads + h * group + g] = w->max[m] + logf(sum);
         }
     }
+}
+
+/* Rows first_row .. first_row + count - 1 of a chunk (rows start.. of the step, the last
+ * q_len of seq_len positions, causal), kv head h. */
+static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
+                            int64_t query_stride, const uint16_t *key_cache,
+                            const uint16_t *value_cache, const int64_t *table, int64_t start,
+                            int64_t q_len, int64_t seq_len, int64_t first_row, int64_t count,
+                            int64_t h, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale,
+                            AmxScratch *w) {
+    const AmxRows rows = {out + (start + first_row) * out_stride, out_stride,
+                          query + (start + first_row) * query_stride, query_stride, NULL,
+                          count, seq_len - q_len + first_row, 1, NULL};
+    amx_attend(&rows, key_cache, value_cache, table, h, num_heads, num_kv_heads, head_dim,
+               block_size, scale, w);
 }
 
 #endif

@@ -548,6 +548,154 @@ static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int6
     }
 }
 
+/* Decode rows over a shared prefix: when every decode row's context starts with the same
+ * `prefix` positions (whole blocks shared through the prefix cache, the same block ids in
+ * every row's table), the rows attend to that prefix together and each to the rest of its
+ * context alone, and the two halves are merged by their log-sum-exps (merge_attention).
+ * The prefix half is the AMX prompt kernel's item (amx_attend) over all the rows' queries
+ * of a kv head at once: each prefix key tile is laid out once for every row instead of
+ * being read once per row, and the tiles are full (16 queries) where a row's 3 heads fill
+ * a sixteenth of one. The rest is the decode kernel's item over the row's own positions
+ * (decode_items with skip). Numerics: those of both kernels (queries and probabilities
+ * rounded to bf16, float32 sums), each half's probabilities relative to its own maximum;
+ * the merge in float32. Needs the AMX prompt path and the decode kernel's dot-product path
+ * (a bf16 cache, head_dim a multiple of 32, up to 256; decode_prefix_takes). */
+#if PROMPT_AMX
+#define PREFIX_AMX 1
+#else
+#define PREFIX_AMX 0
+#endif
+
+/* Whether decode rows with these shapes can take the shared-prefix path here. */
+int ts_decode_prefix_available(int64_t kv_mode, int64_t num_heads, int64_t num_kv_heads,
+                               int64_t head_dim, int64_t block_size) {
+    return PREFIX_AMX && kv_mode == KV_BF16_DP &&
+           ts_prompt_attention_path(1, num_heads, num_kv_heads, head_dim) == 2 &&
+           ts_paged_decode_dot_products(head_dim, block_size);
+}
+
+/* Rows per prefix item for `rows` decode rows: each item at most AMX_MAX_QUERIES queries,
+ * and at least two items per thread over the kv heads, so that the dynamic schedule ends
+ * evenly. */
+static int64_t prefix_item_rows(int64_t rows, int64_t group, int64_t num_kv_heads,
+                                int64_t threads) {
+    int64_t pieces = (rows * group + AMX_MAX_QUERIES - 1) / AMX_MAX_QUERIES;
+    const int64_t even = (2 * threads + num_kv_heads - 1) / num_kv_heads;
+    if (pieces < even) pieces = even;
+    return rows <= pieces ? 1 : (rows + pieces - 1) / pieces;
+}
+
+#if PREFIX_AMX
+/* The prefix half's items, (kv head, run of rows), shared out over the threads of the
+ * enclosing region (an orphaned `omp for`, dynamic, no barrier at the end): row r (0 ..
+ * num_rows - 1, its query at query + rows[r] * query_stride) attends to positions 0 ..
+ * prefix - 1 of table (the rows' shared blocks), writing its output to out + r * out_stride
+ * and its heads' log-sum-exps to lse + r * num_heads. w: the thread's AMX scratch for
+ * item_rows rows (NULL: items claimed, not done). */
+static void prefix_items(float *out, int64_t out_stride, float *lse, const float *query,
+                         int64_t query_stride, const int64_t *rows, int64_t num_rows,
+                         int64_t item_rows, const uint16_t *key_cache,
+                         const uint16_t *value_cache, const int64_t *table, int64_t prefix,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size, float scale, AmxScratch *w) {
+    const int64_t runs = (num_rows + item_rows - 1) / item_rows;
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t i = 0; i < runs * num_kv_heads; ++i) {
+        const int64_t r0 = i / num_kv_heads * item_rows, h = i % num_kv_heads;
+        const int64_t count = num_rows - r0 < item_rows ? num_rows - r0 : item_rows;
+        if (w == NULL) continue;
+        const AmxRows run = {out + r0 * out_stride, out_stride, query, query_stride, rows + r0,
+                             count, prefix - 1, 0, lse + r0 * num_heads};
+        amx_attend(&run, key_cache, value_cache, table, h, num_heads, num_kv_heads, head_dim,
+                   block_size, scale, w);
+    }
+}
+#endif
+
+/* Row r's two halves into its output: o (the rest of its context's, normalized, at out +
+ * rows[r] * out_stride, replaced) and p (the prefix's, at prefix_out + r * prefix_stride),
+ * weighed by their heads' log-sum-exps (suffix_lse, prefix_lse: num_heads per row). Shared
+ * out over the threads of the enclosing region (an orphaned `omp for`, ending in a
+ * barrier). */
+static void merge_attention(float *out, int64_t out_stride, const int64_t *rows,
+                            const float *prefix_out, int64_t prefix_stride,
+                            const float *prefix_lse, const float *suffix_lse, int64_t num_rows,
+                            int64_t num_heads, int64_t head_dim) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < num_rows; ++r) {
+        float *o = out + rows[r] * out_stride;
+        const float *p = prefix_out + r * prefix_stride;
+        for (int64_t n = 0; n < num_heads; ++n) {
+            const float a = prefix_lse[r * num_heads + n], b = suffix_lse[r * num_heads + n];
+            const float top = a > b ? a : b;
+            const float wa = expf(a - top), wb = expf(b - top), inv = 1.0f / (wa + wb);
+            const float ka = wa * inv, kb = wb * inv;
+            for (int64_t d = n * head_dim; d < (n + 1) * head_dim; ++d)
+                o[d] = ka * p[d] + kb * o[d];
+        }
+    }
+}
+
+/* ts_paged_decode (paged_attention.c) for rows whose contexts all start with the same
+ * `prefix` positions (the same blocks in every row's table, whole blocks, below every
+ * row's context), on the shared-prefix path where ts_decode_prefix_available says it runs
+ * (else on ts_paged_decode's). Returns 0, or -1 if a scratch buffer could not be
+ * allocated. */
+int ts_paged_decode_prefix(float *out, int64_t out_stride, const float *query,
+                           int64_t query_stride, const int64_t *rows, const void *key_cache,
+                           const void *value_cache, const int64_t *block_tables,
+                           int64_t block_table_stride, const int64_t *seq_lens,
+                           int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size, float scale, int64_t kv_mode,
+                           int64_t prefetch, int64_t prefix) {
+    if (prefix <= 0 || num_rows == 0 ||
+        !ts_decode_prefix_available(kv_mode, num_heads, num_kv_heads, head_dim, block_size))
+        return ts_paged_decode(out, out_stride, query, query_stride, rows, key_cache,
+                               value_cache, block_tables, block_table_stride, seq_lens,
+                               num_rows, num_heads, num_kv_heads, head_dim, block_size, scale,
+                               kv_mode, prefetch);
+#if PREFIX_AMX
+    const int64_t group = num_heads / num_kv_heads, width = num_heads * head_dim;
+    int64_t max_seq_len = 0;
+    for (int64_t r = 0; r < num_rows; ++r)
+        max_seq_len = seq_lens[r] > max_seq_len ? seq_lens[r] : max_seq_len;
+    float *prefix_out = (float *)malloc(sizeof(float) * (size_t)(num_rows * width));
+    float *lse = (float *)malloc(sizeof(float) * (size_t)(2 * num_rows * num_heads));
+    const int64_t item_rows = prefix_item_rows(num_rows, group, num_kv_heads,
+                                               omp_get_max_threads());
+    int failed = prefix_out == NULL || lse == NULL;
+    int64_t claimed = 0;
+    if (!failed) {
+#pragma omp parallel
+        {
+            float *scores = (float *)malloc(sizeof(float) * (size_t)(group * max_seq_len));
+            AmxScratch *w = amx_scratch((item_rows * group + 15) / 16 * 16, head_dim);
+            if (scores == NULL || w == NULL) {
+#pragma omp atomic write
+                failed = 1;
+            }
+            prefix_items(prefix_out, width, lse, query, query_stride, rows, num_rows, item_rows,
+                         (const uint16_t *)key_cache, (const uint16_t *)value_cache,
+                         block_tables, prefix, num_heads, num_kv_heads, head_dim, block_size,
+                         scale, w);
+            decode_items(&claimed, out, out_stride, query, query_stride, rows, key_cache,
+                         value_cache, block_tables, block_table_stride, seq_lens, num_rows,
+                         num_heads, num_kv_heads, head_dim, block_size, scale, scores, kv_mode,
+                         prefetch, prefix, lse + num_rows * num_heads);
+#pragma omp barrier
+            merge_attention(out, out_stride, rows, prefix_out, width, lse,
+                            lse + num_rows * num_heads, num_rows, num_heads, head_dim);
+            free(scores);
+        }
+    }
+    free(prefix_out);
+    free(lse);
+    return failed ? -1 : 0;
+#else
+    return -1; /* not reached: ts_decode_prefix_available is 0 */
+#endif
+}
+
 /* Returns 0, -1 if scratch memory could not be allocated. */
 int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
                         int64_t query_stride, const void *key_cache, const void *value_cache,
