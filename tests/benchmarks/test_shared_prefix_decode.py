@@ -24,14 +24,15 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "shared_prefix_dec
 def test_shared_prefix_decode_times_both_paths():
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--rows", "9", "--prefix", "32", "--suffix", "5",
-         "--block-size", "16", "--layers", "2", "--repeats", "1"],
+         "--others", "2", "--block-size", "16", "--layers", "2", "--repeats", "1"],
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stderr
     ops = prompt_attention.load()
     takes = ops.shared_prefix_path(torch.bfloat16, True, 9, 3, 64, 16)
     assert result.stdout.startswith(
-        "9 rows, 32 shared + 5 own positions, 2 layers, blocks of 16; shared-prefix path "
+        "9 rows, 32 shared + 5 own positions, 2 rows without the prefix, 2 layers, blocks of "
+        "16; shared-prefix path "
         + ("taken" if takes else "not available here (no AMX)")), result.stdout
     figures = re.findall(r"^\s+(whole contexts|shared prefix|ratio)\s+([\d.]+)",
                          result.stdout, re.MULTILINE)

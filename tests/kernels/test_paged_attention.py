@@ -165,14 +165,28 @@ def test_the_prefetch_plan_follows_the_cpu_vendor(monkeypatch: pytest.MonkeyPatc
             call()
 
 
-def test_the_shared_prefix_is_the_blocks_every_row_holds_first():
-    tables = np.array([[4, 5, 6, 9, 0], [4, 5, 6, 7, 8], [4, 5, 6, 7, 2]])
-    # Three blocks of 16 in all three tables; the fourth differs in the first row.
-    assert paged_attention.shared_prefix_len(tables, [70, 80, 75], 16) == 48
-    # Every row keeps its last position: 48 positions hold nothing of the first row's own.
-    assert paged_attention.shared_prefix_len(tables, [48, 80, 75], 16) == 32
-    assert paged_attention.shared_prefix_len(tables, [49, 80, 75], 16) == 48
-    assert paged_attention.shared_prefix_len(tables[1:], [80, 75], 16) == 64
-    # No block in common, or no row.
-    assert paged_attention.shared_prefix_len(np.array([[1, 2], [3, 2]]), [30, 30], 16) == 0
-    assert paged_attention.shared_prefix_len(np.zeros((0, 3), dtype=np.int64), [], 16) == 0
+def test_the_shared_prefix_is_the_blocks_most_rows_hold_first():
+    def shared(tables, seq_lens, min_rows=2, min_positions=16):
+        rows, positions = paged_attention.shared_prefix_rows(
+            np.array(tables), seq_lens, 16, min_rows, min_positions)
+        return rows.tolist(), positions
+
+    tables = [[4, 5, 6, 9, 0], [4, 5, 6, 7, 8], [4, 5, 6, 7, 2]]
+    # Three blocks of 16 in all three tables (3 x 48 row-positions); four in the last two
+    # (2 x 64): the three rows.
+    assert shared(tables, [70, 80, 75]) == ([0, 1, 2], 48)
+    assert shared(tables, [70, 80, 75], min_rows=3) == ([0, 1, 2], 48)
+    # Every row keeps its last position: at 48 positions the first row holds three blocks
+    # of the prefix and nothing of its own, so it shares two.
+    assert shared(tables, [48, 80, 75]) == ([0, 1, 2], 32)
+    assert shared(tables[1:], [80, 75]) == ([0, 1], 64)
+    # Rows with another first block are left out; the group of the most rows is taken.
+    tables = [[9, 9, 9], [4, 5, 6], [4, 5, 7], [3, 5, 6], [4, 5, 6]]
+    assert shared(tables, [40] * 5) == ([1, 2, 4], 32)
+    assert shared(tables, [40] * 5, min_positions=48) == ([], 0)
+    assert shared(tables, [40] * 5, min_rows=4) == ([], 0)
+    # The reference row's blocks past its context are not its prefix.
+    assert shared([[4, 5, 0], [4, 5, 0]], [20, 40]) == ([0, 1], 16)
+    # No block in common, or too few rows.
+    assert shared([[1, 2], [3, 2]], [30, 30]) == ([], 0)
+    assert shared(np.zeros((0, 3), dtype=np.int64), []) == ([], 0)

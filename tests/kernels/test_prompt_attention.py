@@ -187,49 +187,58 @@ def test_bad_chunk_tables_are_refused(kernel):
 
 
 def _shared_prefix_rows(num_heads, num_kv_heads, head_dim, block_size, prefix, suffixes,
-                        seed=0):
+                        others=(), seed=0):
     """Decode rows whose contexts start with the same `prefix` positions (the same blocks,
-    first in every table) and go on with `suffixes[r]` positions of their own, rows 2.. of
-    the queries (rows 0 and 1 not the kernel's)."""
+    first in their tables) and go on with `suffixes[r]` positions of their own, then rows
+    of `others[r]` positions all their own; rows 2.. of the queries (rows 0 and 1 not the
+    kernel's)."""
     generator = torch.Generator().manual_seed(seed)
     shared = prefix // block_size
     own = [-(-suffix // block_size) for suffix in suffixes]
-    num_blocks = 1 + shared + sum(own) + 2
+    own_only = [-(-length // block_size) for length in others]
+    num_blocks = 1 + shared + sum(own) + sum(own_only) + 2
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
     key_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
     value_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
     order = (1 + torch.randperm(num_blocks - 1, generator=generator)).tolist()
-    tables = torch.zeros(len(suffixes), shared + max(own), dtype=torch.int64)
-    tables[:, :shared] = torch.tensor(order[:shared])
+    num_rows = len(suffixes) + len(others)
+    tables = torch.zeros(num_rows, max(shared + max(own), max(own_only, default=0)),
+                         dtype=torch.int64)
+    tables[: len(suffixes), :shared] = torch.tensor(order[:shared])
     order = order[shared:]
-    for row, n in enumerate(own):
-        tables[row, shared : shared + n] = torch.tensor(order[:n])
+    for row, (start, n) in enumerate([(shared, n) for n in own] + [(0, n) for n in own_only]):
+        tables[row, start : start + n] = torch.tensor(order[:n])
         order = order[n:]
-    seq_lens = torch.tensor([prefix + suffix for suffix in suffixes])
-    query = 2 * torch.randn(len(suffixes) + 2, num_heads, head_dim, generator=generator)
-    rows = torch.arange(2, len(suffixes) + 2)
-    return query, key_cache, value_cache, DecodeRows(rows, tables, seq_lens, prefix)
+    seq_lens = torch.tensor([prefix + suffix for suffix in suffixes] + list(others))
+    query = 2 * torch.randn(num_rows + 2, num_heads, head_dim, generator=generator)
+    rows = torch.arange(2, num_rows + 2)
+    return query, key_cache, value_cache, DecodeRows(rows, tables, seq_lens, prefix,
+                                                     len(suffixes))
 
 
 PREFIX_CASES = {
-    # (heads, kv heads, head size, block size, shared prefix, each row's own positions)
+    # (heads, kv heads, head size, block size, shared prefix, each sharing row's own
+    # positions, rows that share nothing: their lengths)
     # A prefix ending inside a key tile of the AMX kernel (64 keys), rows of 1..100 more.
-    "gqa3-d64-b16": (9, 3, 64, 16, 48, [1, 2, 17, 40, 5, 9, 100, 3, 16]),
-    "gqa4-d128-b128": (8, 2, 128, 128, 256, [1, 130, 7, 9, 12, 200, 1, 1]),
+    "gqa3-d64-b16": (9, 3, 64, 16, 48, [1, 2, 17, 40, 5, 9, 100, 3, 16], []),
+    "gqa4-d128-b128": (8, 2, 128, 128, 256, [1, 130, 7, 9, 12, 200, 1, 1], []),
     # 300 rows of 3 heads: more queries per kv head than one AMX item takes (768).
-    "gqa3-d64-many": (9, 3, 64, 16, 32, [1 + row % 5 for row in range(300)]),
+    "gqa3-d64-many": (9, 3, 64, 16, 32, [1 + row % 5 for row in range(300)], []),
+    # Rows sharing the prefix, then rows of contexts all their own, shorter and longer.
+    "gqa3-d64-some": (9, 3, 64, 16, 64, [3, 20, 1, 7, 64, 2, 9, 30], [5, 200, 64, 1]),
 }
 
 
 @pytest.mark.parametrize("case", list(PREFIX_CASES))
 def test_decode_rows_over_a_shared_prefix_match_float64_attention(kernel, cpu_isa_level, case):
     """Decode rows sharing their first blocks attend to them together on the AMX path (each
-    half of the context with its own softmax, merged by their log-sum-exps), elsewhere as
-    the decode kernel does: float64 attention within the bf16 bound either way, the rows
-    outside untouched."""
-    num_heads, num_kv_heads, head_dim, block_size, prefix, suffixes = PREFIX_CASES[case]
+    half of the context with its own softmax, merged by their log-sum-exps), the rows after
+    them to their whole contexts, elsewhere all as the decode kernel does: float64
+    attention within the bf16 bound either way, the rows outside untouched."""
+    num_heads, num_kv_heads, head_dim, block_size, prefix, suffixes, others = \
+        PREFIX_CASES[case]
     query, key_cache, value_cache, decode_rows = _shared_prefix_rows(
-        num_heads, num_kv_heads, head_dim, block_size, prefix, suffixes)
+        num_heads, num_kv_heads, head_dim, block_size, prefix, suffixes, others)
     shared = kernel.shared_prefix_path(torch.bfloat16, True, num_heads, num_kv_heads,
                                        head_dim, block_size)
     assert shared == (cpu_isa_level == "amx")
@@ -253,10 +262,13 @@ def test_decode_rows_over_a_shared_prefix_match_float64_attention(kernel, cpu_is
 
 
 def test_a_shared_prefix_must_be_whole_blocks_within_every_context(kernel):
-    query, key_cache, value_cache, decode_rows = _shared_prefix_rows(9, 3, 64, 16, 32, [1, 5])
+    query, key_cache, value_cache, decode_rows = _shared_prefix_rows(9, 3, 64, 16, 32, [1, 5],
+                                                                     [200])
     out = torch.empty_like(query)
     for prefix in (20, 48):  # not a whole block; a row's whole context (32 + 1 < 48)
         bad = DecodeRows(decode_rows.rows, decode_rows.block_tables, decode_rows.seq_lens,
-                         prefix)
+                         prefix, 2)
         with pytest.raises(ValueError, match="whole blocks"):
             kernel.decode_shared_prefix(out, query, key_cache, value_cache, bad, 0.125, True)
+    with pytest.raises(ValueError, match="some of the rows"):
+        DecodeRows(decode_rows.rows, decode_rows.block_tables, decode_rows.seq_lens, 32, 4)

@@ -249,21 +249,24 @@ def test_the_settings_turn_the_fused_path_off(tiny_model_dirs):
 
 def test_decode_rows_over_a_shared_prefix_fuse_with_the_same_results(monkeypatch, fused_calls):
     # Ten requests behind one 272-token prefix (17 blocks of 16, cached by a first request
-    # alone): their decode steps share those blocks, which the fused layer, and the
-    # operators one by one, attend to for all rows at once on the AMX path
-    # (DecodeRows.prefix_len; elsewhere each row alone). Fused or not, the same results.
-    prefixes: list[int] = []
-    original = torch_sdpa.shared_prefix_len
+    # alone) and three without it: the ten's decode rows share those blocks, which the
+    # fused layer, and the operators one by one, attend to for those rows at once on the
+    # AMX path (DecodeRows.prefix_len and prefix_rows; elsewhere each row alone), the three
+    # to their whole contexts. Fused or not, the same results.
+    prefixes: list[tuple[int, int]] = []  # (rows, positions) of each shared prefix found
+    original = torch_sdpa.shared_prefix_rows
 
-    def recording(block_tables, seq_lens, block_size):
-        prefixes.append(original(block_tables, seq_lens, block_size))
-        return prefixes[-1]
+    def recording(*args):
+        rows, positions = original(*args)
+        prefixes.append((len(rows), positions))
+        return rows, positions
 
-    monkeypatch.setattr(torch_sdpa, "shared_prefix_len", recording)
+    monkeypatch.setattr(torch_sdpa, "shared_prefix_rows", recording)
     llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=True,
               block_size=16)
-    shared, *rest = random_token_prompts(11, 272, 49152, seed=5)
-    prompts = [shared + tail[:8 + index] for index, tail in enumerate(rest)]
+    shared, *rest = random_token_prompts(14, 272, 49152, seed=5)
+    prompts = [shared + tail[:8 + index] for index, tail in enumerate(rest[:10])]
+    prompts += [tail[: 40 + 100 * index] for index, tail in enumerate(rest[10:])]
 
     def generate(fused: bool):
         _model(llm).model.layer_stack.enabled = fused
@@ -279,7 +282,7 @@ def test_decode_rows_over_a_shared_prefix_fuse_with_the_same_results(monkeypatch
                   for step in output.outputs[0].logprobs]) for output in outputs]
 
     expected = generate(fused=False)
-    assert 272 in prefixes, "the decode rows' shared prefix was not found"
+    assert (10, 272) in prefixes, "the decode rows' shared prefix was not found"
     prefixes.clear()
     assert generate(fused=True) == expected
-    assert 272 in prefixes and 10 in fused_calls
+    assert (10, 272) in prefixes and 13 in fused_calls

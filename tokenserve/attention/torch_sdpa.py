@@ -28,11 +28,11 @@ and each context in place from its blocks, and writes its rows of the output; a 
 kernel writes the step's new keys and values into their slots. Where the kernels are off,
 decode rows are attended in one padded SDPA call over gathered contexts instead (the same
 results, more memory traffic). Index tensors are built once per step, in `build_metadata`.
-Where at least DECODE_PREFIX_MIN_ROWS decode rows all start with the same cached blocks
-(DECODE_PREFIX_MIN_TOKENS positions or more), `DecodeRows.prefix_len` says so, and the
-prompt kernel attends to that prefix for all rows at once and to the rest of each context
-row by row, merged (`decode_shared_prefix`; the fused decode layer likewise; on AMX, else
-whole contexts); `--disable-cascade-attn` turns it off too.
+Where at least DECODE_PREFIX_MIN_ROWS decode rows start with the same cached blocks
+(DECODE_PREFIX_MIN_TOKENS positions or more), `DecodeRows.prefix_len` and `prefix_rows` say
+so (those rows first), and the prompt kernel attends to that prefix for them at once and to
+the rest of each context row by row, merged (`decode_shared_prefix`; the fused decode layer
+likewise; on AMX, else whole contexts); `--disable-cascade-attn` turns it off too.
 
 A layer's cache is [2, num_blocks, num_kv_heads, block_size, head_dim], keys then values: a
 kv head's keys within a block are contiguous, which is what the decode kernel streams. A
@@ -65,14 +65,14 @@ from tokenserve.attention.backend import (
 from tokenserve.attention.cascade import Cascade, attend_cascade, plan_cascades
 from tokenserve.attention.paged_context import context_index, gather_context, offset_causal_mask
 from tokenserve.kernels import build, cpu_isa, paged_attention, prompt_attention
-from tokenserve.kernels.paged_attention import DecodeRows, shared_prefix_len
+from tokenserve.kernels.paged_attention import DecodeRows, shared_prefix_rows
 from tokenserve.kernels.prompt_attention import PromptChunks
 from tokenserve.kernels.row_buckets import empty_rows
 
 # The shortest shared prefix that cascade attention takes (see the module docstring).
 CASCADE_MIN_PREFIX_TOKENS = 1024
-# Decode rows whose contexts all start with the same cached blocks: from how many rows and
-# positions the fused decode layer attends to those blocks for all rows at once
+# Decode rows whose contexts start with the same cached blocks: from how many rows and
+# positions the C kernels attend to those blocks for all of them at once
 # (DecodeRows.prefix_len; docs/PERFORMANCE_CPU.md, "Decode rows over a shared prefix").
 DECODE_PREFIX_MIN_ROWS = 8
 DECODE_PREFIX_MIN_TOKENS = 256
@@ -245,16 +245,22 @@ class TorchSDPABackend(AttentionBackend):
         for row, i in enumerate(decode_reqs):
             used = -(-seq_lens[row] // block_size)
             tables[row, :used] = common.block_tables[i][:used]
-        prefix_len = 0
-        if self.cascade and len(decode_reqs) >= DECODE_PREFIX_MIN_ROWS:
-            prefix_len = shared_prefix_len(tables, seq_lens, block_size)
-            if prefix_len < DECODE_PREFIX_MIN_TOKENS:
-                prefix_len = 0
+        lengths = np.asarray(seq_lens, dtype=np.int64)
+        shared, prefix_len = (shared_prefix_rows(tables, seq_lens, block_size,
+                                                 DECODE_PREFIX_MIN_ROWS,
+                                                 DECODE_PREFIX_MIN_TOKENS)
+                              if self.cascade else (None, 0))
+        if prefix_len:
+            # The rows sharing the prefix first (DecodeRows.prefix_rows); each row's output
+            # still goes to its own token's place.
+            order = np.concatenate([shared, np.setdiff1d(np.arange(len(seq_lens)), shared)])
+            rows, tables, lengths = rows[torch.from_numpy(order)], tables[order], lengths[order]
         return DecodeRows(
             rows,
-            torch.from_numpy(tables).to(self.device),
-            torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
+            torch.from_numpy(np.ascontiguousarray(tables)).to(self.device),
+            torch.from_numpy(lengths).to(self.device),
             prefix_len,
+            len(shared) if prefix_len else None,
         )
 
     def _prompt_batch(

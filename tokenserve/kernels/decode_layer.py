@@ -37,7 +37,8 @@ class _Step(ctypes.Structure):
             "attn", "o", "gate_up", "act", "decode_rows")),
         ("num_decode_rows", i64), ("chunks", ptr), ("chunk_tables", ptr),
         *((name, i64) for name in (
-            "num_chunks", "chunk_table_stride", "prompt_kv", "decode_prefetch", "prefix_len")),
+            "num_chunks", "chunk_table_stride", "prompt_kv", "decode_prefetch", "prefix_len",
+            "prefix_rows")),
         *((name, ptr) for name in ("prefix_out", "prefix_lse", "suffix_lse")),
     ]
 
@@ -135,7 +136,8 @@ class DecodeLayerOps:
         # The shared prefix's buffers: its half of the rows' attention, both halves'
         # log-sum-exps.
         prefix_len = 0 if decode is None else decode.prefix_len
-        prefix = [torch.empty(num_decode, width) for width in (
+        prefix_rows = decode.prefix_rows if prefix_len else 0
+        prefix = [torch.empty(prefix_rows, width) for width in (
             num_heads * head_dim, num_heads, num_heads)] if prefix_len else [None] * 3
         bound = _Step(
             rows, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size,
@@ -150,7 +152,7 @@ class DecodeLayerOps:
             None if chunks is None else chunks.block_tables.data_ptr(),
             0 if chunks is None else chunks.num_chunks,
             0 if chunks is None else chunks.block_tables.stride(0),
-            int(kv_mode != 0), prefetch_code(decode_prefetch), prefix_len,
+            int(kv_mode != 0), prefetch_code(decode_prefetch), prefix_len, prefix_rows,
             *(None if buffer is None else buffer.data_ptr() for buffer in prefix),
         )
         return bound, (positions, slots, decode_rows, prompt_chunks, cos, sin, scratch, prefix)

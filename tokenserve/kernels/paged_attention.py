@@ -55,34 +55,56 @@ def _checked(plan: str) -> str:
 class DecodeRows:
     """A step's decode rows for the paged decode kernel: the rows' indices in the step's
     tokens, their block tables [rows, stride] and context lengths, all int64, checked once
-    and then used by every layer. prefix_len: positions at the start of every row's context
-    held in the same blocks (`shared_prefix_len`), which the fused decode layer attends to
-    for all rows at once (kernels/csrc/prompt_attention.c, "Decode rows over a shared
-    prefix"); 0 for none. The kernels that do not take it attend to whole contexts."""
+    and then used by every layer. prefix_len: positions at the start of the contexts of the
+    first prefix_rows rows (all of them by default) held in the same blocks
+    (`shared_prefix_rows`), which the prompt kernel attends to for those rows at once
+    (kernels/csrc/prompt_attention.c, "Decode rows over a shared prefix"); 0 for none. The
+    kernels that do not take it attend to whole contexts."""
 
-    __slots__ = ("block_tables", "num_rows", "prefix_len", "rows", "seq_lens")
+    __slots__ = ("block_tables", "num_rows", "prefix_len", "prefix_rows", "rows", "seq_lens")
 
     def __init__(self, rows: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, prefix_len: int = 0) -> None:
+                 seq_lens: torch.Tensor, prefix_len: int = 0,
+                 prefix_rows: int | None = None) -> None:
         check_i64(rows, block_tables, seq_lens)
         if not rows.shape[0] == seq_lens.shape[0] == block_tables.shape[0]:
             raise ValueError("paged decode: rows, seq_lens and block_tables disagree in length.")
         self.rows, self.block_tables, self.seq_lens = rows, block_tables, seq_lens
         self.num_rows = rows.shape[0]
         self.prefix_len = prefix_len
+        self.prefix_rows = self.num_rows if prefix_rows is None else prefix_rows
+        if prefix_len and not 0 < self.prefix_rows <= self.num_rows:
+            raise ValueError("paged decode: the rows of a shared prefix are some of the rows.")
 
 
-def shared_prefix_len(block_tables: np.ndarray, seq_lens: list[int], block_size: int) -> int:
-    """Positions at the start of every row's context that lie in the same blocks for all
-    rows (the same block ids at the same places: blocks shared through the prefix cache,
-    full, never written again), whole blocks, leaving each row at least its last position
-    of its own. block_tables [rows, stride]: each row's blocks in order."""
-    if len(seq_lens) == 0:
-        return 0
-    most = (min(seq_lens) - 1) // block_size
-    same = (block_tables[:, :most] == block_tables[:1, :most]).all(axis=0)
-    shared = most if same.all() else int(np.argmin(same))
-    return shared * block_size
+def shared_prefix_rows(block_tables: np.ndarray, seq_lens: list[int], block_size: int,
+                       min_rows: int, min_positions: int) -> tuple[np.ndarray, int]:
+    """The rows whose contexts start with the same blocks (the same block ids at the same
+    places: blocks shared through the prefix cache, full, never written again), and how many
+    positions those blocks hold: of the rows that share their first block with the most
+    others, the prefix length and the rows sharing it that make the most row-positions, at
+    least min_rows rows and min_positions positions (else no rows, 0). Each row keeps at
+    least its last position of its own. block_tables [rows, stride]: each row's blocks in
+    order (past them anything)."""
+    none = np.zeros(0, dtype=np.int64), 0
+    if len(seq_lens) < min_rows or block_tables.shape[1] == 0:
+        return none
+    firsts, counts = np.unique(block_tables[:, 0], return_counts=True)
+    reference = int(np.argmax(block_tables[:, 0] == firsts[np.argmax(counts)]))
+    # Whole blocks below each context's last position, and so below the reference row's.
+    most = np.minimum((np.asarray(seq_lens) - 1) // block_size, block_tables.shape[1])
+    most = np.minimum(most, most[reference])
+    same = block_tables == block_tables[reference]
+    run = np.where(same.all(axis=1), block_tables.shape[1], np.argmin(same, axis=1))
+    shared = np.minimum(run, most)
+    best, best_work = 0, 0
+    for blocks in np.unique(shared[shared * block_size >= max(min_positions, 1)]):
+        rows = int((shared >= blocks).sum())
+        if rows >= min_rows and rows * blocks > best_work:
+            best, best_work = int(blocks), rows * int(blocks)
+    if best == 0:
+        return none
+    return np.flatnonzero(shared >= best), best * block_size
 
 
 def decode_arguments(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,

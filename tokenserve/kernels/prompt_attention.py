@@ -69,7 +69,8 @@ class PromptAttentionOps:
         self._decode_prefix = library.ts_paged_decode_prefix
         self._decode_prefix.restype = ctypes.c_int
         self._decode_prefix.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64,
-                                        i64, i64, i64, i64, ctypes.c_float, i64, i64, i64]
+                                        i64, i64, i64, i64, ctypes.c_float, i64, i64, i64,
+                                        i64]
         self._prefix_available = library.ts_decode_prefix_available
         self._prefix_available.restype = ctypes.c_int
         self._prefix_available.argtypes = [i64, i64, i64, i64, i64]
@@ -145,19 +146,21 @@ class PromptAttentionOps:
         bf16_numerics: bool = False,
         prefetch: str | None = None,
     ) -> None:
-        """PagedAttentionOps.decode_prepared for rows whose contexts share their first
-        decode_rows.prefix_len positions: that prefix attended to by all rows at once, the
-        rest by each row, merged (where shared_prefix_path says so; else whole contexts,
-        as decode_prepared)."""
+        """PagedAttentionOps.decode_prepared for rows of which the first
+        decode_rows.prefix_rows share their first decode_rows.prefix_len positions: that
+        prefix attended to by those rows at once, the rest by each row, merged (where
+        shared_prefix_path says so; else whole contexts, as decode_prepared)."""
         arguments = paged_attention.decode_arguments(out, query, key_cache, value_cache,
                                                      decode_rows, scale, bf16_numerics,
                                                      prefetch)
+        sharing = decode_rows.seq_lens[: decode_rows.prefix_rows]
         if decode_rows.prefix_len % key_cache.shape[2] or (
-            decode_rows.num_rows and decode_rows.prefix_len >= int(decode_rows.seq_lens.min())
+            len(sharing) and decode_rows.prefix_len >= int(sharing.min())
         ):
             raise ValueError("paged decode: a shared prefix is whole blocks, shorter than "
-                             "every row's context.")
-        status = self._decode_prefix(*arguments, decode_rows.prefix_len)
+                             "the context of every row sharing it.")
+        status = self._decode_prefix(*arguments, decode_rows.prefix_len,
+                                     decode_rows.prefix_rows)
         if status != 0:
             raise MemoryError("paged decode could not allocate its scratch buffers.")
 

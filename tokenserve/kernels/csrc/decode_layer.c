@@ -65,11 +65,11 @@ typedef struct {
     const int64_t *chunks, *chunk_tables;     /* [num_chunks, 3], [num_chunks, stride] */
     int64_t num_chunks, chunk_table_stride, prompt_kv; /* prompt_kv: ts_prompt_attention's */
     int64_t decode_prefetch; /* decode_items' prefetch */
-    /* Positions every decode row's context shares (whole blocks; 0: none), and with them
-     * the shared-prefix path's buffers (prompt_attention.c): the prefix half's output
-     * [num_decode_rows, heads * head_dim], and both halves' log-sum-exps [num_decode_rows,
-     * heads]. */
-    int64_t prefix_len;
+    /* Positions the contexts of the first prefix_rows decode rows share (whole blocks; 0:
+     * none), and with them the shared-prefix path's buffers (prompt_attention.c): the prefix
+     * half's output [prefix_rows, heads * head_dim], and both halves' log-sum-exps
+     * [prefix_rows, heads]. */
+    int64_t prefix_len, prefix_rows;
     float *prefix_out, *prefix_lse, *suffix_lse;
 } ts_decode_step;
 
@@ -166,18 +166,19 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
     (void)bf16_gates;
     int failed = 0;
     int64_t claimed = 0; /* decode_items' */
-    /* The decode rows' shared prefix (prompt_attention.c): positions skipped by the decode
-     * items, and the rows per prefix item. */
-    const int64_t prefix = step->prefix_len > 0 && step->num_decode_rows > 0 &&
+    /* The shared prefix of the first prefix_rows decode rows (prompt_attention.c): the
+     * positions their decode items skip, and the rows per prefix item. */
+    const int64_t prefix = step->prefix_len > 0 && step->prefix_rows > 0 &&
+                                   step->prefix_rows <= step->num_decode_rows &&
                                    ts_decode_prefix_available(step->kv_mode, step->num_heads,
                                                               step->num_kv_heads, D,
                                                               step->block_size)
                                ? step->prefix_len
                                : 0;
-    const int64_t prefix_rows = prefix ? prefix_item_rows(step->num_decode_rows, group,
-                                                          step->num_kv_heads,
-                                                          omp_get_max_threads())
-                                       : 0;
+    const int64_t prefix_rows = prefix ? step->prefix_rows : 0;
+    const int64_t item_rows = prefix ? prefix_item_rows(prefix_rows, group, step->num_kv_heads,
+                                                        omp_get_max_threads())
+                                     : 0;
 #pragma omp parallel
     {
         _Alignas(64) float panel[PANEL_K * PANEL];
@@ -187,7 +188,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
          * larger of both needs, so that the prompt items' request below hands back the same. */
         AmxScratch *prefix_scratch = NULL;
         if (prefix) {
-            const int64_t need = prefix_rows * group, prompt = plan.amx ? plan.max_rows * group : 0;
+            const int64_t need = item_rows * group, prompt = plan.amx ? plan.max_rows * group : 0;
             prefix_scratch = amx_scratch(((need > prompt ? need : prompt) + 15) / 16 * 16, D);
             if (prefix_scratch == NULL) {
 #pragma omp atomic write
@@ -225,7 +226,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
 #if PREFIX_AMX
         if (prefix)
             prefix_items(step->prefix_out, q_size, step->prefix_lse, step->qkv, qkv_width,
-                         step->decode_rows, step->num_decode_rows, prefix_rows,
+                         step->decode_rows, prefix_rows, item_rows,
                          layer->key_cache, layer->value_cache, step->block_tables, prefix,
                          step->num_heads, step->num_kv_heads, D, step->block_size,
                          step->scale, prefix_scratch);
@@ -234,7 +235,8 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                      layer->key_cache, layer->value_cache, step->block_tables,
                      step->block_table_stride, step->seq_lens, step->num_decode_rows,
                      step->num_heads, step->num_kv_heads, D, step->block_size, step->scale,
-                     scores, step->kv_mode, step->decode_prefetch, prefix, step->suffix_lse);
+                     scores, step->kv_mode, step->decode_prefetch, prefix, prefix_rows,
+                     step->suffix_lse);
         if (plan.num_items)
             prompt_items(&plan, attn_scratch, step->attn, q_size, step->qkv, qkv_width,
                          layer->key_cache, layer->value_cache, step->chunks,
@@ -244,8 +246,8 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
 #pragma omp barrier
         if (prefix)
             merge_attention(step->attn, q_size, step->decode_rows, step->prefix_out, q_size,
-                            step->prefix_lse, step->suffix_lse, step->num_decode_rows,
-                            step->num_heads, D);
+                            step->prefix_lse, step->suffix_lse, prefix_rows, step->num_heads,
+                            D);
         project(step->o, step->attn, M, &layer->o, panel, sums, xp, a);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r)

@@ -683,17 +683,18 @@ static inline void decode_item(float *o, const float *q, const void *key_cache,
  * (STREAM_NEXT_ITEM or OWN_TOKENS_AHEAD) says. Row r reads its query at query + i *
  * query_stride and writes out + i * out_stride, i = rows[r] (r where rows is NULL). No
  * barrier at the end. With scores NULL (the thread's allocation failed) items are claimed,
- * not done. With skip > 0 (a multiple of block_size, below every row's context) each row
- * attends to its context past the first `skip` positions only, and writes its heads'
- * log-sum-exps to lse + r * num_heads: the suffix half of a shared prefix (decode_prefix). */
+ * not done. With skip > 0 (a multiple of block_size, below the contexts of rows 0 ..
+ * skip_rows - 1) each of those rows attends to its context past the first `skip` positions
+ * only, and writes its heads' log-sum-exps to lse + r * num_heads: the rest of the context
+ * after a shared prefix (prompt_attention.c, "Decode rows over a shared prefix"). */
 static void decode_items(int64_t *claimed, float *out, int64_t out_stride, const float *query,
                          int64_t query_stride, const int64_t *rows, const void *key_cache,
                          const void *value_cache, const int64_t *block_tables,
                          int64_t block_table_stride, const int64_t *seq_lens, int64_t num_rows,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, float scale, float *scores, int64_t kv_bf16,
-                         int64_t prefetch, int64_t skip, float *lse) {
-    const int64_t num_items = num_rows * num_kv_heads, skipped = skip / block_size;
+                         int64_t prefetch, int64_t skip, int64_t skip_rows, float *lse) {
+    const int64_t num_items = num_rows * num_kv_heads;
     const int stream = prefetch == STREAM_NEXT_ITEM;
     int64_t item, next;
 #pragma omp atomic capture
@@ -703,20 +704,25 @@ static void decode_items(int64_t *claimed, float *out, int64_t out_stride, const
     for (int first = 1; item < num_items; first = 0) {
         const int64_t row = item / num_kv_heads, at = rows ? rows[row] : row;
         NextItem ahead = {0};
-        if (next < num_items)
-            ahead = (NextItem){block_tables + next / num_kv_heads * block_table_stride +
-                                   skipped,
-                               seq_lens[next / num_kv_heads] - skip,
+        if (next < num_items) {
+            const int64_t then_row = next / num_kv_heads;
+            const int64_t then_from = then_row < skip_rows ? skip : 0;
+            ahead = (NextItem){block_tables + then_row * block_table_stride +
+                                   then_from / block_size,
+                               seq_lens[then_row] - then_from,
                                next % num_kv_heads * block_size * head_dim};
+        }
         const NextItem *then = next < num_items ? &ahead : NULL;
         const int own = !stream ? OWN_NEAR : first ? OWN_FAR : OWN_NONE;
+        const int64_t from = row < skip_rows ? skip : 0;
         if (scores != NULL)
             decode_item_then(out + at * out_stride, query + at * query_stride, key_cache,
-                             value_cache, block_tables + row * block_table_stride + skipped,
-                             seq_lens[row] - skip, item % num_kv_heads, num_heads,
+                             value_cache, block_tables + row * block_table_stride +
+                                              from / block_size,
+                             seq_lens[row] - from, item % num_kv_heads, num_heads,
                              num_kv_heads, head_dim, block_size, scale, scores, kv_bf16, own,
                              stream ? then : NULL, stream ? NULL : then,
-                             skip > 0 ? lse + row * num_heads : NULL);
+                             from > 0 ? lse + row * num_heads : NULL);
         item = next;
         if (item < num_items) {
 #pragma omp atomic capture
@@ -752,7 +758,7 @@ int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t 
         decode_items(&claimed, out, out_stride, query, query_stride, rows, key_cache,
                      value_cache, block_tables, block_table_stride, seq_lens, num_rows,
                      num_heads, num_kv_heads, head_dim, block_size, scale, scores, kv_bf16,
-                     prefetch, 0, NULL);
+                     prefetch, 0, 0, NULL);
         free(scores);
     }
     return failed ? -1 : 0;

@@ -548,10 +548,11 @@ static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int6
     }
 }
 
-/* Decode rows over a shared prefix: when every decode row's context starts with the same
- * `prefix` positions (whole blocks shared through the prefix cache, the same block ids in
- * every row's table), the rows attend to that prefix together and each to the rest of its
- * context alone, and the two halves are merged by their log-sum-exps (merge_attention).
+/* Decode rows over a shared prefix: when the contexts of a step's first `prefix_rows`
+ * decode rows start with the same `prefix` positions (whole blocks shared through the
+ * prefix cache, the same block ids in those rows' tables), those rows attend to that prefix
+ * together and each to the rest of its context alone, and the two halves are merged by their
+ * log-sum-exps (merge_attention); the other rows attend to their whole contexts.
  * The prefix half is the AMX prompt kernel's item (amx_attend) over all the rows' queries
  * of a kv head at once: each prefix key tile is laid out once for every row instead of
  * being read once per row, and the tiles are full (16 queries) where a row's 3 heads fill
@@ -636,9 +637,9 @@ static void merge_attention(float *out, int64_t out_stride, const int64_t *rows,
     }
 }
 
-/* ts_paged_decode (paged_attention.c) for rows whose contexts all start with the same
- * `prefix` positions (the same blocks in every row's table, whole blocks, below every
- * row's context), on the shared-prefix path where ts_decode_prefix_available says it runs
+/* ts_paged_decode (paged_attention.c) for rows whose first prefix_rows all start with the
+ * same `prefix` positions (the same blocks in their tables, whole blocks, below each of
+ * their contexts), on the shared-prefix path where ts_decode_prefix_available says it runs
  * (else on ts_paged_decode's). Returns 0, or -1 if a scratch buffer could not be
  * allocated. */
 int ts_paged_decode_prefix(float *out, int64_t out_stride, const float *query,
@@ -647,8 +648,8 @@ int ts_paged_decode_prefix(float *out, int64_t out_stride, const float *query,
                            int64_t block_table_stride, const int64_t *seq_lens,
                            int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t block_size, float scale, int64_t kv_mode,
-                           int64_t prefetch, int64_t prefix) {
-    if (prefix <= 0 || num_rows == 0 ||
+                           int64_t prefetch, int64_t prefix, int64_t prefix_rows) {
+    if (prefix <= 0 || prefix_rows <= 0 || prefix_rows > num_rows ||
         !ts_decode_prefix_available(kv_mode, num_heads, num_kv_heads, head_dim, block_size))
         return ts_paged_decode(out, out_stride, query, query_stride, rows, key_cache,
                                value_cache, block_tables, block_table_stride, seq_lens,
@@ -659,9 +660,9 @@ int ts_paged_decode_prefix(float *out, int64_t out_stride, const float *query,
     int64_t max_seq_len = 0;
     for (int64_t r = 0; r < num_rows; ++r)
         max_seq_len = seq_lens[r] > max_seq_len ? seq_lens[r] : max_seq_len;
-    float *prefix_out = (float *)malloc(sizeof(float) * (size_t)(num_rows * width));
-    float *lse = (float *)malloc(sizeof(float) * (size_t)(2 * num_rows * num_heads));
-    const int64_t item_rows = prefix_item_rows(num_rows, group, num_kv_heads,
+    float *prefix_out = (float *)malloc(sizeof(float) * (size_t)(prefix_rows * width));
+    float *lse = (float *)malloc(sizeof(float) * (size_t)(2 * prefix_rows * num_heads));
+    const int64_t item_rows = prefix_item_rows(prefix_rows, group, num_kv_heads,
                                                omp_get_max_threads());
     int failed = prefix_out == NULL || lse == NULL;
     int64_t claimed = 0;
@@ -674,17 +675,17 @@ int ts_paged_decode_prefix(float *out, int64_t out_stride, const float *query,
 #pragma omp atomic write
                 failed = 1;
             }
-            prefix_items(prefix_out, width, lse, query, query_stride, rows, num_rows, item_rows,
-                         (const uint16_t *)key_cache, (const uint16_t *)value_cache,
+            prefix_items(prefix_out, width, lse, query, query_stride, rows, prefix_rows,
+                         item_rows, (const uint16_t *)key_cache, (const uint16_t *)value_cache,
                          block_tables, prefix, num_heads, num_kv_heads, head_dim, block_size,
                          scale, w);
             decode_items(&claimed, out, out_stride, query, query_stride, rows, key_cache,
                          value_cache, block_tables, block_table_stride, seq_lens, num_rows,
                          num_heads, num_kv_heads, head_dim, block_size, scale, scores, kv_mode,
-                         prefetch, prefix, lse + num_rows * num_heads);
+                         prefetch, prefix, prefix_rows, lse + prefix_rows * num_heads);
 #pragma omp barrier
             merge_attention(out, out_stride, rows, prefix_out, width, lse,
-                            lse + num_rows * num_heads, num_rows, num_heads, head_dim);
+                            lse + prefix_rows * num_heads, prefix_rows, num_heads, head_dim);
             free(scores);
         }
     }
