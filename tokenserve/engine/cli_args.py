@@ -61,8 +61,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                         help="Most logprobs (and prompt logprobs) a request may ask for.")
     parser.add_argument("--disable-cascade-attn", action="store_true",
                         default=defaults.disable_cascade_attn,
-                        help="Attend each prefill chunk over its whole context alone, instead "
-                             "of a long prefix shared by several chunks once for all of them.")
+                        help="Attend each prefill chunk and decode row over its whole context "
+                             "alone, instead of a long prefix shared by several of them once "
+                             "for all of them.")
     parallel = parser.add_argument_group("Parallelism (docs/PARALLELISM.md)")
     parallel.add_argument("-tp", "--tensor-parallel-size", type=int,
                           default=defaults.tensor_parallel_size,

@@ -553,14 +553,14 @@ static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int6
  * prefix cache, the same block ids in those rows' tables), those rows attend to that prefix
  * together and each to the rest of its context alone, and the two halves are merged by their
  * log-sum-exps (merge_attention); the other rows attend to their whole contexts.
- * The prefix half is the AMX prompt kernel's item (amx_attend) over all the rows' queries
- * of a kv head at once: each prefix key tile is laid out once for every row instead of
- * being read once per row, and the tiles are full (16 queries) where a row's 3 heads fill
- * a sixteenth of one. The rest is the decode kernel's item over the row's own positions
+ * The prefix half is the AMX prompt kernel's item (amx_attend) over those rows' queries of
+ * a kv head at once: each prefix key tile is laid out once for all of them instead of being
+ * read once per row, and the tiles are full (16 queries) where a row's 3 heads fill a
+ * sixteenth of one. The rest is the decode kernel's item over the row's own positions
  * (decode_items with skip). Numerics: those of both kernels (queries and probabilities
  * rounded to bf16, float32 sums), each half's probabilities relative to its own maximum;
  * the merge in float32. Needs the AMX prompt path and the decode kernel's dot-product path
- * (a bf16 cache, head_dim a multiple of 32, up to 256; decode_prefix_takes). */
+ * (a bf16 cache, head_dim a multiple of 32, up to 256: ts_decode_prefix_available). */
 #if PROMPT_AMX
 #define PREFIX_AMX 1
 #else
