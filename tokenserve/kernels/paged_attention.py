@@ -90,6 +90,8 @@ def shared_prefix_rows(block_tables: np.ndarray, seq_lens: list[int], block_size
     if len(seq_lens) < min_rows or block_tables.shape[1] == 0:
         return none
     firsts, counts = np.unique(block_tables[:, 0], return_counts=True)
+    if counts.max() < min_rows:  # requests of prompts all their own: most steps
+        return none
     reference = int(np.argmax(block_tables[:, 0] == firsts[np.argmax(counts)]))
     # Whole blocks below each context's last position, and so below the reference row's.
     most = np.minimum((np.asarray(seq_lens) - 1) // block_size, block_tables.shape[1])
