@@ -61,7 +61,8 @@ class DecodeRows:
     (kernels/csrc/prompt_attention.c, "Decode rows over a shared prefix"); 0 for none. The
     kernels that do not take it attend to whole contexts."""
 
-    __slots__ = ("block_tables", "num_rows", "prefix_len", "prefix_rows", "rows", "seq_lens")
+    __slots__ = ("block_tables", "num_rows", "prefix_len", "prefix_rows", "rows", "seq_lens",
+                 "sharing_context")
 
     def __init__(self, rows: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, prefix_len: int = 0,
@@ -75,6 +76,8 @@ class DecodeRows:
         self.prefix_rows = self.num_rows if prefix_rows is None else prefix_rows
         if prefix_len and not 0 < self.prefix_rows <= self.num_rows:
             raise ValueError("paged decode: the rows of a shared prefix are some of the rows.")
+        # The shortest context of the rows sharing the prefix (checked against it per call).
+        self.sharing_context = int(seq_lens[: self.prefix_rows].min()) if prefix_len else 0
 
 
 def shared_prefix_rows(block_tables: np.ndarray, seq_lens: list[int], block_size: int,

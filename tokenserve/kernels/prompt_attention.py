@@ -153,9 +153,8 @@ class PromptAttentionOps:
         arguments = paged_attention.decode_arguments(out, query, key_cache, value_cache,
                                                      decode_rows, scale, bf16_numerics,
                                                      prefetch)
-        sharing = decode_rows.seq_lens[: decode_rows.prefix_rows]
         if decode_rows.prefix_len % key_cache.shape[2] or (
-            len(sharing) and decode_rows.prefix_len >= int(sharing.min())
+            decode_rows.prefix_len and decode_rows.prefix_len >= decode_rows.sharing_context
         ):
             raise ValueError("paged decode: a shared prefix is whole blocks, shorter than "
                              "the context of every row sharing it.")
