@@ -14,6 +14,7 @@ per query-key pair that the causal mask lets through).
 usage: python benchmarks/prompt_attention.py [--shapes w1 short w3-first w3-continue
        w3-tails w3-cached w4 w2]
        [--scale 1.0] [--block-size 16] [--cpu-isa avx512_bf16 amx] [--repeats 7]
+       [--shared-prefix 0]
 """
 
 from __future__ import annotations
@@ -49,10 +50,15 @@ SHAPES = {
 
 def _step(chunks: list[tuple[int, int]], block_size: int, args: argparse.Namespace):
     starts, seq_lens, tables, slots = [0], [], [], []
-    next_block = 1
+    # The whole blocks of a shared prefix are the same blocks in every chunk's table (as
+    # prefix caching makes them); a chunk's own positions never fall in them.
+    shared = list(range(1, 1 + args.shared_prefix // block_size))
+    next_block = 1 + len(shared)
     for q_len, seq_len in chunks:
-        blocks = list(range(next_block, next_block + -(-seq_len // block_size)))
-        next_block += len(blocks)
+        own = min(len(shared), (seq_len - q_len) // block_size)
+        count = -(-seq_len // block_size) - own
+        blocks = shared[:own] + list(range(next_block, next_block + count))
+        next_block += count
         starts.append(starts[-1] + q_len)
         seq_lens.append(seq_len)
         tables.append(blocks)
@@ -90,6 +96,9 @@ def main() -> None:
     parser.add_argument("--cpu-isa", nargs="+", default=bf16_levels,
                         help="Levels to run (default: every one with native bf16 here).")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="Context positions (whole blocks) every chunk reads from the same "
+                             "blocks, as a cached prefix shared by the requests (W3: 1024).")
     args = parser.parse_args()
     levels = [cpu_isa.resolve(level) for level in args.cpu_isa]
     print(f"{args.heads} heads / {args.kv_heads} kv heads x {args.head_dim}, block size "

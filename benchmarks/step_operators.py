@@ -8,7 +8,7 @@ Measures CPU time of the calling thread (`time.thread_time`), not wall-clock: ru
 thread at OpenMP barriers). `--wall` measures wall-clock time instead.
 
 usage: OMP_NUM_THREADS=1 python benchmarks/step_operators.py [--num-prompts 16]
-           [--input-len 1088] [--output-len 2] [--skip 2] [--steps 10]
+           [--input-len 1088] [--prefix-len 0] [--output-len 2] [--skip 2] [--steps 10]
            [engine flags as for bench throughput, e.g. --max-num-batched-tokens 512]
 """
 
@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=1088)
     parser.add_argument("--output-len", type=int, default=2)
+    parser.add_argument("--prefix-len", type=int, default=0,
+                        help="A shared prefix of this many tokens before every prompt (W3: 1024).")
     parser.add_argument("--skip", type=int, default=2, help="Steps run before timing.")
     parser.add_argument("--steps", type=int, default=10, help="Steps timed.")
     parser.add_argument("--wall", action="store_true", help="Wall-clock, not CPU, time.")
@@ -73,7 +75,9 @@ def main() -> None:
     runner.model.forward = timed(runner.model.forward, "model_forward")
 
     vocab_size = engine.config.model_config.vocab_size
-    prompts = random_token_prompts(args.num_prompts, args.input_len, vocab_size, seed=0)
+    prompts = random_token_prompts(
+        args.num_prompts, args.input_len, vocab_size, seed=0, prefix_len=args.prefix_len
+    )
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     for index, prompt in enumerate(prompts):
         engine.add_request(str(index), {"prompt_token_ids": prompt}, params)

@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from tokenserve.kernels import cpu_isa
 
@@ -43,3 +44,26 @@ def test_prompt_attention_benchmark_reports_every_level_and_shape():
     for *_, kernel_ms, kernel_rate, sdpa_ms, sdpa_rate, ratio in timed:
         for value in (kernel_ms, kernel_rate, sdpa_ms, sdpa_rate, ratio):
             assert math.isfinite(float(value)) and float(value) >= 0, result.stdout
+
+
+def test_a_shared_prefix_is_the_same_blocks_in_every_chunks_table():
+    """--shared-prefix: the whole blocks of the prefix are one set of blocks in every chunk's
+    table (as prefix caching makes them), each chunk's own positions in blocks of its own,
+    and the new tokens' slots only in those."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import prompt_attention
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    args = SimpleNamespace(heads=9, kv_heads=3, head_dim=64, shared_prefix=40)
+    chunks = [(8, 50), (16, 60), (4, 20)]  # the last context is shorter than the prefix
+    common, _, num_blocks = prompt_attention._step(chunks, 16, args)
+    tables = common.block_tables
+    # 40 positions: blocks 1 and 2 whole; the last chunk's first 16 context positions.
+    assert tables[0][:2] == tables[1][:2] == [1, 2] and tables[2][:1] == [1]
+    own = [block for table, (q_len, seq_len) in zip(tables, chunks)
+           for block in table[min(2, (seq_len - q_len) // 16):]]
+    assert len(own) == len(set(own)) and not {1, 2} & set(own)
+    assert num_blocks == 1 + 2 + len(own)
+    new_blocks = {slot // 16 for slot in common.slot_mapping.tolist()}
+    assert new_blocks <= set(own)

@@ -7,14 +7,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "step_operators.py"
 
 
-def test_step_operators_times_each_operator_inside_the_forward(tiny_model_dirs):
+# --prefix-len: W3's shape, the prompts behind one shared prefix.
+@pytest.mark.parametrize("prefix_len", [0, 24])
+def test_step_operators_times_each_operator_inside_the_forward(tiny_model_dirs, prefix_len):
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", tiny_model_dirs["llama"], "--kv-cache-memory",
-         "64MiB", "--num-prompts", "3", "--input-len", "40", "--output-len", "2", "--skip", "0",
-         "--steps", "2"],
+         "64MiB", "--num-prompts", "3", "--input-len", "40", "--prefix-len", str(prefix_len),
+         "--output-len", "2", "--skip", "0", "--steps", "2"],
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stderr

@@ -136,6 +136,29 @@ def test_a_running_maximum_that_keeps_moving(kernel, cpu_isa_level):
     torch.testing.assert_close(out[inside].double(), expected[inside], rtol=0, atol=atol)
 
 
+def test_a_score_past_float32s_exponent_range_moves_the_maximum(kernel, cpu_isa_level):
+    """One key mid-context 300 times longer than the rest: its scores pass the running
+    maximum by far more than e^88 (float32's largest exponential) for the queries that
+    point its way. The maximum must move there, else the exponentials overflow; float64
+    attention within the bf16 bound."""
+    chunks = [(70, 400), (1, 260)]
+    query, key_cache, value_cache, batch = _step(9, 3, 64, 16, chunks, torch.bfloat16)
+    block_size = key_cache.shape[2]
+    for (_, _, seq_len), table in zip(batch.chunks.tolist(), batch.block_tables):
+        far = seq_len // 2
+        block, offset = table[far // block_size], far % block_size
+        key_cache[block, :, offset] = (key_cache[block, :, offset].float() * 300).to(
+            torch.bfloat16)
+    out = torch.full_like(query, float("nan"))
+    kernel.attend(out, query, key_cache, value_cache, batch, 0.125)
+    native = kernel.native(torch.bfloat16, 9, 3, 64)
+    expected = _reference(query, key_cache, value_cache, batch, 0.125, bf16_queries=native)
+    inside = ~expected.isnan()
+    assert out[inside].isfinite().all()
+    atol = 2**-8 * value_cache.abs().max().item() if native else 2e-5
+    torch.testing.assert_close(out[inside].double(), expected[inside], rtol=0, atol=atol)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_a_chunk_alone_equals_the_chunk_among_others(kernel, cache_dtype):
     """A chunk's rows are bit-identical whichever chunks share the call: work items never

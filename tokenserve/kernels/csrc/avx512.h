@@ -10,22 +10,22 @@
 #include <stdint.h>
 
 /* e^(s · scale - top) as 2^t, t = s · scale_l2 - top_l2 (both scaled by log2 e: one
- * fused multiply-add), with a relative error below 3e-6 (a degree-4 fit of 2^f on
- * [-1/2, 1/2], evaluated in float32): the probabilities are rounded to bf16 (relative error
- * up to 2^-9) before they multiply the values, and the row sums' error stays a thousandth of
- * that. n = round(t), 2^(t - n) by the polynomial, times 2^n (vscalefps). No
- * clamps: callers keep t small for the lanes kept (the prompt kernel: at most LAZY_MAX ·
- * log2 e) and vscalefps flushes very negative ones to 0; the lanes not kept are 0 whatever they held. */
+ * fused multiply-add), with a relative error below 3e-6 (a degree-4 fit of 2^f on [0, 1),
+ * evaluated in float32): the probabilities are rounded to bf16 (relative error up to 2^-9)
+ * before they multiply the values, and the row sums' error stays a thousandth of that.
+ * f = t - floor(t) in one instruction (vreduceps), 2^f by the polynomial, times 2^floor(t)
+ * (vscalefps takes the floor of t itself). No clamps: callers keep t small for the lanes
+ * kept (the prompt kernel: at most LAZY_MAX · log2 e) and vscalefps flushes very negative
+ * ones to 0; the lanes not kept are 0 whatever they held. */
 static inline __m512 exp_shifted(__mmask16 keep, __m512 s, __m512 scale_l2, __m512 top_l2) {
     const __m512 t = _mm512_fmsub_ps(s, scale_l2, top_l2);
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(9.5700688443e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5917808388e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4024745057e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312182128e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999926157e-1f));
-    return _mm512_maskz_scalef_ps(keep, p, n); /* 0 where masked */
+    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 p = _mm512_set1_ps(1.3534133322536945e-2f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.201148986816406e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4144276976585388e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.930038332939148e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000026226043701f));
+    return _mm512_maskz_scalef_ps(keep, p, t); /* 0 where masked */
 }
 
 /* A 16 x 16 transpose of 32-bit elements in registers (r[i] lane j becomes r[j] lane i):

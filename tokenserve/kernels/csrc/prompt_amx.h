@@ -57,7 +57,9 @@ typedef struct {
     uint16_t *q;                    /* [queries][head_dim] bf16 */
     float *o;                       /* [queries][head_dim] */
     __m512 *sum;                    /* per query, lane-wise partial sums */
-    float *max;
+    float *max;                     /* the running maximum (scaled scores) */
+    float *bar;                     /* the unscaled score that moves it (softmax_row) */
+    float *max_l2;                  /* max · log2 e */
     int32_t *limit;
 } AmxScratch;
 
@@ -71,7 +73,7 @@ static AmxScratch *amx_scratch(int64_t queries, int64_t head_dim) {
     free(kept);
     const size_t header = (sizeof(AmxScratch) + 63) / 64 * 64;
     const size_t q = ((size_t)need * 2 + 63) / 64 * 64, o = (size_t)need * 4;
-    const size_t per_query = 64 + 4 + 4; /* sum, max, limit */
+    const size_t per_query = 64 + 4 * 4; /* sum, max, bar, max_l2, limit */
     char *base = aligned_alloc(64, header + q + o + (size_t)queries * per_query + 64);
     kept = (AmxScratch *)base;
     if (base == NULL) return NULL;
@@ -81,7 +83,9 @@ static AmxScratch *amx_scratch(int64_t queries, int64_t head_dim) {
     kept->o = (float *)(base + header + q);
     kept->sum = (__m512 *)(base + header + q + o);
     kept->max = (float *)(kept->sum + queries);
-    kept->limit = (int32_t *)(kept->max + queries);
+    kept->bar = kept->max + queries;
+    kept->max_l2 = kept->bar + queries;
+    kept->limit = (int32_t *)(kept->max_l2 + queries);
     return kept;
 }
 
@@ -90,11 +94,13 @@ static AmxScratch *amx_scratch(int64_t queries, int64_t head_dim) {
  * LAZY_MAX, the one horizontal maximum per row and key tile (and the rescale of the row's
  * output and sum) is skipped otherwise. Exact all the same: every probability and the sum
  * are relative to the same stale maximum, so the final division cancels it, and they stay
- * below e^LAZY_MAX (bf16 and float32 keep their relative precision). */
+ * below e^LAZY_MAX (bf16 and float32 keep their relative precision). The test is on the
+ * unscaled scores, against the row's bar ((max + LAZY_MAX) / scale, kept with max and
+ * max · log2 e): per row and key tile, one comparison and no scalar arithmetic. `masked`
+ * is a constant at each call: without masks the compiler drops them and their branches. */
 static inline __attribute__((always_inline)) void softmax_row(
-    AmxScratch *w, int64_t m, const float *s, uint16_t *p, __m512 scales, __m512 scales_l2,
-    int masked,
-    __m512i pos0, int64_t head_dim) {
+    AmxScratch *w, int64_t m, const float *s, uint16_t *p, float scale, __m512 scales_l2,
+    int masked, __m512i pos0, int64_t head_dim) {
     __m512 x[AKT / 16];
     __mmask16 keep[AKT / 16];
     const __m512i limit = _mm512_set1_epi32(w->limit[m]);
@@ -104,16 +110,16 @@ static inline __attribute__((always_inline)) void softmax_row(
         keep[t] = masked ? _mm512_cmple_epi32_mask(
                                _mm512_add_epi32(pos0, _mm512_set1_epi32(16 * t)), limit)
                          : (__mmask16)0xffff;
-        top = _mm512_mask_max_ps(top, keep[t], top, x[t]);
+        top = masked ? _mm512_mask_max_ps(top, keep[t], top, x[t])
+                     : (t == 0 ? x[t] : _mm512_max_ps(top, x[t]));
     }
-    top = _mm512_mul_ps(top, scales);
-    float now = w->max[m];
-    /* -inf + LAZY_MAX stays -inf: the first tile always sets the maximum (key 0 is
-     * everyone's). */
-    if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(now + LAZY_MAX), _CMP_GT_OQ)) {
-        const float old = now;
-        now = _mm512_reduce_max_ps(top);
+    /* -inf stays -inf: the first tile always sets the maximum (key 0 is everyone's). */
+    if (_mm512_cmp_ps_mask(top, _mm512_set1_ps(w->bar[m]), _CMP_GT_OQ)) {
+        const float old = w->max[m];
+        const float now = _mm512_reduce_max_ps(top) * scale;
         w->max[m] = now;
+        w->bar[m] = (now + LAZY_MAX) / scale;
+        w->max_l2[m] = now * 1.44269504088896341f;
         /* On the first key tile the sum is 0 and the output not yet written (the product
          * with the values starts it from zero tiles). */
         if (old != -INFINITY) {
@@ -124,8 +130,8 @@ static inline __attribute__((always_inline)) void softmax_row(
                 _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), alpha));
         }
     }
-    /* The rounding of now · log2 e is common to the row: the final division cancels it. */
-    const __m512 now_v = _mm512_set1_ps(now * 1.44269504088896341f);
+    /* The rounding of max · log2 e is common to the row: the final division cancels it. */
+    const __m512 now_v = _mm512_set1_ps(w->max_l2[m]);
     __m512 sum = w->sum[m];
     for (int t = 0; t < AKT / 16; t += 2) {
         /* 16 keys all past the row (on the diagonal tile): no exponentials. */
@@ -187,7 +193,7 @@ static inline __attribute__((always_inline)) void amx_attend(
     for (int64_t m = 0, row = 0, g = 0; m < padded; ++m) {
         w->limit[m] = (int32_t)(rows->limit0 + rows->limit_step *
                                                    (m < queries ? row : count - 1));
-        w->max[m] = -INFINITY;
+        w->max[m] = w->bar[m] = w->max_l2[m] = -INFINITY;
         w->sum[m] = _mm512_setzero_ps();
         if (++g == group) {
             g = 0;
@@ -203,7 +209,6 @@ static inline __attribute__((always_inline)) void amx_attend(
         config.rows[t] = 16;
     }
     amx_load_config(&config);
-    const __m512 scales = _mm512_set1_ps(scale);
     const __m512 scales_l2 = _mm512_set1_ps(scale * 1.44269504088896341f);
     const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     /* Positions past the last row's limit are never read (tile_rows: rows of zeros). */
@@ -240,9 +245,16 @@ static inline __attribute__((always_inline)) void amx_attend(
             _tile_stored(1, w->s + 16, AKT * 4);
             _tile_stored(2, w->s + 32, AKT * 4);
             _tile_stored(3, w->s + 48, AKT * 4);
-            for (int i = 0; i < 16; ++i)
-                softmax_row(w, r + i, w->s + i * AKT, w->p + i * AKT, scales, scales_l2,
-                            masked, pos0, head_dim);
+            /* Two copies of the row loop: where no key of the tile is masked the compiler
+             * drops the masks and their branches. */
+            if (masked)
+                for (int i = 0; i < 16; ++i)
+                    softmax_row(w, r + i, w->s + i * AKT, w->p + i * AKT, scale, scales_l2, 1,
+                                pos0, head_dim);
+            else
+                for (int i = 0; i < 16; ++i)
+                    softmax_row(w, r + i, w->s + i * AKT, w->p + i * AKT, scale, scales_l2, 0,
+                                pos0, head_dim);
             _tile_loadd(4, w->p, AKT * 2);
             _tile_loadd(5, w->p + 32, AKT * 2);
             for (int64_t d = 0; d < head_dim; d += 16) {
