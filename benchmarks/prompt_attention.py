@@ -11,15 +11,23 @@ query heads, 3 kv heads, head size 64). Figures: the fastest of `--repeats` wall
 times (kernel and SDPA taking turns), and GFLOP/s of useful work (4 · heads · head size
 per query-key pair that the causal mask lets through).
 
+`--shared-prefix N`: the chunks' first N context positions (whole blocks) are the same
+blocks in every table, as prefix caching hands W3's requests their common prefix (the
+kernel's AMX path then lays those key tiles out once for consecutive chunks). `--other-csrc
+DIR`: another tree's kernels (its tokenserve/kernels/csrc) built beside this one's and run
+in the same turns (column `other`, and other/kernel): a before/after of a kernel change in
+one process, which this machine's drift from one run to the next would swamp.
+
 usage: python benchmarks/prompt_attention.py [--shapes w1 short w3-first w3-continue
        w3-tails w3-cached w4 w2]
        [--scale 1.0] [--block-size 16] [--cpu-isa avx512_bf16 amx] [--repeats 7]
-       [--shared-prefix 0]
+       [--shared-prefix 0] [--other-csrc DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import time
 
 import torch
@@ -27,6 +35,7 @@ import torch
 from tokenserve.attention.backend import CommonAttentionMetadata
 from tokenserve.attention.torch_sdpa import TorchSDPABackend
 from tokenserve.kernels import build, cpu_isa
+from tokenserve.kernels.prompt_attention import PromptAttentionOps
 
 # A step's prompt chunks: (query length, context length) each.
 SHAPES = {
@@ -99,6 +108,9 @@ def main() -> None:
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="Context positions (whole blocks) every chunk reads from the same "
                              "blocks, as a cached prefix shared by the requests (W3: 1024).")
+    parser.add_argument("--other-csrc", default=None,
+                        help="Another tree's tokenserve/kernels/csrc: its kernel runs too, "
+                             "taking turns with this one's (column `other`).")
     args = parser.parse_args()
     levels = [cpu_isa.resolve(level) for level in args.cpu_isa]
     print(f"{args.heads} heads / {args.kv_heads} kv heads x {args.head_dim}, block size "
@@ -122,11 +134,15 @@ def main() -> None:
             kv_cache = torch.randn(backend.kv_cache_shape(
                 num_blocks, args.block_size, args.kv_heads, args.head_dim)).to(torch.bfloat16)
             metadata = backend.build_metadata(common)
+            builds = {"kernel": backend.prompt_ops, "sdpa": None}
+            if args.other_csrc:
+                library = build.build("prompt_attention", level, args.other_csrc)
+                builds["other"] = PromptAttentionOps(ctypes.CDLL(library))
             kernel = backend.prompt_ops
-            best = {"kernel": float("inf"), "sdpa": float("inf")}
+            best = dict.fromkeys(builds, float("inf"))
             for _ in range(args.repeats):
-                for path in ("kernel", "sdpa"):
-                    backend.prompt_ops = kernel if path == "kernel" else None
+                for path, ops in builds.items():
+                    backend.prompt_ops = ops
                     begin = time.perf_counter()
                     backend.forward(*tensors, kv_cache, metadata, args.head_dim**-0.5)
                     best[path] = min(best[path], time.perf_counter() - begin)
@@ -135,8 +151,10 @@ def main() -> None:
             figures = "  ".join(f"{path} {seconds * 1e3:8.2f} ms {flops / seconds / 1e9:6.1f} GFLOP/s"
                                 for path, seconds in best.items())
             described = ", ".join(f"{q}/{n}" for q, n in sorted(set(chunks)))
-            print(f"  {level:12s} {name:12s} {len(chunks):2d} x {described:12s} {figures}  "
-                  f"sdpa/kernel {best['sdpa'] / best['kernel']:5.2f}")
+            ratios = "".join(f"  {path}/kernel {best[path] / best['kernel']:5.2f}"
+                             for path in builds if path != "kernel")
+            print(f"  {level:12s} {name:12s} {len(chunks):2d} x {described:12s} {figures}"
+                  f"{ratios}")
 
 
 if __name__ == "__main__":

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from tokenserve.kernels import cpu_isa
 
@@ -67,3 +70,24 @@ def test_a_shared_prefix_is_the_same_blocks_in_every_chunks_table():
     assert num_blocks == 1 + 2 + len(own)
     new_blocks = {slot // 16 for slot in common.slot_mapping.tolist()}
     assert new_blocks <= set(own)
+
+
+def test_another_trees_kernels_run_beside_these(tmp_path):
+    """--other-csrc: a second build (here a copy of this tree's csrc/) takes turns with this
+    one's and gets its own column and ratio."""
+    levels = [level for level in cpu_isa.supported_levels() if cpu_isa.native_bf16(level)]
+    if not levels:
+        pytest.skip("no level with native bf16: prompt chunks keep SDPA")
+    other = tmp_path / "csrc"
+    shutil.copytree(SCRIPT.parents[1] / "tokenserve" / "kernels" / "csrc", other)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--scale", "0.05", "--repeats", "1", "--shapes", "w1",
+         "--cpu-isa", levels[-1], "--other-csrc", str(other)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    row = re.search(
+        rf"^\s+{levels[-1]}\s+w1\s+.*other\s+{NUMBER} ms\s+{NUMBER} GFLOP/s\s+"
+        rf"sdpa/kernel\s+{NUMBER}\s+other/kernel\s+{NUMBER}$", result.stdout, re.MULTILINE)
+    assert row is not None, result.stdout
+    assert all(math.isfinite(float(value)) and float(value) > 0 for value in row.groups())

@@ -194,6 +194,59 @@ def test_the_output_does_not_depend_on_the_thread_count(kernel, chunks):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+def _share_prefix(batch, members, prefix_blocks, first=0):
+    """The tables of chunks `members` made to start with chunk `first`'s first prefix_blocks
+    blocks (their own first blocks then unused), as prefix caching hands a common prefix
+    out."""
+    tables = batch.block_tables.clone()
+    for c in members:
+        tables[c, :prefix_blocks] = tables[first, :prefix_blocks]
+    return PromptChunks(batch.chunks, tables)
+
+
+# Chunks behind a 272-token prefix (17 blocks of 16: a key tile of 64 straddles its end)
+# among chunks of their own: chunk 3 has its own context, chunk 4 shares only 128 tokens (too
+# few to be grouped), chunks 5-6 share the prefix again; chunk 2 is a first chunk over all
+# of its context (its rows start after the prefix), chunk 7 a single row.
+SHARED_CHUNKS = [(20, 300), (33, 320), (64, 336), (40, 90), (9, 290), (5, 280), (64, 400),
+                 (1, 273)]
+SHARED_MEMBERS = {17: [1, 2, 5, 6, 7], 8: [4]}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_chunks_behind_a_shared_prefix_match_float64_attention_and_themselves_apart(
+        kernel, cpu_isa_level, threads):
+    """On the AMX path, consecutive chunks whose tables start with the same blocks are one
+    item (the prefix's key tiles laid out once for all of them): the rows are float64
+    attention within the bf16 bound, and bit-identical to the same chunks over copies of the
+    prefix in blocks of their own (one item per chunk), on 1, 2 and 3 threads."""
+    query, key_cache, value_cache, apart = _step(9, 3, 64, 16, SHARED_CHUNKS, torch.bfloat16)
+    shared = apart
+    for blocks, members in SHARED_MEMBERS.items():
+        shared = _share_prefix(shared, members, blocks)
+    # The copies: each chunk's own prefix blocks hold chunk 0's values.
+    for blocks, members in SHARED_MEMBERS.items():
+        for c in members:
+            own, source = apart.block_tables[c, :blocks], apart.block_tables[0, :blocks]
+            key_cache[own], value_cache[own] = key_cache[source], value_cache[source]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        together = torch.full_like(query, float("nan"))
+        kernel.attend(together, query, key_cache, value_cache, shared, 0.125)
+        separate = torch.full_like(query, float("nan"))
+        kernel.attend(separate, query, key_cache, value_cache, apart, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    native = kernel.native(torch.bfloat16, 9, 3, 64)
+    expected = _reference(query, key_cache, value_cache, shared, 0.125, bf16_queries=native)
+    inside = ~expected.isnan()
+    atol = 2**-8 * value_cache.abs().max().item() if native else 2e-5
+    torch.testing.assert_close(together[inside].double(), expected[inside], rtol=0, atol=atol)
+    assert together[~inside].isnan().all()
+    assert torch.equal(together[inside], separate[inside])
+
+
 def test_bad_chunk_tables_are_refused(kernel):
     query, key_cache, value_cache, batch = _step(9, 3, 64, 16, [(5, 20)], torch.bfloat16)
     out = torch.empty_like(query)

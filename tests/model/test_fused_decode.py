@@ -247,6 +247,23 @@ def test_the_settings_turn_the_fused_path_off(tiny_model_dirs):
     assert hf_model.model.layer_stack.max_rows == 0
 
 
+def _generate_behind(llm: LLM, shared: list[int], prompts: list[list[int]], fused: bool,
+                     max_tokens: int):
+    """Greedy tokens and top-2 logprobs of prompts that start with `shared`, after a first
+    request alone has put the prefix in the cache; the fused path on or off."""
+    _model(llm).model.layer_stack.enabled = fused
+    assert llm.llm_engine.reset_prefix_cache()
+    first = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate([{"prompt_token_ids": shared + [7]}], first, use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": prompt} for prompt in prompts],
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2),
+        use_tqdm=False)
+    return [(list(output.outputs[0].token_ids),
+             [sorted((k, v.logprob) for k, v in step.items())
+              for step in output.outputs[0].logprobs]) for output in outputs]
+
+
 def test_decode_rows_over_a_shared_prefix_fuse_with_the_same_results(monkeypatch, fused_calls):
     # Ten requests behind one 272-token prefix (17 blocks of 16, cached by a first request
     # alone) and three without it: the ten's decode rows share those blocks, which the
@@ -268,21 +285,43 @@ def test_decode_rows_over_a_shared_prefix_fuse_with_the_same_results(monkeypatch
     prompts = [shared + tail[:8 + index] for index, tail in enumerate(rest[:10])]
     prompts += [tail[: 40 + 100 * index] for index, tail in enumerate(rest[10:])]
 
-    def generate(fused: bool):
-        _model(llm).model.layer_stack.enabled = fused
-        assert llm.llm_engine.reset_prefix_cache()
-        first = SamplingParams(temperature=0.0, max_tokens=1)
-        llm.generate([{"prompt_token_ids": shared + [7]}], first, use_tqdm=False)
-        outputs = llm.generate(
-            [{"prompt_token_ids": prompt} for prompt in prompts],
-            SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2),
-            use_tqdm=False)
-        return [(list(output.outputs[0].token_ids),
-                 [sorted((k, v.logprob) for k, v in step.items())
-                  for step in output.outputs[0].logprobs]) for output in outputs]
-
-    expected = generate(fused=False)
+    expected = _generate_behind(llm, shared, prompts, fused=False, max_tokens=6)
     assert (10, 272) in prefixes, "the decode rows' shared prefix was not found"
     prefixes.clear()
-    assert generate(fused=True) == expected
+    assert _generate_behind(llm, shared, prompts, fused=True, max_tokens=6) == expected
     assert (10, 272) in prefixes and 13 in fused_calls
+
+
+def test_prompt_chunks_and_decode_rows_behind_one_prefix_fuse_with_the_same_results(
+        monkeypatch, fused_calls):
+    # Twenty requests behind one 272-token prefix (cached by a first request alone), admitted
+    # a few per step by a budget of 64 tokens: steps hold the decode rows of those before,
+    # sharing the prefix (attended to together on the AMX path), beside the prompt chunks of
+    # the next ones, which the AMX prompt kernel takes as one item per run of chunks behind
+    # the prefix, each run needing more of the thread's kept AMX scratch than the decode rows'
+    # prefix items. Fused or not, the same results.
+    mixed: list[int] = []  # prompt chunks of each fused step that had both
+    original = FusedDecodeLayerStack.takes
+
+    def recording(self, num_tokens, metadata, kv_caches):
+        takes = original(self, num_tokens, metadata, kv_caches)
+        decode, chunks = metadata.decode_batch, metadata.prompt_batch
+        if takes and decode is not None and decode.prefix_len >= 256 and chunks is not None:
+            tables = chunks.block_tables[:, :17]
+            mixed.append(int((tables == tables[0]).all(dim=1).sum()))
+        return takes
+
+    monkeypatch.setattr(FusedDecodeLayerStack, "takes", recording)
+    llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=True,
+              block_size=16, max_num_batched_tokens=64)
+    if not _prompts_fuse(llm):
+        pytest.skip("prompt chunks attend in bf16 on the prompt kernel only on a CPU with "
+                    "native bf16")
+    shared, *rest = random_token_prompts(21, 272, 49152, seed=6)
+    prompts = [shared + tail[:8 + index % 5] for index, tail in enumerate(rest)]
+
+    expected = _generate_behind(llm, shared, prompts, fused=False, max_tokens=12)
+    assert mixed == []
+    assert _generate_behind(llm, shared, prompts, fused=True, max_tokens=12) == expected
+    # Fused steps with decode rows over the prefix and two or more chunks behind it.
+    assert any(count >= 2 for count in mixed), mixed

@@ -146,7 +146,8 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
     /* The prompt chunks' attention items, for every thread to claim from. */
     PromptPlan plan = {0};
     if (step->num_chunks > 0 &&
-        prompt_plan(&plan, step->chunks, step->num_chunks, step->num_heads,
+        prompt_plan(&plan, step->chunks, step->num_chunks, step->chunk_tables,
+                    step->chunk_table_stride, step->block_size, step->num_heads,
                     step->num_kv_heads, D, step->prompt_kv))
         return -1;
     /* The AMX or vdpbf16ps kernel's x, packed once per product for all threads. */
@@ -188,7 +189,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
          * larger of both needs, so that the prompt items' request below hands back the same. */
         AmxScratch *prefix_scratch = NULL;
         if (prefix) {
-            const int64_t need = item_rows * group, prompt = plan.amx ? plan.max_rows * group : 0;
+            const int64_t need = item_rows * group, prompt = plan.amx ? plan.max_queries : 0;
             prefix_scratch = amx_scratch(((need > prompt ? need : prompt) + 15) / 16 * 16, D);
             if (prefix_scratch == NULL) {
 #pragma omp atomic write

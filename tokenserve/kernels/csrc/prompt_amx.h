@@ -164,21 +164,22 @@ static inline const float *amx_query_row(const AmxRows *r, int64_t i, int64_t h,
     return r->query + (r->rows ? r->rows[i] : i) * r->query_stride + h * span;
 }
 
-/* The attention of an item's rows (AmxRows) to kv head h's keys and values (see the top of
- * this file). */
-static inline __attribute__((always_inline)) void amx_attend(
-    const AmxRows *rows, const uint16_t *key_cache, const uint16_t *value_cache,
-    const int64_t *table, int64_t h, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, AmxScratch *w) {
-    const int64_t group = num_heads / num_kv_heads, pairs = head_dim / 2;
+/* Queries per AmxRows run in the scratch: its count · group, padded to whole 16-row blocks. */
+static inline int64_t amx_padded(const AmxRows *rows, int64_t group) {
+    return (rows->count * group + 15) / 16 * 16;
+}
+
+/* A run's queries of kv head h, rounded to bf16, into the scratch from query `base` on
+ * (base a multiple of 16), and their softmax state: limits, maxima, sums. */
+static inline void amx_load_rows(const AmxRows *rows, int64_t base, int64_t h, int64_t group,
+                                 int64_t head_dim, AmxScratch *w) {
     const int64_t count = rows->count, queries = count * group;
-    const int64_t padded = (queries + 15) / 16 * 16;
-    const int64_t block_stride = num_kv_heads * block_size * head_dim;
-    const int64_t kv_offset = h * block_size * head_dim;
+    const int64_t padded = amx_padded(rows, group);
     /* A row's queries of this kv head are contiguous (group · head_dim floats); rows are
      * strided, a new page each, where the hardware's prefetch restarts: fetched ROWS_AHEAD
      * rows early. */
     const int64_t span = group * head_dim;
+    uint16_t *q0 = w->q + base * head_dim;
     for (int64_t i = 0; i < ROWS_AHEAD && i < count; ++i)
         prefetch_span(amx_query_row(rows, i, h, span), span, 0);
     for (int64_t i = 0; i < count; ++i) {
@@ -186,13 +187,13 @@ static inline __attribute__((always_inline)) void amx_attend(
             prefetch_span(amx_query_row(rows, i + ROWS_AHEAD, h, span), span, 0);
         const float *q = amx_query_row(rows, i, h, span);
         for (int64_t e = 0; e < span; e += 16)
-            _mm256_storeu_si256((__m256i *)(w->q + i * span + e),
+            _mm256_storeu_si256((__m256i *)(q0 + i * span + e),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(q + e)));
     }
-    memset(w->q + queries * head_dim, 0, sizeof(uint16_t) * (size_t)((padded - queries) * head_dim));
-    for (int64_t m = 0, row = 0, g = 0; m < padded; ++m) {
+    memset(q0 + queries * head_dim, 0, sizeof(uint16_t) * (size_t)((padded - queries) * head_dim));
+    for (int64_t m = base, row = 0, g = 0; m < base + padded; ++m) {
         w->limit[m] = (int32_t)(rows->limit0 + rows->limit_step *
-                                                   (m < queries ? row : count - 1));
+                                                   (m - base < queries ? row : count - 1));
         w->max[m] = w->bar[m] = w->max_l2[m] = -INFINITY;
         w->sum[m] = _mm512_setzero_ps();
         if (++g == group) {
@@ -200,82 +201,102 @@ static inline __attribute__((always_inline)) void amx_attend(
             ++row;
         }
     }
-    /* Tiles 0-3: S (16 queries x 16 keys each); 4: Q (16 queries x 32 dims) or P (16
-     * queries x 32 keys); 5: K (16 dim pairs x 16 keys) or P; 6: V (16 key pairs x 16
-     * dims); 7: O (16 queries x 16 dims). */
+}
+
+/* Tiles 0-3: S (16 queries x 16 keys each); 4: Q (16 queries x 32 dims) or P (16 queries x
+ * 32 keys); 5: K (16 dim pairs x 16 keys) or P; 6: V (16 key pairs x 16 dims); 7: O (16
+ * queries x 16 dims). */
+static inline void amx_attend_config(void) {
     TileConfig config = {.palette = 1};
     for (int t = 0; t < 8; ++t) {
         config.colsb[t] = 64;
         config.rows[t] = 16;
     }
     amx_load_config(&config);
-    const __m512 scales_l2 = _mm512_set1_ps(scale * 1.44269504088896341f);
+}
+
+/* What a key tile's pass needs besides the scratch: kv head h's cache and its strides. */
+typedef struct {
+    const uint16_t *key_cache, *value_cache;
+    int64_t block_stride, block_size, kv_offset, head_dim;
+    float scale;
+} AmxKeys;
+
+/* Key tile k0 (AKT keys of `table`, positions past `end` read as zeros) laid out, then the
+ * scratch's queries first .. last - 1 (whole 16-row blocks) through it: scores, softmax,
+ * output; `masked`: whether any of their rows ends within the tile. */
+static inline __attribute__((always_inline)) void amx_key_tile(
+    const AmxKeys *keys, const int64_t *table, int64_t k0, int64_t end, int64_t first,
+    int64_t last, int masked, AmxScratch *w) {
+    const int64_t head_dim = keys->head_dim;
+    const __m512 scales_l2 = _mm512_set1_ps(keys->scale * 1.44269504088896341f);
     const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    /* Positions past the last row's limit are never read (tile_rows: rows of zeros). */
-    const int64_t last = rows->limit0 + rows->limit_step * (count - 1);
-    for (int64_t k0 = 0; k0 <= last; k0 += AKT) {
-        /* The tile's keys as pairs of dims, [pairs][AKT]; values as pairs of keys. */
-        tile_rows(w->rows, AKT, key_cache, table, k0, last + 1, block_stride, block_size,
-                  kv_offset, head_dim);
-        pack_keys(w->kp, w->rows, pairs);
-        tile_rows(w->rows, AKT, value_cache, table, k0, last + 1, block_stride, block_size,
-                  kv_offset, head_dim);
-        pack_values(w->vp, w->rows, head_dim, AKT);
-        const int masked = k0 + AKT - 1 > rows->limit0;
-        const __m512i pos0 = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)k0));
-        /* Per block of 16 queries: scores, softmax, output, while they are in L1. */
-        for (int64_t r = 0; r < padded; r += 16) {
-            if (w->limit[r + 15] < k0) continue; /* every key past the block's rows */
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t d = 0; d < head_dim; d += 32) {
-                _tile_loadd(4, w->q + r * head_dim + d, head_dim * 2);
-                _tile_loadd(5, w->kp + d / 2 * AKT, AKT * 4);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(5, w->kp + d / 2 * AKT + 16, AKT * 4);
-                _tile_dpbf16ps(1, 4, 5);
-                _tile_loadd(5, w->kp + d / 2 * AKT + 32, AKT * 4);
-                _tile_dpbf16ps(2, 4, 5);
-                _tile_loadd(5, w->kp + d / 2 * AKT + 48, AKT * 4);
-                _tile_dpbf16ps(3, 4, 5);
-            }
-            _tile_stored(0, w->s, AKT * 4);
-            _tile_stored(1, w->s + 16, AKT * 4);
-            _tile_stored(2, w->s + 32, AKT * 4);
-            _tile_stored(3, w->s + 48, AKT * 4);
-            /* Two copies of the row loop: where no key of the tile is masked the compiler
-             * drops the masks and their branches. */
-            if (masked)
-                for (int i = 0; i < 16; ++i)
-                    softmax_row(w, r + i, w->s + i * AKT, w->p + i * AKT, scale, scales_l2, 1,
-                                pos0, head_dim);
-            else
-                for (int i = 0; i < 16; ++i)
-                    softmax_row(w, r + i, w->s + i * AKT, w->p + i * AKT, scale, scales_l2, 0,
-                                pos0, head_dim);
-            _tile_loadd(4, w->p, AKT * 2);
-            _tile_loadd(5, w->p + 32, AKT * 2);
-            for (int64_t d = 0; d < head_dim; d += 16) {
-                if (k0 == 0) _tile_zero(7); /* every row's first key tile */
-                else _tile_loadd(7, w->o + r * head_dim + d, head_dim * 4);
-                _tile_loadd(6, w->vp + d, head_dim * 4);
-                _tile_dpbf16ps(7, 4, 6);
-                _tile_loadd(6, w->vp + 16 * head_dim + d, head_dim * 4);
-                _tile_dpbf16ps(7, 5, 6);
-                _tile_stored(7, w->o + r * head_dim + d, head_dim * 4);
-            }
+    /* The tile's keys as pairs of dims, [pairs][AKT]; values as pairs of keys. */
+    tile_rows(w->rows, AKT, keys->key_cache, table, k0, end, keys->block_stride,
+              keys->block_size, keys->kv_offset, head_dim);
+    pack_keys(w->kp, w->rows, head_dim / 2);
+    tile_rows(w->rows, AKT, keys->value_cache, table, k0, end, keys->block_stride,
+              keys->block_size, keys->kv_offset, head_dim);
+    pack_values(w->vp, w->rows, head_dim, AKT);
+    const __m512i pos0 = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)k0));
+    /* Per block of 16 queries: scores, softmax, output, while they are in L1. */
+    for (int64_t r = first; r < last; r += 16) {
+        if (w->limit[r + 15] < k0) continue; /* every key past the block's rows */
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t d = 0; d < head_dim; d += 32) {
+            _tile_loadd(4, w->q + r * head_dim + d, head_dim * 2);
+            _tile_loadd(5, w->kp + d / 2 * AKT, AKT * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(5, w->kp + d / 2 * AKT + 16, AKT * 4);
+            _tile_dpbf16ps(1, 4, 5);
+            _tile_loadd(5, w->kp + d / 2 * AKT + 32, AKT * 4);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(5, w->kp + d / 2 * AKT + 48, AKT * 4);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, w->s, AKT * 4);
+        _tile_stored(1, w->s + 16, AKT * 4);
+        _tile_stored(2, w->s + 32, AKT * 4);
+        _tile_stored(3, w->s + 48, AKT * 4);
+        /* Two copies of the row loop: where no key of the tile is masked the compiler
+         * drops the masks and their branches. */
+        if (masked)
+            for (int i = 0; i < 16; ++i)
+                softmax_row(w, r + i, w->s + i * AKT, w->p + i * AKT, keys->scale, scales_l2,
+                            1, pos0, head_dim);
+        else
+            for (int i = 0; i < 16; ++i)
+                softmax_row(w, r + i, w->s + i * AKT, w->p + i * AKT, keys->scale, scales_l2,
+                            0, pos0, head_dim);
+        _tile_loadd(4, w->p, AKT * 2);
+        _tile_loadd(5, w->p + 32, AKT * 2);
+        for (int64_t d = 0; d < head_dim; d += 16) {
+            if (k0 == 0) _tile_zero(7); /* every row's first key tile */
+            else _tile_loadd(7, w->o + r * head_dim + d, head_dim * 4);
+            _tile_loadd(6, w->vp + d, head_dim * 4);
+            _tile_dpbf16ps(7, 4, 6);
+            _tile_loadd(6, w->vp + 16 * head_dim + d, head_dim * 4);
+            _tile_dpbf16ps(7, 5, 6);
+            _tile_stored(7, w->o + r * head_dim + d, head_dim * 4);
         }
     }
-    _tile_release();
+}
+
+/* The run's outputs (and log-sum-exps) from the scratch's queries from `base` on. */
+static inline void amx_write_rows(const AmxRows *rows, int64_t base, int64_t h,
+                                  int64_t num_heads, int64_t group, int64_t head_dim,
+                                  const AmxScratch *w) {
+    const int64_t count = rows->count, span = group * head_dim;
     float *out0 = rows->out + h * span;
     const int64_t out_stride = rows->out_stride;
     for (int64_t i = 0; i < ROWS_AHEAD && i < count; ++i) prefetch_span(out0 + i * out_stride, span, 1);
     for (int64_t i = 0; i < count; ++i) {
         if (i + ROWS_AHEAD < count) prefetch_span(out0 + (i + ROWS_AHEAD) * out_stride, span, 1);
         for (int64_t g = 0; g < group; ++g) {
-            const int64_t m = i * group + g;
+            const int64_t m = base + i * group + g;
             const float sum = _mm512_reduce_add_ps(w->sum[m]);
             const __m512 inv = _mm512_set1_ps(1.0f / sum);
             float *row = out0 + i * out_stride + g * head_dim;
@@ -285,6 +306,72 @@ static inline __attribute__((always_inline)) void amx_attend(
             if (rows->lse != NULL)
                 rows->lse[i * num_heads + h * group + g] = w->max[m] + logf(sum);
         }
+    }
+}
+
+/* kv head h's cache as amx_key_tile reads it. */
+static inline AmxKeys amx_keys(const uint16_t *key_cache, const uint16_t *value_cache,
+                               int64_t h, int64_t num_kv_heads, int64_t head_dim,
+                               int64_t block_size, float scale) {
+    return (AmxKeys){key_cache, value_cache, num_kv_heads * block_size * head_dim, block_size,
+                     h * block_size * head_dim, head_dim, scale};
+}
+
+/* The attention of an item's rows (AmxRows) to kv head h's keys and values (see the top of
+ * this file). */
+static inline __attribute__((always_inline)) void amx_attend(
+    const AmxRows *rows, const uint16_t *key_cache, const uint16_t *value_cache,
+    const int64_t *table, int64_t h, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, float scale, AmxScratch *w) {
+    const int64_t group = num_heads / num_kv_heads;
+    const AmxKeys keys = amx_keys(key_cache, value_cache, h, num_kv_heads, head_dim, block_size,
+                                  scale);
+    amx_load_rows(rows, 0, h, group, head_dim, w);
+    amx_attend_config();
+    /* Positions past the last row's limit are never read (tile_rows: rows of zeros). */
+    const int64_t last = rows->limit0 + rows->limit_step * (rows->count - 1);
+    for (int64_t k0 = 0; k0 <= last; k0 += AKT)
+        amx_key_tile(&keys, table, k0, last + 1, 0, amx_padded(rows, group),
+                     k0 + AKT - 1 > rows->limit0, w);
+    _tile_release();
+    amx_write_rows(rows, 0, h, num_heads, group, head_dim, w);
+}
+
+/* The attention of several runs (runs[s], each over its own block table tables[s]) whose
+ * contexts start with the same `shared` positions (the same blocks, within every run's
+ * first limit): the key tiles wholly within them are laid out once for all the runs'
+ * queries, each later tile once per run for its own queries. Each row sees the same key
+ * tiles in the same order as amx_attend would show it alone, so the results are its bit for
+ * bit. */
+static inline __attribute__((always_inline)) void amx_attend_runs(
+    const AmxRows *runs, const int64_t *const *tables, int64_t num_runs, int64_t shared,
+    const uint16_t *key_cache, const uint16_t *value_cache, int64_t h, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, AmxScratch *w) {
+    const int64_t group = num_heads / num_kv_heads;
+    const AmxKeys keys = amx_keys(key_cache, value_cache, h, num_kv_heads, head_dim, block_size,
+                                  scale);
+    int64_t total = 0;
+    for (int64_t s = 0; s < num_runs; ++s) {
+        amx_load_rows(runs + s, total, h, group, head_dim, w);
+        total += amx_padded(runs + s, group);
+    }
+    amx_attend_config();
+    const int64_t common = shared / AKT * AKT; /* tiles with no key past `shared` */
+    for (int64_t k0 = 0; k0 < common; k0 += AKT)
+        amx_key_tile(&keys, tables[0], k0, common, 0, total, 0, w);
+    for (int64_t s = 0, base = 0; s < num_runs; ++s) {
+        const AmxRows *run = runs + s;
+        const int64_t last = run->limit0 + run->limit_step * (run->count - 1);
+        const int64_t end = base + amx_padded(run, group);
+        for (int64_t k0 = common; k0 <= last; k0 += AKT)
+            amx_key_tile(&keys, tables[s], k0, last + 1, base, end, k0 + AKT - 1 > run->limit0,
+                         w);
+        base = end;
+    }
+    _tile_release();
+    for (int64_t s = 0, base = 0; s < num_runs; ++s) {
+        amx_write_rows(runs + s, base, h, num_heads, group, head_dim, w);
+        base += amx_padded(runs + s, group);
     }
 }
 

@@ -63,9 +63,11 @@ int ts_prompt_attention_native(int64_t kv_bf16, int64_t num_heads, int64_t num_k
            head_dim % 2 == 0;
 }
 
-/* Rows first_row .. first_row + rows of a chunk; work: the keys its last row sees. */
+/* Rows first_row .. first_row + rows of a chunk; work: the keys its last row sees. On the
+ * AMX path an item may instead be `chunks` whole consecutive chunks from `chunk` on whose
+ * contexts start with the same `shared` positions (prompt_groups). */
 typedef struct {
-    int64_t chunk, first_row, rows, work;
+    int64_t chunk, first_row, rows, work, chunks, shared;
 } PromptItem;
 
 static int by_work_descending(const void *a, const void *b) {
@@ -436,16 +438,90 @@ int ts_prompt_attention_path(int64_t kv_bf16, int64_t num_heads, int64_t num_kv_
 typedef struct {
     PromptItem *items; /* the items with the most keys first, or NULL with none */
     int64_t num_items, max_rows, max_seq_len, group, head_dim;
+    int64_t max_queries; /* AMX: queries of the largest item, padded as its scratch holds them */
     int amx, native;
 } PromptPlan;
+
+/* Chunks behind a shared prefix, on the AMX path: consecutive chunks of one item each
+ * whose block tables start with the same blocks (prefix caching hands every request with
+ * a common prefix the same blocks: W3's prompts) are one item per kv head, so that the key
+ * tiles of the prefix are laid out once for all of them instead of once per chunk
+ * (amx_attend_runs; the results are the chunks' own items' bit for bit). A group needs
+ * GROUP_MIN_SHARED shared positions, holds up to GROUP_MAX_QUERIES queries, and the groups
+ * are cut small enough to leave ITEMS_PER_THREAD items per thread. */
+#define GROUP_MIN_SHARED 256
+#define GROUP_MAX_QUERIES 1536
+#define GROUP_MAX_CHUNKS 64
+
+/* Positions that chunks a and b ({start, end, seq_len}, tables ta and tb) share: their
+ * leading equal blocks, within both contexts before their own rows. */
+static int64_t shared_positions(const int64_t *a, const int64_t *ta, const int64_t *b,
+                                const int64_t *tb, int64_t block_size) {
+    const int64_t ca = a[2] - (a[1] - a[0]), cb = b[2] - (b[1] - b[0]);
+    const int64_t most = (ca < cb ? ca : cb) / block_size;
+    int64_t n = 0;
+    while (n < most && ta[n] == tb[n]) ++n;
+    return n * block_size;
+}
+
+/* The items (n, in chunk order, one or more per chunk) with runs of whole chunks behind a
+ * shared prefix merged into one item each (see GROUP_MIN_SHARED above); returns the new
+ * count. */
+static int64_t prompt_groups(PromptPlan *plan, PromptItem *items, int64_t n,
+                             const int64_t *chunks, const int64_t *block_tables,
+                             int64_t block_table_stride, int64_t block_size,
+                             int64_t num_kv_heads, int64_t threads) {
+    const int64_t group = plan->group;
+    /* Items wanted: ITEMS_PER_THREAD per thread over the kv heads. */
+    const int64_t wanted = (ITEMS_PER_THREAD * threads + num_kv_heads - 1) / num_kv_heads;
+    int64_t whole = 0; /* items that are a whole chunk */
+    for (int64_t i = 0; i < n; ++i)
+        whole += items[i].first_row == 0 &&
+                 items[i].rows == chunks[3 * items[i].chunk + 1] - chunks[3 * items[i].chunk];
+    const int64_t per_group = (whole + wanted - 1) / (wanted < 1 ? 1 : wanted);
+    int64_t kept = 0;
+    for (int64_t i = 0; i < n;) {
+        PromptItem first = items[i];
+        const int64_t c0 = first.chunk, *a = chunks + 3 * c0;
+        const int64_t *ta = block_tables + c0 * block_table_stride;
+        int64_t j = i + 1, shared = INT64_MAX;
+        int64_t queries = (first.rows * group + 15) / 16 * 16;
+        if (first.first_row == 0 && first.rows == a[1] - a[0]) {
+            while (j < n && j - i < GROUP_MAX_CHUNKS && j - i < per_group) {
+                const PromptItem *next = items + j;
+                const int64_t *b = chunks + 3 * next->chunk;
+                if (next->chunk != c0 + (j - i) || next->first_row != 0 ||
+                    next->rows != b[1] - b[0])
+                    break;
+                const int64_t more = (next->rows * group + 15) / 16 * 16;
+                const int64_t both = shared_positions(
+                    a, ta, b, block_tables + next->chunk * block_table_stride, block_size);
+                if (both < GROUP_MIN_SHARED || queries + more > GROUP_MAX_QUERIES) break;
+                shared = both < shared ? both : shared;
+                queries += more;
+                first.work += next->work;
+                ++j;
+            }
+        }
+        if (j - i > 1) {
+            first.chunks = j - i;
+            first.shared = shared;
+            if (queries > plan->max_queries) plan->max_queries = queries;
+        }
+        items[kept++] = first;
+        i = j;
+    }
+    return kept;
+}
 
 /* The items of the chunks (see ts_prompt_attention); returns 0, -1 if the item list could
  * not be allocated. plan->items is freed by the caller. */
 static int prompt_plan(PromptPlan *plan, const int64_t *chunks, int64_t num_chunks,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                       int64_t kv_bf16) {
+                       const int64_t *block_tables, int64_t block_table_stride,
+                       int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t kv_bf16) {
     const int64_t group = num_heads / num_kv_heads;
-    *plan = (PromptPlan){NULL, 0, 1, 0, group, head_dim, 0,
+    *plan = (PromptPlan){NULL, 0, 1, 0, group, head_dim, 0, 0,
                          ts_prompt_attention_native(kv_bf16, num_heads, num_kv_heads,
                                                     head_dim)};
 #if PROMPT_AMX
@@ -475,9 +551,14 @@ static int prompt_plan(PromptPlan *plan, const int64_t *chunks, int64_t num_chun
         for (int64_t r = 0; r < q_len; r += tile) {
             const int64_t rows = q_len - r < tile ? q_len - r : tile;
             /* work: rows times the keys the last of them sees */
-            items[n++] = (PromptItem){c, r, rows, rows * (chunks[3 * c + 2] - q_len + r + rows)};
+            items[n++] = (PromptItem){c, r, rows, rows * (chunks[3 * c + 2] - q_len + r + rows),
+                                      1, 0};
         }
     }
+    plan->max_queries = (plan->max_rows * group + 15) / 16 * 16;
+    if (plan->amx)
+        n = prompt_groups(plan, items, n, chunks, block_tables, block_table_stride, block_size,
+                          num_kv_heads, threads);
     /* The items with the most keys first, so the dynamic schedule ends evenly. */
     qsort(items, (size_t)n, sizeof *items, by_work_descending);
     plan->items = items;
@@ -489,8 +570,7 @@ static int prompt_plan(PromptPlan *plan, const int64_t *chunks, int64_t num_chun
  * prompt_scratch_free gives it back. */
 static void *prompt_scratch(const PromptPlan *plan) {
 #if PROMPT_AMX
-    if (plan->amx) return amx_scratch((plan->max_rows * plan->group + 15) / 16 * 16,
-                                      plan->head_dim);
+    if (plan->amx) return amx_scratch(plan->max_queries, plan->head_dim);
 #endif
 #if PROMPT_BF16
     if (plan->native) return aligned_alloc(64, sizeof(Bf16Scratch));
@@ -522,6 +602,23 @@ static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int6
         const int64_t *table = block_tables + c * block_table_stride;
         if (scratch == NULL) continue;
 #if PROMPT_AMX
+        if (amx && item->chunks > 1) {
+            AmxRows runs[GROUP_MAX_CHUNKS];
+            const int64_t *tables[GROUP_MAX_CHUNKS];
+            for (int64_t s = 0; s < item->chunks; ++s) {
+                const int64_t *chunk = chunks + 3 * (c + s);
+                const int64_t rows = chunk[1] - chunk[0];
+                runs[s] = (AmxRows){out + chunk[0] * out_stride, out_stride,
+                                    query + chunk[0] * query_stride, query_stride, NULL, rows,
+                                    chunk[2] - rows, 1, NULL};
+                tables[s] = block_tables + (c + s) * block_table_stride;
+            }
+            amx_attend_runs(runs, tables, item->chunks, item->shared,
+                            (const uint16_t *)key_cache, (const uint16_t *)value_cache, h,
+                            num_heads, num_kv_heads, head_dim, block_size, scale,
+                            (AmxScratch *)scratch);
+            continue;
+        }
         if (amx) {
             prompt_item_amx(out, out_stride, query, query_stride, key_cache, value_cache,
                             table, start, q_len, seq_len, item->first_row, item->rows, h,
@@ -705,7 +802,8 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                         float scale, int64_t kv_bf16) {
     PromptPlan plan;
-    if (prompt_plan(&plan, chunks, num_chunks, num_heads, num_kv_heads, head_dim, kv_bf16))
+    if (prompt_plan(&plan, chunks, num_chunks, block_tables, block_table_stride, block_size,
+                    num_heads, num_kv_heads, head_dim, kv_bf16))
         return -1;
     if (plan.num_items == 0) return 0;
     int failed = 0;
