@@ -126,6 +126,10 @@ def main() -> None:
         backend.prompt_paths = ("avx512_bf16", "amx")
         if backend.prompt_ops is None:
             raise SystemExit("The C kernels are unavailable (see the warning above).")
+        builds = {"kernel": backend.prompt_ops, "sdpa": None}
+        if args.other_csrc:
+            library = build.build("prompt_attention", level, args.other_csrc)
+            builds["other"] = PromptAttentionOps(ctypes.CDLL(library))
         for name in args.shapes:
             chunks = [(max(1, round(q * args.scale)), max(1, round(n * args.scale)))
                       for q, n in SHAPES[name]]
@@ -134,11 +138,6 @@ def main() -> None:
             kv_cache = torch.randn(backend.kv_cache_shape(
                 num_blocks, args.block_size, args.kv_heads, args.head_dim)).to(torch.bfloat16)
             metadata = backend.build_metadata(common)
-            builds = {"kernel": backend.prompt_ops, "sdpa": None}
-            if args.other_csrc:
-                library = build.build("prompt_attention", level, args.other_csrc)
-                builds["other"] = PromptAttentionOps(ctypes.CDLL(library))
-            kernel = backend.prompt_ops
             best = dict.fromkeys(builds, float("inf"))
             for _ in range(args.repeats):
                 for path, ops in builds.items():
@@ -146,7 +145,7 @@ def main() -> None:
                     begin = time.perf_counter()
                     backend.forward(*tensors, kv_cache, metadata, args.head_dim**-0.5)
                     best[path] = min(best[path], time.perf_counter() - begin)
-            backend.prompt_ops = kernel
+            backend.prompt_ops = builds["kernel"]
             flops = _useful_flops(chunks, args.heads, args.head_dim)
             figures = "  ".join(f"{path} {seconds * 1e3:8.2f} ms {flops / seconds / 1e9:6.1f} GFLOP/s"
                                 for path, seconds in best.items())

@@ -376,7 +376,16 @@ static inline __attribute__((always_inline)) void amx_attend_runs(
 }
 
 /* Rows first_row .. first_row + count - 1 of a chunk (rows start.. of the step, the last
- * q_len of seq_len positions, causal), kv head h. */
+ * q_len of seq_len positions, causal) as an item's run. */
+static inline AmxRows amx_chunk_rows(float *out, int64_t out_stride, const float *query,
+                                     int64_t query_stride, int64_t start, int64_t q_len,
+                                     int64_t seq_len, int64_t first_row, int64_t count) {
+    return (AmxRows){out + (start + first_row) * out_stride, out_stride,
+                     query + (start + first_row) * query_stride, query_stride, NULL, count,
+                     seq_len - q_len + first_row, 1, NULL};
+}
+
+/* Those rows (amx_chunk_rows), kv head h. */
 static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
                             int64_t query_stride, const uint16_t *key_cache,
                             const uint16_t *value_cache, const int64_t *table, int64_t start,
@@ -384,9 +393,8 @@ static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
                             int64_t h, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, int64_t block_size, float scale,
                             AmxScratch *w) {
-    const AmxRows rows = {out + (start + first_row) * out_stride, out_stride,
-                          query + (start + first_row) * query_stride, query_stride, NULL,
-                          count, seq_len - q_len + first_row, 1, NULL};
+    const AmxRows rows = amx_chunk_rows(out, out_stride, query, query_stride, start, q_len,
+                                        seq_len, first_row, count);
     amx_attend(&rows, key_cache, value_cache, table, h, num_heads, num_kv_heads, head_dim,
                block_size, scale, w);
 }

@@ -606,11 +606,9 @@ static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int6
             AmxRows runs[GROUP_MAX_CHUNKS];
             const int64_t *tables[GROUP_MAX_CHUNKS];
             for (int64_t s = 0; s < item->chunks; ++s) {
-                const int64_t *chunk = chunks + 3 * (c + s);
-                const int64_t rows = chunk[1] - chunk[0];
-                runs[s] = (AmxRows){out + chunk[0] * out_stride, out_stride,
-                                    query + chunk[0] * query_stride, query_stride, NULL, rows,
-                                    chunk[2] - rows, 1, NULL};
+                const int64_t *chunk = chunks + 3 * (c + s), rows = chunk[1] - chunk[0];
+                runs[s] = amx_chunk_rows(out, out_stride, query, query_stride, chunk[0], rows,
+                                         chunk[2], 0, rows);
                 tables[s] = block_tables + (c + s) * block_table_stride;
             }
             amx_attend_runs(runs, tables, item->chunks, item->shared,
