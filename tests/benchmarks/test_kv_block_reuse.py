@@ -44,3 +44,13 @@ def test_with_prefix_caching_new_prompts_keep_the_old_blocks_cached(tiny_model_d
     # partial third block is handed out again.
     assert [(r["blocks_handed_out"], r["blocks_new"]) for r in rounds] == [(12, 12), (12, 8),
                                                                             (12, 8)]
+
+
+def test_the_idle_warm_up_comes_before_the_rounds_and_changes_no_block(tiny_model_dirs,
+                                                                        tmp_path):
+    # What an idle server's engine core does first (its warm-up with the heap of a full
+    # step, the KV cache's pages): the rounds hand out the same blocks as without it.
+    rounds = run_rounds(tiny_model_dirs["llama"], tmp_path, "--no-enable-prefix-caching",
+                        "--idle-warm-up", "all")
+    assert [(r["blocks_handed_out"], r["blocks_new"]) for r in rounds] == [(12, 12), (12, 0),
+                                                                            (12, 0)]

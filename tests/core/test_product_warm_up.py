@@ -1,6 +1,7 @@
 """An idle engine core builds its bf16 products' oneDNN primitives ahead of the steps that
 run them (worker/product_warm_up.py): each distinct weight shape once per row bucket up to
-the step budget's, the most rows first, one product per call, before the KV cache's pages."""
+the step budget's, the most rows first, one product per call; then the heap a full step
+takes (worker/cpu_memory.py), before the KV cache's pages."""
 
 from __future__ import annotations
 
@@ -59,15 +60,19 @@ def test_an_idle_engine_core_builds_each_product_once_per_bucket(tiny_model_dirs
     assert [rows for _, rows in plan] == [rows for rows in buckets for _ in shapes]
     assert all({_shape(layer) for layer, r in plan if r == rows} == shapes for rows in buckets)
     calls = 0
-    while core.warm_up_products():
+    while core.warm_up():
         calls += 1
-    assert calls == len(plan)
-    assert not core.warm_up_products()
+    # A call per product, then one per piece of the heap a full step takes (the last call,
+    # its last piece, says none is left).
+    [heap] = core.collective_rpc(lambda worker: worker.model_runner.heap_reserve)
+    assert heap is not None and heap.done == heap.pieces
+    assert calls == len(plan) + heap.pieces - 1
+    assert not core.warm_up()
     # The products' weights untouched: the same tokens as an engine that did not warm up.
     assert greedy_tokens(core) == greedy_tokens(_core(tiny_model_dirs["llama"]))
     core.add_request(Request("s", [5, 6], SamplingParams(max_tokens=2), eos_token_id=None))
     with pytest.raises(AssertionError, match="only while idle"):
-        core.warm_up_products()
+        core.warm_up()
 
 
 def test_the_plan_leaves_out_rows_other_kernels_take():
@@ -114,7 +119,7 @@ class _IdleCore:
         if len(self.calls) == self.input_after:
             self.inputs.put(("ADD", "request"))  # arrives while this piece is done
 
-    def warm_up_products(self) -> bool:
+    def warm_up(self) -> bool:
         self._called("product")
         self.products -= 1
         return self.products > 0

@@ -1,6 +1,7 @@
 """The CPU worker's memory (worker/cpu_memory.py): freed activation-sized blocks are reused
-from the heap instead of being mapped, faulted in and zeroed again; the KV cache's pages are
-faulted in ahead of use, lowest block first, their contents kept."""
+from the heap instead of being mapped, faulted in and zeroed again; the heap a full step takes
+and the KV cache's pages are faulted in ahead of use, the cache's lowest block first, its
+contents kept."""
 
 from __future__ import annotations
 
@@ -56,6 +57,46 @@ def test_freed_blocks_are_reused_without_page_faults():
     # 2 rounds x 16 blocks x 1024 pages are faulted in again by default; none once set.
     assert _page_faults("default") > 16 * 1024
     assert _page_faults("set") < 1024
+
+
+# A step's activations, 12 blocks of 4 MiB allocated, written and freed, after a HeapReserve
+# of argv[1] bytes (0: none) worked through to its end; prints the page faults of the step.
+_FIRST_STEP = """
+import ctypes, ctypes.util, resource, sys
+from tokenserve.worker.cpu_memory import HEAP_PIECE_BYTES, HeapReserve, keep_freed_memory
+assert keep_freed_memory()
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+reserve = HeapReserve(int(sys.argv[1]))
+calls = 1
+while reserve.step():
+    calls += 1
+assert calls == max(1, reserve.pieces), (calls, reserve.pieces)
+assert reserve.pieces * HEAP_PIECE_BYTES == int(sys.argv[1])
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+blocks = [libc.malloc(4 << 20) for _ in range(12)]
+for block in blocks:
+    ctypes.memset(block, 1, 4 << 20)
+for block in reversed(blocks):
+    libc.free(block)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _first_step_page_faults(reserve_bytes: int) -> int:
+    done = subprocess.run([sys.executable, "-c", _FIRST_STEP, str(reserve_bytes)],
+                          capture_output=True, text=True, check=True)
+    return int(done.stdout)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt only")
+def test_a_heap_reserve_faults_a_steps_memory_in_ahead_of_it():
+    # 48 MiB: 12,288 pages, faulted in by the step itself but for what the heap's top held
+    # already (a few pages); with 64 MiB reserved (32 pieces of 2 MiB, none of them held
+    # afterwards) the step finds them in place.
+    assert _first_step_page_faults(0) > 11 * 1024
+    assert _first_step_page_faults(64 << 20) < 1024
 
 
 def test_the_worker_sets_them_on_cpu(monkeypatch):

@@ -116,12 +116,14 @@ class EngineCore:
         assert not self.has_unfinished_requests(), "only while idle"
         return self.executor.prefault_kv_cache(max_seconds)
 
-    def warm_up_products(self) -> bool:
-        """Between steps only, while nothing is to compute: build one more of the workers'
-        oneDNN primitives for the bf16 products' row buckets (worker/product_warm_up.py), so
-        that the first step of each size does not; whether any are left."""
+    def warm_up(self) -> bool:
+        """Between steps only, while nothing is to compute: one more piece of the workers'
+        warm-up, so that the first step of each size does not pay for it: the oneDNN
+        primitives for the bf16 products' row buckets (worker/product_warm_up.py), then the
+        heap memory a step of the budget's tokens allocates (worker/cpu_memory.py,
+        `HeapReserve`); whether any are left."""
         assert not self.has_unfinished_requests(), "only while idle"
-        return self.executor.warm_up_products()
+        return self.executor.warm_up()
 
     def step(self) -> list[EngineCoreOutput]:
         if self.max_concurrent_batches > 1:

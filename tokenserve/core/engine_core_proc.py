@@ -163,8 +163,8 @@ class EngineCoreProc:
         self.output_queue: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
         # Requests added but not yet scheduled, for their queue time.
         self.unscheduled_request_ids: set[str] = set()
-        # Whether bf16 product primitives may be left to build, and KV cache pages to fault
-        # in, while idle.
+        # Whether a warm-up (bf16 product primitives, the heap of a full step) may be left to
+        # do, and KV cache pages to fault in, while idle.
         self.warming = True
         self.prefaulting = True
         # /dashboard's block map and queues ride on the stats a few times a second.
@@ -203,14 +203,15 @@ class EngineCoreProc:
     def _next_input_while_idle(self) -> tuple[str, Any]:
         """The next input. Until it comes, idle time goes to what later steps would
         otherwise pay for, a small piece at a time (an input waits for one piece at most):
-        first the bf16 products' oneDNN primitives, one product per piece, then the KV
-        cache's pages, PREFAULT_SLICE_SECONDS a piece; once all is done, block on the queue."""
+        first the warm-up (the bf16 products' oneDNN primitives, one product per piece, then
+        the heap of a full step's activations, 2 MiB a piece), then the KV cache's pages,
+        PREFAULT_SLICE_SECONDS a piece; once all is done, block on the queue."""
         while self.warming or self.prefaulting:
             try:
                 return self.input_queue.get_nowait()
             except queue.Empty:
                 if self.warming:
-                    self.warming = self.engine_core.warm_up_products()
+                    self.warming = self.engine_core.warm_up()
                 else:
                     self.prefaulting = self.engine_core.prefault_kv_cache(PREFAULT_SLICE_SECONDS)
         return self.input_queue.get()

@@ -81,10 +81,11 @@ class Executor(ABC):
         max_seconds (between steps only); whether any worker has pages left."""
         return any(self.collective_rpc("prefault_kv_cache", args=(max_seconds,)))
 
-    def warm_up_products(self) -> bool:
-        """Build one more of each worker's bf16 product primitives ahead of the steps that
-        run them (between steps only); whether any worker has some left."""
-        return any(self.collective_rpc("warm_up_products"))
+    def warm_up(self) -> bool:
+        """One more piece of each worker's warm-up (its bf16 product primitives, then the
+        heap a full step's activations take) ahead of the steps that need it (between steps
+        only); whether any worker has some left."""
+        return any(self.collective_rpc("warm_up"))
 
     @property
     def max_concurrent_batches(self) -> int:

@@ -39,7 +39,7 @@ from tokenserve.sample.rejection_sampler import RejectionSampler
 from tokenserve.sample.sampler import Sampler
 from tokenserve.spec_decode.proposer import attention_rows
 from tokenserve.spec_decode.selector import build_proposer
-from tokenserve.worker.cpu_memory import KVCachePrefault
+from tokenserve.worker.cpu_memory import HeapReserve, KVCachePrefault, keep_freed_memory
 from tokenserve.worker.encoder_runner import ChunkRows, EncoderRunner
 from tokenserve.worker.pooling_runner import PoolingRunner
 from tokenserve.worker.product_warm_up import ProductWarmUp
@@ -52,6 +52,10 @@ if TYPE_CHECKING:
 # Prompt-logprob rows are turned into logits this many at a time, bounding the memory a
 # long prompt needs ([rows, vocab] floats).
 _PROMPT_LOGITS_CHUNK = 256
+# The least heap the idle warm-up faults in for a step's activations (`_step_heap_bytes`):
+# what a step also allocates beside its per-token activations (the default model's first
+# 512-token step took ~24 MiB of fresh memory).
+STEP_HEAP_MIN_BYTES = 64 << 20
 
 
 class ModelRunner:
@@ -91,6 +95,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.kv_prefault: KVCachePrefault | None = None  # a CPU cache's, once allocated
         self.product_warm_up: ProductWarmUp | None = None  # made on first use
+        self.heap_reserve: HeapReserve | None = None  # on CPU, made with it
         # --runner pooling: prompts pooled instead of tokens sampled (pooling_runner.py).
         self.pooling = PoolingRunner(config) if model_config.runner == "pooling" else None
         # With enable_lora: the adapters' slots in the wrapped layers (lora/manager.py).
@@ -148,15 +153,38 @@ class ModelRunner:
         time."""
         return self.kv_prefault is not None and self.kv_prefault.step(max_seconds)
 
-    def warm_up_products(self) -> bool:
-        """Build one more of the oneDNN primitives the model's bf16 products will run at
-        (worker/product_warm_up.py), for every row bucket up to the step budget's; whether
-        any are left. For the engine core's idle time."""
+    def warm_up(self) -> bool:
+        """One more piece of what the first steps of each size would otherwise pay for:
+        the oneDNN primitives the model's bf16 products will run at, one product per call, for
+        every row bucket up to the step budget's (worker/product_warm_up.py); then, on CPU,
+        the heap memory a step of the budget's tokens allocates, a piece per call
+        (worker/cpu_memory.py). Whether any are left. For the engine core's idle time, on the
+        thread that runs the steps."""
+        budget = self.config.scheduler_config.max_num_batched_tokens
         if self.product_warm_up is None:
-            self.product_warm_up = ProductWarmUp(
-                self.model, self.config.scheduler_config.max_num_batched_tokens
-            )
-        return self.product_warm_up.step()
+            self.product_warm_up = ProductWarmUp(self.model, budget)
+            if self.device.type == "cpu" and keep_freed_memory():
+                self.heap_reserve = HeapReserve(self._step_heap_bytes(budget))
+        if self.product_warm_up.step():
+            return True
+        return self.heap_reserve is not None and self.heap_reserve.step()
+
+    def _step_heap_bytes(self, tokens: int) -> int:
+        """The heap a step of `tokens` tokens takes, about: twice a decoder layer's
+        activations per token (the hidden state in and out, q, k and v, the MLP's gate, up
+        and their product) in the activation dtype, and at least STEP_HEAP_MIN_BYTES. The
+        default model's first steps of 512 and 2,048 tokens (bfloat16) needed ~30 and ~50 MiB
+        ahead to fault in fewer than 600 pages (25-50 MiB of fresh memory without);
+        docs/PERFORMANCE_CPU.md, "The heap of the first full step"."""
+        model_config = self.config.model_config
+        text = model_config.text_config
+        hidden = text.hidden_size
+        heads = text.num_attention_heads * model_config.head_dim
+        kv = model_config.num_kv_heads * model_config.head_dim
+        intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
+        widths = 2 * hidden + heads + 2 * kv + 3 * intermediate
+        element_size = activation_dtype(model_config.dtype).itemsize
+        return max(STEP_HEAP_MIN_BYTES, 2 * tokens * widths * element_size)
 
     def shutdown(self) -> None:
         """Stop a KV connector's listeners and transfers."""

@@ -49,8 +49,8 @@ class Worker:
     def prefault_kv_cache(self, max_seconds: float) -> bool:
         return self.model_runner.prefault_kv_cache(max_seconds)
 
-    def warm_up_products(self) -> bool:
-        return self.model_runner.warm_up_products()
+    def warm_up(self) -> bool:
+        return self.model_runner.warm_up()
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, grammar_bitmask: GrammarBitmask | None = None
