@@ -9,9 +9,10 @@ threshold well above a step's activations keeps freed blocks in the heap for the
 operator, as the caching allocators vLLM recommends on CPU (tcmalloc, jemalloc) do.
 
 Memory the heap has never handed out is still faulted in by the first step that grows it:
-the first prompt step at the step budget's size took 361 ms against 292 ms for the next one
-of the same size (default model, bfloat16, 9,239 page faults against 1), the activations
-of a step being larger than anything before them. `HeapReserve` faults that memory in ahead,
+the first prompt step at the step budget's size took 0.35-0.40 s against 0.25-0.31 s for
+the next ones of that size (default model, bfloat16; 10-14k page faults against 1-2;
+docs/PERFORMANCE_CPU.md, "The heap of the first full step"), the activations of a step
+being larger than anything before them. `HeapReserve` faults that memory in ahead,
 in pieces, for the engine core's idle time (worker/model_runner.py, `warm_up`): freed
 again, it stays in the heap and the first full step's activations find it in place.
 

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
 _PROMPT_LOGITS_CHUNK = 256
 # The least heap the idle warm-up faults in for a step's activations (`_step_heap_bytes`):
 # what a step also allocates beside its per-token activations (the default model's first
-# 512-token step took ~24 MiB of fresh memory).
+# 512-token step faulted 12-26 MiB in).
 STEP_HEAP_MIN_BYTES = 64 << 20
 
 
@@ -173,9 +173,9 @@ class ModelRunner:
         """The heap a step of `tokens` tokens takes, about: twice a decoder layer's
         activations per token (the hidden state in and out, q, k and v, the MLP's gate, up
         and their product) in the activation dtype, and at least STEP_HEAP_MIN_BYTES. The
-        default model's first steps of 512 and 2,048 tokens (bfloat16) needed ~30 and ~50 MiB
-        ahead to fault in fewer than 600 pages (25-50 MiB of fresh memory without);
-        docs/PERFORMANCE_CPU.md, "The heap of the first full step"."""
+        default model's first steps of 512 and 2,048 tokens (bfloat16) faulted 12-26 and
+        40-56 MiB in without it, fewer than 600 pages with it (docs/PERFORMANCE_CPU.md, "The
+        heap of the first full step")."""
         model_config = self.config.model_config
         text = model_config.text_config
         hidden = text.hidden_size
