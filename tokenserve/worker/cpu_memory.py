@@ -58,11 +58,17 @@ TRIM_THRESHOLD = 1 << 30
 
 
 @functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, loaded once for this module's calls into it."""
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+@functools.cache
 def keep_freed_memory() -> bool:
     """Set the process's malloc thresholds (once); False where the C library is not glibc."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc = _libc()
     mallopt = libc.mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
@@ -82,7 +88,7 @@ _MADV_POPULATE_WRITE = 23
 def _madvise():
     if platform.system() != "Linux":
         return None
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc = _libc()
     madvise = libc.madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
@@ -116,7 +122,7 @@ class _MallInfo2(ctypes.Structure):
 @functools.cache
 def _libc_heap():
     """glibc's malloc, free, sbrk and mallinfo2 (2.33 and later); None where any is missing."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc = _libc()
     try:
         functions = libc.malloc, libc.free, libc.sbrk, libc.mallinfo2
     except AttributeError:
