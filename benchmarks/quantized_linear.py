@@ -7,7 +7,10 @@ hand them: no cast is timed; the AMX block kernel likewise). With `--dtype
 bfloat16` on the amx level the blocks' AMX kernel (csrc/quant_amx.h), on the avx512_bf16
 level their vdpbf16ps kernel (csrc/quant_dp.h; its dot-product form up to DP_FEW_ROWS rows,
 its panel form above, as the model routes them) instead, both with the bf16 model's
-numerics, and its time beside oneDNN's for the projections and the logits apart.
+numerics, and its time beside oneDNN's for the projections and the logits apart. Where the
+level has AVX512-VNNI, a last table sets the kernel of x rounded to 8 bits per block
+(csrc/quant_i8.h) beside the block kernel the model's few-row products would take without
+it, at the row counts up to `--i8-rows-up-to`.
 
 This is how the GGUF method's row limits (model/layers/quantization/gguf.py) were chosen: the weights stream from memory,
 as in a decode step (one pass over all layers reads the whole model), so the figures are
@@ -20,7 +23,7 @@ second thread), so `--bf16-quantized-max-rows` follows engine steps (docs/PERFOR
 "Two panels at a time, bf16 in and out").
 
 usage: python benchmarks/quantized_linear.py [--model GGUF] [--rows 1 8 16 64 ...]
-       [--few-rows-up-to 64] [--repeats 7] [--dtype float32|bfloat16]
+       [--few-rows-up-to 64] [--i8-rows-up-to 8] [--repeats 7] [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ from collections.abc import Callable
 import torch
 
 from tokenserve import LLM
+from tokenserve.kernels import quant_linear
 from tokenserve.kernels.row_buckets import empty_rows
 from tokenserve.model.layers.quantization import UnquantizedLinearMethod
-from tokenserve.model.layers.quantization.gguf import DP_FEW_ROWS
+from tokenserve.model.layers.quantization.gguf import AMX_MIN_ROWS, DP_FEW_ROWS
 
 
 def main() -> None:
@@ -45,6 +49,7 @@ def main() -> None:
         "--rows", type=int, nargs="+", default=[1, 4, 8, 16, 20, 24, 32, 48, 64, 128, 256, 512]
     )
     parser.add_argument("--few-rows-up-to", type=int, default=64)
+    parser.add_argument("--i8-rows-up-to", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="The model's dtype: the oneDNN column's products (bf16 or float32).")
@@ -66,20 +71,31 @@ def main() -> None:
     )
     kernel = ("amx" if all(quantized.uses_amx for _, quantized in weights)
               else "dp" if all(quantized.uses_dp for _, quantized in weights) else None)
+    head = getattr(model, "lm_head", None)
+    projections = [w for w in weights if w[0] is not head]
+    logits = [w for w in weights if w[0] is head]
     if kernel is not None:
-        head = getattr(model, "lm_head", None)
-        _bf16_table(kernel, [w for w in weights if w[0] is not head],
-                    [w for w in weights if w[0] is head], args.rows, args.repeats)
-        return
+        _bf16_table(kernel, projections, logits, args.rows, args.repeats)
+    else:
+        _float32_table(weights, args.rows, args.few_rows_up_to, args.repeats)
+    ops = quant_linear.load()
+    i8_rows = [rows for rows in args.rows if rows <= args.i8_rows_up_to]
+    if ops is not None and ops.i8 and i8_rows:
+        _i8_table(kernel or "few-row", projections, logits, i8_rows, args.repeats)
+
+
+def _float32_table(weights: list, rows_list: list[int], few_rows_up_to: int,
+                   repeats: int) -> None:
+    """A float32 model: the float32 block kernels against oneDNN's float32 GEMM."""
     print(
         f"{'rows':>5} {'few-row':>8} {'many-row':>9} {'oneDNN':>8} "
         f"{'oneDNN / few-row':>17} {'oneDNN / many-row':>18}"
     )
-    for rows in args.rows:
+    for rows in rows_list:
         inputs = {width: torch.randn(rows, width) for width in {q.shape[1] for _, q in weights}}
-        paths = ["many-row", "oneDNN"] + (["few-row"] if rows <= args.few_rows_up_to else [])
+        paths = ["many-row", "oneDNN"] + (["few-row"] if rows <= few_rows_up_to else [])
         many, onednn, *few_or_none = _best_ms(
-            [functools.partial(_pass, weights, inputs, path) for path in paths], args.repeats
+            [functools.partial(_pass, weights, inputs, path) for path in paths], repeats
         )
         few = few_or_none[0] if few_or_none else None
         few_cells = ("-", "-") if few is None else (f"{few:.1f}", f"{onednn / few:.2f}")
@@ -117,6 +133,29 @@ def _bf16_table(kernel: str, projections: list, head: list, rows_list: list[int]
         _dp_forms(projections, rows_list, repeats)
 
 
+def _i8_table(kernel: str, projections: list, head: list, rows_list: list[int],
+              repeats: int) -> None:
+    """The kernel of x rounded to 8 bits against the block kernel the model's products of
+    these rows take without it (`kernel`: "amx", below AMX_MIN_ROWS rows the float32
+    few-row one; "dp"; "few-row"), each reading what it reads in the model (the AMX
+    kernel bf16 x, the others float32)."""
+    names = {"amx": "AMX", "dp": "vdpbf16ps", "few-row": "few-row"}
+    print("x rounded to 8 bits (csrc/quant_i8.h) against the block kernel taken without it:")
+    print(f"{'rows':>5} {'8-bit proj':>11} {'other proj':>11} {'ratio':>6} "
+          f"{'8-bit logits':>13} {'other logits':>13} {'ratio':>6}  other")
+    for rows in rows_list:
+        other = "few-row" if kernel == "amx" and rows < AMX_MIN_ROWS else kernel
+        inputs = {width: torch.randn(rows, width)
+                  for width in {q.shape[1] for _, q in projections + head}}
+        other_inputs = ({width: x.to(torch.bfloat16) for width, x in inputs.items()}
+                        if other == "amx" else inputs)
+        i8_p, other_p, i8_h, other_h = _best_ms(
+            [functools.partial(_pass, group, inputs if path == "i8" else other_inputs, path)
+             for group in (projections, head) for path in ("i8", other)], repeats)
+        print(f"{rows:>5} {i8_p:>11.1f} {other_p:>11.1f} {other_p / i8_p:>6.2f} "
+              f"{i8_h:>13.2f} {other_h:>13.2f} {other_h / i8_h:>6.2f}  {names[other]}")
+
+
 def _dp_forms(projections: list, rows_list: list[int], repeats: int) -> None:
     """The vdpbf16ps kernel's two forms on the projections at each row count, whichever the
     model routes it to: how DP_FEW_ROWS was chosen."""
@@ -138,7 +177,9 @@ def _pass(weights: list, inputs: dict[int, torch.Tensor], path: str) -> None:
         elif path == "amx":
             quantized.matmul(x, amx=True)
         elif path == "dp":  # its dot-product or panel form by rows, as the model routes them
-            quantized.matmul(x)
+            quantized.matmul(x, dp=True, panels=x.shape[0] > DP_FEW_ROWS)
+        elif path == "i8":
+            quantized.matmul(x, i8=True)
         elif path in ("dp-dot", "dp-panels"):
             quantized.matmul(x, dp=True, panels=path == "dp-panels")
         else:

@@ -284,6 +284,11 @@ DEFAULT_QUANTIZED_GEMM_MAX_ROWS = 192
 DEFAULT_BF16_QUANTIZED_MAX_ROWS = 1024
 BF16_QUANTIZED_MAX_ROWS_DP = 128
 BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX = 16
+# bfloat16 GGUF models on the avx512_bf16 and amx levels: products of at most this many rows
+# multiply the blocks by x rounded to 8 bits per block (VNNI; kernels/csrc/quant_i8.h), as
+# llama.cpp and vLLM's GGUF kernels do; faster than the AMX kernel up to ~6 rows here
+# (docs/PERFORMANCE_CPU.md, "Few-row products with x rounded to 8 bits").
+DEFAULT_INT8_ACTIVATION_MAX_ROWS = 4
 # --cpu-isa: the instruction-set levels the C kernels build for (kernels/cpu_isa.py).
 CPU_ISAS = ("auto", "avx2", "avx512", "avx512_bf16", "amx", "native")
 
@@ -315,6 +320,10 @@ class KernelConfig:
     # every product on the AMX block kernel, one row included, bf16_quantized_max_rows at
     # least the step budget (EngineArgs sets it). Refused elsewhere.
     batch_invariant: bool = False
+    # A GGUF model's products of at most this many rows multiply its blocks by x rounded to
+    # 8 bits per 32-value block (the avx512_bf16 and amx levels, which have VNNI); None: by
+    # dtype (int8_activation_rows), 0: never.
+    int8_activation_max_rows: int | None = None
     # The instruction set the C kernels are built for (kernels/cpu_isa.py): "auto", the
     # best the CPU has, or a lower level forced; --dtype auto takes bfloat16 only where the
     # level computes it natively (avx512_bf16, amx).
@@ -324,9 +333,9 @@ class KernelConfig:
         if self.cpu_isa not in CPU_ISAS:
             raise ValueError(f"cpu_isa must be one of {list(CPU_ISAS)}, got {self.cpu_isa!r}.")
         for name in ("quantized_max_rows", "quantized_gemm_max_rows",
-                     "bf16_quantized_max_rows"):
+                     "bf16_quantized_max_rows", "int8_activation_max_rows"):
             value = getattr(self, name)
-            if value is None and name == "bf16_quantized_max_rows":
+            if value is None and name in ("bf16_quantized_max_rows", "int8_activation_max_rows"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
@@ -339,6 +348,21 @@ class KernelConfig:
             return self.bf16_quantized_max_rows
         return {"amx": DEFAULT_BF16_QUANTIZED_MAX_ROWS, "dp": BF16_QUANTIZED_MAX_ROWS_DP,
                 "float32": BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX}[kernel]
+
+    def int8_activation_rows(self, bf16_products: bool) -> int:
+        """The most rows of a GGUF model's product with x rounded to 8 bits: the setting, or
+        by default DEFAULT_INT8_ACTIVATION_MAX_ROWS for a bfloat16 model (whose products
+        round x already, to bf16) and none for a float32 one; for a bfloat16 model at most
+        bf16_quantized_max_rows where that is set (above it every product is oneDNN's); none
+        with batch_invariant, whose products all take the AMX kernel."""
+        if self.batch_invariant:
+            return 0
+        rows = self.int8_activation_max_rows
+        if rows is None:
+            rows = DEFAULT_INT8_ACTIVATION_MAX_ROWS if bf16_products else 0
+        if bf16_products and self.bf16_quantized_max_rows is not None:
+            rows = min(rows, self.bf16_quantized_max_rows)
+        return rows
 
     def block_row_limits(self, bf16_products: bool) -> tuple[int, int]:
         """The most rows of a product on the GGUF float32 few-row and many-row kernels, for a

@@ -12,7 +12,8 @@ from tokenserve.kernels import build, cpu_isa
 from tokenserve.model.precision import auto_dtype, resolve_dtype
 
 AVX2_HOST = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
-ZEN4_HOST = AVX2_HOST | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+ZEN4_HOST = AVX2_HOST | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+                         "avx512_bf16"}
 SPR_HOST = ZEN4_HOST | {"amx_tile", "amx_bf16", "amx_int8"}
 
 
@@ -24,6 +25,9 @@ def test_levels_follow_the_flags():
     assert cpu_isa.supported_levels(SPR_HOST) == ["avx2", "avx512", "avx512_bf16", "amx"]
     # AVX-512 F without BW/VL (Knights Landing) is not the avx512 level.
     assert cpu_isa.best_level(AVX2_HOST | {"avx512f"}) == "avx2"
+    # The bf16 levels build the 8-bit block kernel too: VNNI, which every CPU with
+    # AVX512_BF16 has, is part of them.
+    assert cpu_isa.best_level(ZEN4_HOST - {"avx512_vnni"}) == "avx512"
 
 
 @pytest.mark.auto_dtype

@@ -101,11 +101,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
     kernels.add_argument("--bf16-quantized-max-rows", type=int,
                          default=defaults.bf16_quantized_max_rows,
                          help="GGUF models in bfloat16: products of at most this many rows "
-                              "read the blocks (on the amx level from 2 rows through the AMX "
+                              "read the blocks (on the amx level from 4 rows through the AMX "
                               "block kernel, on avx512_bf16 through the vdpbf16ps one, both "
                               "with bf16 numerics; else the float32 ones, within the two "
                               "limits above), more rows go to oneDNN's bf16 GEMM. Default: "
-                              "512 on amx, 128 on avx512_bf16, 16 on other levels.")
+                              "1024 on amx, 128 on avx512_bf16, 16 on other levels.")
+    kernels.add_argument("--int8-activation-max-rows", type=int,
+                         default=defaults.int8_activation_max_rows,
+                         help="GGUF models: products of at most this many rows multiply the "
+                              "blocks by x rounded to 8 bits per 32-value block, as llama.cpp "
+                              "does (VNNI: the avx512_bf16 and amx levels; 0: never). "
+                              "Default: 4 for a bfloat16 model, 0 for a float32 one.")
     kernels.add_argument("--batch-invariant", action="store_true",
                          default=defaults.batch_invariant,
                          help="A request's greedy tokens independent of the batch it runs in: "

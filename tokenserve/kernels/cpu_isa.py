@@ -8,7 +8,8 @@ the only level is "native" (`-march=native`, what the compiler finds on the host
 
     avx2         AVX2 + FMA (Haswell, Zen 1 on)
     avx512       + AVX-512 F/BW/VL/DQ (Skylake-SP, Zen 4 on)
-    avx512_bf16  + AVX512_BF16: native bf16 dot products (Cooper Lake, Sapphire Rapids, Zen 4)
+    avx512_bf16  + AVX512_BF16 (and AVX512-VNNI, which every such CPU has): native bf16 dot
+                 products (Cooper Lake, Sapphire Rapids, Zen 4)
     amx          + AMX tiles with bf16 (Sapphire Rapids on)
 
 `native_bf16(isa)` is what `--dtype auto` asks: whether the selected level computes bf16
@@ -30,15 +31,16 @@ ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
     ),
     "avx512_bf16": (
-        ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+        ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+         "avx512_bf16"),
         ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-         "-mavx512bf16"),
+         "-mavx512vnni", "-mavx512bf16"),
     ),
     "amx": (
-        ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
-         "amx_tile", "amx_bf16"),
+        ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+         "avx512_bf16", "amx_tile", "amx_bf16"),
         ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-         "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+         "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
     ),
 }
 NATIVE = "native"  # off x86-64, or an x86-64 CPU without AVX2: -march=native

@@ -3,7 +3,8 @@ layouts of model/layers/quantization/gguf.py's `QuantizedWeight` (see quant_line
 The float32 few-row and many-row kernels per format, and with a bfloat16 model's numerics
 on the amx level the AMX one (csrc/quant_amx.h; `QuantLinearOps.amx`), on the avx512_bf16
 level the vdpbf16ps ones (csrc/quant_dp.h; `QuantLinearOps.dp`): its dot-product form for
-few rows and its panel form for many."""
+few rows and its panel form for many; on both those levels the few-row kernel of x rounded
+to 8 bits per block (csrc/quant_i8.h; `QuantLinearOps.i8`)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ class QuantLinearOps:
             ("Q8_0", "dp"): library.ts_q8_0_linear_dp,
             ("Q4_1", "dp_panels"): library.ts_q4_1_gemm_dp,
             ("Q8_0", "dp_panels"): library.ts_q8_0_gemm_dp,
+            ("Q4_1", "i8"): library.ts_q4_1_linear_i8,
+            ("Q8_0", "i8"): library.ts_q8_0_linear_i8,
         }
         for function in self._kernels.values():
             function.restype = ctypes.c_int
@@ -51,6 +54,9 @@ class QuantLinearOps:
         self.amx = bool(available())
         # Whether the vdpbf16ps kernel runs here: built for the avx512_bf16 level.
         self.dp = bool(library.ts_quant_dp_available())
+        # Whether the kernel of x rounded to 8 bits runs here: built with AVX512-VNNI (the
+        # avx512_bf16 and amx levels).
+        self.i8 = bool(library.ts_quant_i8_available())
 
     def bind(self, kind: str, qs: torch.Tensor, scales: torch.Tensor) -> BoundQuantLinear:
         """Both kernels of one weight, the weight checked once: a decode step makes ~120 of
@@ -61,36 +67,41 @@ class QuantLinearOps:
         return BoundQuantLinear(self._kernels[kind, "few"], self._kernels[kind, "panels"], amx,
                                 self._kernels[kind, "dp"] if self.dp else None,
                                 self._kernels[kind, "dp_panels"] if self.dp else None,
+                                self._kernels[kind, "i8"] if self.i8 else None,
                                 qs, scales)
 
 
 class BoundQuantLinear:
     """y = x · Wᵀ for one checked weight (`QuantLinearOps.bind`): each call checks only x."""
 
-    __slots__ = ("_amx", "_amx_bf16", "_dp", "_dp_panels", "_few", "_many", "_num_out", "_qs",
-                 "_scales", "_width")
+    __slots__ = ("_amx", "_amx_bf16", "_dp", "_dp_panels", "_few", "_i8", "_many", "_num_out",
+                 "_qs", "_scales", "_width")
 
-    def __init__(self, few, many, amx, dp, dp_panels, qs: torch.Tensor,
+    def __init__(self, few, many, amx, dp, dp_panels, i8, qs: torch.Tensor,
                  scales: torch.Tensor) -> None:
         # amx: the AMX kernel on float32 and on bf16 x and y, or None.
         self._amx, self._amx_bf16 = amx if amx is not None else (None, None)
         self._few, self._many, self._dp = few, many, dp
-        self._dp_panels = dp_panels
+        self._dp_panels, self._i8 = dp_panels, i8
         # The tensors are held so that their memory outlives the pointers passed to C.
         self._qs, self._scales = qs, scales
         self._num_out, self._width = qs.shape[0], scales.shape[1] * BLOCK
 
     def __call__(self, x: torch.Tensor, panels: bool = False, amx: bool = False,
-                 dp: bool = False, dp_panels: bool = False) -> torch.Tensor:
+                 dp: bool = False, dp_panels: bool = False, i8: bool = False) -> torch.Tensor:
         """x [M, K] float32, contiguous → [M, N] float32; `panels` picks the many-row kernel,
         `amx` the AMX one, `dp` the vdpbf16ps one and `dp_panels` its panel form (those
         three: x and the weights rounded to bf16, float32 sums, each rounded to bf16 as
-        oneDNN's bf16 GEMM hands its sums on). The AMX kernel also takes bf16 x, and then
-        writes its sums as bf16 (the same values)."""
+        oneDNN's bf16 GEMM hands its sums on), `i8` the one of x rounded to 8 bits per block
+        (quant_i8.h). The AMX kernel also takes bf16 x, and then writes its sums as bf16
+        (the same values)."""
         if amx and self._amx is None:
             raise RuntimeError("the AMX quantized kernel is not available on this level/CPU.")
         if (dp or dp_panels) and self._dp is None:
             raise RuntimeError("the vdpbf16ps quantized kernel is not available on this level.")
+        if i8 and self._i8 is None:
+            raise RuntimeError("the 8-bit quantized kernel needs AVX512-VNNI (the avx512_bf16 "
+                               "or amx level).")
         bf16 = amx and x.dtype == torch.bfloat16
         if (x.dtype != torch.float32 and not bf16) or not x.is_cpu or not x.is_contiguous():
             raise ValueError("C kernels need contiguous float32 CPU tensors (the AMX kernel: "
@@ -102,7 +113,8 @@ class BoundQuantLinear:
             )
         out = torch.empty((x.shape[0], self._num_out), dtype=x.dtype)
         kernel = (self._amx_bf16 if bf16 else self._amx if amx else self._dp if dp
-                  else self._dp_panels if dp_panels else self._many if panels else self._few)
+                  else self._dp_panels if dp_panels else self._i8 if i8
+                  else self._many if panels else self._few)
         status = kernel(
             out.data_ptr(), x.data_ptr(), x.shape[0], self._width, self._num_out,
             self._qs.data_ptr(), self._scales.data_ptr(),

@@ -177,12 +177,12 @@ class FusedDecodeLayerStack(LayerStack):
             # Above max_rows the many-row kernel, as the GGUF method picks (the weight fits
             # its panels when the step's rows passed takes()); a bf16 model's on the amx
             # level the AMX kernel above amx_min_rows - 1, on the avx512_bf16 level the
-            # vdpbf16ps kernel from one row, in its panel form above DP_FEW_ROWS
-            # (QuantizedWeight.matmul).
+            # vdpbf16ps kernel from one row, in its panel form above DP_FEW_ROWS; up to
+            # i8_max_rows rows the 8-bit kernel ahead of all (QuantizedWeight.matmul).
             few_rows = (blocks.amx_min_rows - 1 if blocks.uses_amx
                         else DP_FEW_ROWS if blocks.uses_dp else blocks.max_rows)
             projections[part] = (blocks.kind, blocks.qs, blocks.scales, linear.bias, few_rows,
-                                 blocks.uses_amx, blocks.uses_dp)
+                                 blocks.uses_amx, blocks.uses_dp, blocks.i8_max_rows)
         key_cache, value_cache = TorchSDPABackend.split_kv_cache(kv_cache)
         bound, keep = self.ops.layer(
             projections, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,

@@ -28,12 +28,14 @@
  * them (out a multiple of PANEL there); with amx = 1 those take the AMX kernel instead
  * (out a multiple of AMX_PANEL; the amx level only). With dp = 1 (the avx512_bf16 level
  * only) every product takes the vdpbf16ps kernel: up to few_rows rows its dot-product form,
- * more its panel form. */
+ * more its panel form. Products of at most i8 rows (the avx512_bf16 and amx levels) take
+ * the kernel of x rounded to 8 bits instead of all of those. */
 typedef struct {
     const uint8_t *qs;
     const float *scales;
     const float *bias;
     int64_t out, in, q4_1, few_rows, amx, dp;
+    int64_t i8; /* products of at most this many rows: x rounded to 8 bits (quant_i8.h) */
 } ts_projection;
 
 /* What a layer holds. */
@@ -73,11 +75,29 @@ typedef struct {
     float *prefix_out, *prefix_lse, *suffix_lse;
 } ts_decode_step;
 
+static void add_bias(float *y, int64_t M, const ts_projection *w) {
+    if (w->bias == NULL) return;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < w->out; ++n) y[m * w->out + n] += w->bias[n];
+}
+
 /* `panel` and `sums` (M * PANEL floats) are the calling thread's, for the many-row kernel;
  * `xp` (x packed, shared) and `a` (the thread's expanded panel) the AMX kernel's and the
- * vdpbf16ps kernel's panel form's. */
+ * vdpbf16ps kernel's panel form's; `xr` (the thread's) the rounded x of the 8-bit kernel,
+ * which every thread rounds for itself (a few rows: cheaper than a barrier). */
 static void project(float *y, const float *x, int64_t M, const ts_projection *w, float *panel,
-                    float *sums, uint16_t *xp, uint16_t *a) {
+                    float *sums, uint16_t *xp, uint16_t *a, uint8_t *xr) {
+#if QUANT_I8
+    if (M <= w->i8) {
+        i8_round_rows(xr, x, 0, M, w->in, (int)w->q4_1);
+        i8_columns(y, xr, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1);
+        add_bias(y, M, w);
+        return;
+    }
+#else
+    (void)xr;
+#endif
 #if QUANT_AMX
     if (w->amx && M > w->few_rows) {
         /* In rounds of amx_round_rows, as ts_quant_linear_amx takes them: a round's
@@ -105,10 +125,7 @@ static void project(float *y, const float *x, int64_t M, const ts_projection *w,
         gemm_columns(y, x, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1, panel, sums);
     else
         linear_columns(y, x, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1);
-    if (w->bias == NULL) return;
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < w->out; ++n) y[m * w->out + n] += w->bias[n];
+    add_bias(y, M, w);
 }
 
 /* out [rows, hidden] = the layer applied to hidden [rows, hidden]. `residual` [rows, hidden]
@@ -124,15 +141,20 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
     const int64_t group = step->num_heads / step->num_kv_heads;
     const ts_projection *projections[] = {&layer->qkv, &layer->o, &layer->gate_up,
                                           &layer->down};
-    int64_t amx = 0, dp = 0, dp_panels = 0, widest = 0;
+    int64_t amx = 0, dp = 0, dp_panels = 0, widest = 0, i8 = 0;
     for (int i = 0; i < 4; ++i) {
         if (projections[i]->in % BLOCK || (M > projections[i]->few_rows &&
                                            projections[i]->out % PANEL))
             return 1;
+        widest = projections[i]->in > widest ? projections[i]->in : widest;
+        if (M <= projections[i]->i8) {
+            if (!QUANT_I8) return 1;
+            i8 = 1;
+            continue; /* neither the AMX nor the vdpbf16ps kernel's scratch */
+        }
         amx |= projections[i]->amx;
         dp |= projections[i]->dp;
         dp_panels |= projections[i]->dp && M > projections[i]->few_rows;
-        widest = projections[i]->in > widest ? projections[i]->in : widest;
     }
 #if QUANT_AMX
     if (amx && !amx_permitted()) return 1;
@@ -162,7 +184,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
     /* Whether gate_up's sums are bf16 values (the AMX or vdpbf16ps kernel's, no bias added
      * after): SwiGLU then reads silu from the table (silu_and_mul_row_bf16_valued). */
     const ts_projection *gate_up = &layer->gate_up;
-    const int bf16_gates = gate_up->bias == NULL &&
+    const int bf16_gates = gate_up->bias == NULL && M > gate_up->i8 &&
                            (gate_up->dp || (gate_up->amx && M > gate_up->few_rows));
     (void)bf16_gates;
     int failed = 0;
@@ -205,7 +227,14 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
         const int64_t a_rows = amx ? 32 : 0; /* amx_columns: two panels of 16 weight rows */
 #endif
         uint16_t *a = a_rows ? (uint16_t *)aligned_alloc(64, (size_t)(a_rows * widest * 2)) : NULL;
-        if (scores == NULL || sums == NULL || (a_rows && a == NULL) ||
+#if QUANT_I8
+        /* Room for M rounded rows of the widest input, in either layout. */
+        uint8_t *xr = i8 ? (uint8_t *)aligned_alloc(64, (size_t)(M * i8_row_bytes_max(widest)))
+                         : NULL;
+#else
+        uint8_t *xr = NULL;
+#endif
+        if (scores == NULL || sums == NULL || (a_rows && a == NULL) || (i8 && xr == NULL) ||
             (plan.num_items && attn_scratch == NULL)) {
 #pragma omp atomic write
             failed = 1;
@@ -214,7 +243,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
         for (int64_t r = 0; r < M; ++r)
             rms_norm_row(step->normed + r * H, add_input ? hidden + r * H : residual + r * H,
                          add_input ? residual + r * H : NULL, layer->input_norm, H, step->eps);
-        project(step->qkv, step->normed, M, &layer->qkv, panel, sums, xp, a);
+        project(step->qkv, step->normed, M, &layer->qkv, panel, sums, xp, a, xr);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r) {
             float *q = step->qkv + r * qkv_width;
@@ -249,12 +278,12 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
             merge_attention(step->attn, q_size, step->decode_rows, step->prefix_out, q_size,
                             step->prefix_lse, step->suffix_lse, prefix_rows, step->num_heads,
                             D);
-        project(step->o, step->attn, M, &layer->o, panel, sums, xp, a);
+        project(step->o, step->attn, M, &layer->o, panel, sums, xp, a, xr);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r)
             rms_norm_row(step->normed + r * H, step->o + r * H, residual + r * H,
                          layer->post_norm, H, step->eps);
-        project(step->gate_up, step->normed, M, &layer->gate_up, panel, sums, xp, a);
+        project(step->gate_up, step->normed, M, &layer->gate_up, panel, sums, xp, a, xr);
 #if TS_SILU_TABLE
         if (bf16_gates) {
 #pragma omp for schedule(static)
@@ -270,10 +299,11 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                 silu_and_mul_row(step->act + r * step->intermediate,
                                  step->gate_up + r * 2 * step->intermediate, step->intermediate);
         }
-        project(out, step->act, M, &layer->down, panel, sums, xp, a);
+        project(out, step->act, M, &layer->down, panel, sums, xp, a, xr);
         free(scores);
         free(sums);
         free(a);
+        free(xr);
         if (attn_scratch != NULL) prompt_scratch_free(&plan, attn_scratch);
     }
     free(xp);

@@ -30,7 +30,9 @@
  * bf16 GEMM hands its sums on). It returns 3 where AMX is not built or not granted
  * (ts_quant_amx_available says which). On the avx512_bf16 level (AVX512_BF16 without AMX)
  * ts_*_linear_dp (quant_dp.h) has those numerics by vdpbf16ps; it returns 3 on other
- * levels (ts_quant_dp_available).
+ * levels (ts_quant_dp_available). On both those levels ts_*_linear_i8 (quant_i8.h) rounds
+ * x to 8 bits per block and multiplies the blocks into it as integers (VNNI); 3 elsewhere
+ * (ts_quant_i8_available).
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* syscall(), for the AMX permission (amx.h) */
@@ -582,4 +584,35 @@ int ts_q4_1_gemm_amx_bf16(uint16_t *y, const uint16_t *x, int64_t M, int64_t K, 
 int ts_q8_0_gemm_amx_bf16(uint16_t *y, const uint16_t *x, int64_t M, int64_t K, int64_t N,
                           const int8_t *qs, const float *d) {
     return quant_gemm_amx(y, 1, x, 1, M, K, N, (const uint8_t *)qs, d, 0);
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define QUANT_I8 1
+#include "quant_i8.h"
+#else
+#define QUANT_I8 0
+#endif
+
+/* x rounded to 8 bits per block (quant_i8.h): returns 3 where the level lacks
+ * AVX512-VNNI (ts_quant_i8_available says which). */
+int ts_quant_i8_available(void) { return QUANT_I8; }
+
+int ts_q4_1_linear_i8(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                      const uint8_t *qs, const float *dm) {
+#if QUANT_I8
+    return quant_linear_i8(y, x, M, K, N, qs, dm, 1);
+#else
+    (void)y, (void)x, (void)M, (void)K, (void)N, (void)qs, (void)dm;
+    return 3;
+#endif
+}
+
+int ts_q8_0_linear_i8(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                      const int8_t *qs, const float *d) {
+#if QUANT_I8
+    return quant_linear_i8(y, x, M, K, N, (const uint8_t *)qs, d, 0);
+#else
+    (void)y, (void)x, (void)M, (void)K, (void)N, (void)qs, (void)d;
+    return 3;
+#endif
 }

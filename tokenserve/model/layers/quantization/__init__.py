@@ -24,7 +24,9 @@ def get_linear_method(
     most `bf16_quantized_max_rows` rows read the blocks (on the amx level through the AMX
     kernel with bf16 numerics, on the avx512_bf16 level through the vdpbf16ps kernel with
     the same numerics, elsewhere the float32 kernels), larger ones run on oneDNN's
-    bf16 GEMM (docs/PERFORMANCE_CPU.md)."""
+    bf16 GEMM (docs/PERFORMANCE_CPU.md). Where the level has VNNI, products of at most
+    `int8_activation_max_rows` rows (by default 4 for a bfloat16 model, none for a float32
+    one) multiply the blocks by x rounded to 8 bits per block instead."""
     use_onednn = not kernel_config.disable_onednn
     weight_dtype = dtype if activation_dtype(dtype) != dtype else None
     max_rows, gemm_max_rows = kernel_config.block_row_limits(weight_dtype is not None)
@@ -38,11 +40,14 @@ def get_linear_method(
     dp_max_rows = (kernel_config.bf16_block_max_rows("dp")
                    if weight_dtype is not None and blocks_wanted and ops is not None and ops.dp
                    else 0)
+    # x rounded to 8 bits for the fewest rows, where the level has VNNI.
+    i8_max_rows = (kernel_config.int8_activation_rows(weight_dtype is not None)
+                   if blocks_wanted and ops is not None and ops.i8 else 0)
     gguf = (
         model_format == "gguf"
         and activation_dtype(dtype) == torch.float32
         and ops is not None
-        and max(max_rows, gemm_max_rows, amx_max_rows, dp_max_rows) > 0
+        and max(max_rows, gemm_max_rows, amx_max_rows, dp_max_rows, i8_max_rows) > 0
     )
     if kernel_config.batch_invariant and not (gguf and amx_max_rows > 0):
         # Only the AMX block kernel's sums are each row's own in a fixed order; oneDNN's and
@@ -56,5 +61,6 @@ def get_linear_method(
         return GGUFLinearMethod(max_rows, gemm_max_rows, use_onednn=use_onednn,
                                 weight_dtype=weight_dtype, amx_max_rows=amx_max_rows,
                                 dp_max_rows=dp_max_rows,
-                                batch_invariant=kernel_config.batch_invariant)
+                                batch_invariant=kernel_config.batch_invariant,
+                                i8_max_rows=i8_max_rows)
     return UnquantizedLinearMethod(use_onednn=use_onednn, weight_dtype=weight_dtype)

@@ -32,6 +32,15 @@ sends its products of at most `dp_max_rows` rows (the same `bf16_block_max_rows`
 row, in its dot-product form up to DP_FEW_ROWS rows and its panel form above: its decode
 steps then compute what its larger products do on oneDNN, up to the order of the float32
 sums (tests/kernels/test_quant_linear_bf16.py: all but ~1e-4 of the outputs bit for bit).
+
+On those two levels (both have AVX512-VNNI) products of at most `i8_max_rows` rows take the
+kernel of x rounded to 8 bits per 32-value block instead of any of the above (csrc/
+quant_i8.h; `KernelConfig.int8_activation_rows`: 4 for a bfloat16 model by default, none
+for a float32 one): the file's weights times x on an 8-bit grid, integer products by
+vpdpbusd, as llama.cpp's and vLLM's GGUF kernels compute; float32 in and out. At one to four
+rows that is the fastest way through the blocks (docs/PERFORMANCE_CPU.md, "Few-row products
+with x rounded to 8 bits"); its error is of the order of the bf16 path's rounding
+(tests/model/test_int8_activations.py).
 """
 
 from __future__ import annotations
@@ -91,6 +100,9 @@ class QuantizedWeight:
     # With the AMX kernel: products of fewer rows take the float32 few-row kernel (1 with
     # batch_invariant: every product on the AMX kernel).
     amx_min_rows: int = AMX_MIN_ROWS
+    # Products of at most this many rows take the kernel of x rounded to 8 bits per block
+    # (csrc/quant_i8.h), whatever the limits above say (0: none).
+    i8_max_rows: int = 0
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -180,10 +192,11 @@ class QuantizedWeight:
         one applies, else the few-row kernel's, or the many-row kernel's where the weight fits
         its panels."""
         if self.uses_amx:
-            return self.amx_max_rows
+            return max(self.amx_max_rows, self.i8_max_rows)
         if self.uses_dp:
-            return self.dp_max_rows
-        return max(self.max_rows, self.gemm_max_rows if self._fits_panels else 0)
+            return max(self.dp_max_rows, self.i8_max_rows)
+        return max(self.max_rows, self.gemm_max_rows if self._fits_panels else 0,
+                   self.i8_max_rows)
 
     def takes(self, rows: int) -> bool:
         """Whether a product of `rows` rows is sent here (else to the float weight)."""
@@ -192,17 +205,22 @@ class QuantizedWeight:
     def reads_bf16(self, rows: int) -> bool:
         """Whether a product of `rows` rows (one it takes) may read bf16 x: on the AMX
         kernel, which then writes its sums in bf16 too (the same values)."""
-        return self.uses_amx and rows >= self.amx_min_rows
+        return self.uses_amx and rows >= self.amx_min_rows and rows > self.i8_max_rows
 
     def matmul(self, x: torch.Tensor, panels: bool | None = None,
-               amx: bool | None = None, dp: bool | None = None) -> torch.Tensor:
+               amx: bool | None = None, dp: bool | None = None,
+               i8: bool | None = None) -> torch.Tensor:
         """x [rows, in] float32 → x · Wᵀ [rows, out] float32 (on the AMX kernel x may be
         bf16, and the result is then bf16: `reads_bf16`). By default where the AMX
         kernel applies (uses_amx) it for amx_min_rows rows or more and the few-row kernel
         below; where the vdpbf16ps kernel applies (uses_dp) it, in its panel form above
         DP_FEW_ROWS rows; elsewhere the many-row kernel for more than max_rows rows where it
-        applies, else the few-row one. `amx`, `dp` (with `panels` the panel form) or
-        `panels` pick one (benchmarks, tests)."""
+        applies, else the few-row one; all of those only above i8_max_rows rows, the 8-bit
+        kernel's. `amx`, `dp` (with `panels` the panel form), `i8` or `panels` pick one
+        (benchmarks, tests)."""
+        chosen = amx is not None or dp is not None or panels is not None or i8 is not None
+        if i8 or (not chosen and x.shape[0] <= self.i8_max_rows):
+            return self._kernels(x.contiguous(), i8=True)
         if amx is None and dp is None and panels is None and self.uses_amx:
             # (The few-row kernel below amx_min_rows whatever max_rows: as the fused layer.)
             amx, panels = x.shape[0] >= self.amx_min_rows, False
@@ -234,11 +252,13 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
 
     def __init__(self, max_rows: int, gemm_max_rows: int, use_onednn: bool = True,
                  weight_dtype: torch.dtype | None = None, amx_max_rows: int = 0,
-                 dp_max_rows: int = 0, batch_invariant: bool = False) -> None:
+                 dp_max_rows: int = 0, batch_invariant: bool = False,
+                 i8_max_rows: int = 0) -> None:
         super().__init__(use_onednn, weight_dtype)
         self.max_rows, self.gemm_max_rows = max_rows, gemm_max_rows
         self.amx_max_rows = amx_max_rows  # QuantizedWeight.amx_max_rows
         self.dp_max_rows = dp_max_rows  # QuantizedWeight.dp_max_rows
+        self.i8_max_rows = i8_max_rows  # QuantizedWeight.i8_max_rows
         # KernelConfig.batch_invariant: every layer's products on the AMX kernel, from 1 row.
         self.batch_invariant = batch_invariant
         self.num_block_weights = 0  # how many layers got their blocks, for the log
@@ -291,7 +311,8 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
             return None
         return replace(joined, max_rows=self.max_rows, gemm_max_rows=self.gemm_max_rows,
                        amx_max_rows=self.amx_max_rows, dp_max_rows=self.dp_max_rows,
-                       amx_min_rows=1 if self.batch_invariant else AMX_MIN_ROWS)
+                       amx_min_rows=1 if self.batch_invariant else AMX_MIN_ROWS,
+                       i8_max_rows=self.i8_max_rows)
 
     def input_dtype(self, layer: nn.Module, rows: int) -> torch.dtype | None:
         """The blocks' AMX kernel reads bf16, as the dense bf16 products do (the operator
@@ -322,5 +343,7 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
                    if self.amx_max_rows
                    else f"{self.dp_max_rows} rows (vdpbf16ps, bf16)" if self.dp_max_rows
                    else f"{max(self.max_rows, self.gemm_max_rows)} rows")
+        rounded = (f" (up to {self.i8_max_rows} rows with x rounded to 8 bits)"
+                   if self.i8_max_rows else "")
         return (f"{self.num_block_weights} weights also in their GGUF blocks for products of up "
-                f"to {kernels}; " + super().__str__())
+                f"to {kernels}{rounded}; " + super().__str__())
