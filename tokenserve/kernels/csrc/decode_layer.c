@@ -90,7 +90,7 @@ static void project(float *y, const float *x, int64_t M, const ts_projection *w,
                     float *sums, uint16_t *xp, uint16_t *a, uint8_t *xr) {
 #if QUANT_I8
     if (M <= w->i8) {
-        i8_round_rows(xr, x, 0, M, w->in, (int)w->q4_1);
+        i8_round_rows(xr, x, M, w->in, (int)w->q4_1);
         i8_columns(y, xr, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1);
         add_bias(y, M, w);
         return;
