@@ -92,10 +92,43 @@ def test_the_rounding_error_is_x_rounding_not_the_weights(kind):
     assert error.max() > 0  # x was rounded
 
 
-def test_rows_past_a_pass_and_slices_give_the_same_sums():
-    # The kernel carries 4 rows a pass; a row's sums do not depend on the others.
-    weight, _ = random_quantized("Q4_1", 48, 576, seed=8)
-    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(9))
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_past_a_pass_and_slices_give_the_same_sums(kind):
+    # The kernel carries 8 rows a pass; a row's sums do not depend on the others.
+    weight, _ = random_quantized(kind, 48, 576, seed=8)
+    x = torch.randn(19, 576, generator=torch.Generator().manual_seed(9))
     together = weight.matmul(x, i8=True)
-    for row in range(9):
+    for row in range(19):
         assert torch.equal(weight.matmul(x[row : row + 1], i8=True), together[row : row + 1])
+
+
+@pytest.mark.parametrize("kind,block_bytes", [("Q4_1", 320), ("Q8_0", 544)])
+@pytest.mark.parametrize("out_features", [16, 37])
+def test_the_copy_holds_the_files_bytes_in_panels_of_16_rows(ops, kind, block_bytes,
+                                                            out_features):
+    # Per panel of 16 output rows and 32-weight block: the 16 rows' weights (Q4_1: the
+    # file's 16 nibble bytes a row, byte 64r + 4n + i = row n's byte 4r + i; Q8_0: its 32
+    # bytes offset by 128, byte 64k + 4n + i = row n's weight 4k + i), then their float16
+    # scales; rows past the weight's are zeros.
+    weight, _ = random_quantized(kind, out_features, 96, seed=10)
+    copy = ops.repack_i8(kind, weight.qs, weight.scales)
+    panels = -(-out_features // 16)
+    assert copy.dtype == torch.uint8 and copy.numel() == panels * 3 * block_bytes
+    blocks = copy.reshape(panels, 3, block_bytes)
+    per_row = 16 if kind == "Q4_1" else 32
+    nibbles = blocks[:, :, : per_row * 16].reshape(panels, 3, per_row // 4, 16, 4)
+    file_bytes = nibbles.permute(0, 3, 1, 2, 4).reshape(panels * 16, 3 * per_row)
+    expected = weight.qs.view(torch.uint8)
+    if kind == "Q8_0":
+        expected = expected ^ 0x80
+    assert torch.equal(file_bytes[:out_features], expected)
+    scales = blocks[:, :, per_row * 16 :].contiguous().view(torch.float16).float()
+    count = 2 if kind == "Q4_1" else 1
+    scales = scales.reshape(panels, 3, count, 16).permute(0, 3, 1, 2).reshape(panels * 16, 3,
+                                                                              count)
+    assert torch.equal(scales[:out_features], weight.scales.reshape(out_features, 3, count))
+    assert not scales[out_features:].any()
+    if kind == "Q4_1":
+        assert not file_bytes[out_features:].any()
+    else:
+        assert (file_bytes[out_features:] == 0x80).all()

@@ -49,6 +49,10 @@ def _i8_rows(llm: LLM) -> set[int]:
 def test_which_products_round_x_to_8_bits(engine_args, rows):
     llm = LLM(kv_cache_memory="32MiB", **engine_args)
     assert _i8_rows(llm) == {rows}
+    # The kernel's copy of each weight is made at load where it is used, and only there.
+    copies = {module.blocks._kernels._i8_weight is not None for module in _model(llm).modules()
+              if getattr(module, "blocks", None) is not None}
+    assert copies == {rows > 0}
 
 
 def test_int8_activation_max_rows_must_not_be_negative():

@@ -17,7 +17,8 @@ from tokenserve.kernels.tensor_checks import check_caches, check_f32, check_i64,
 
 class _Projection(ctypes.Structure):
     _fields_ = [("qs", ptr), ("scales", ptr), ("bias", ptr), ("out", i64), ("inp", i64),
-                ("q4_1", i64), ("few_rows", i64), ("amx", i64), ("dp", i64), ("i8", i64)]
+                ("q4_1", i64), ("few_rows", i64), ("amx", i64), ("dp", i64), ("i8", i64),
+                ("i8_weight", ptr)]
 
 
 class _Layer(ctypes.Structure):
@@ -68,20 +69,26 @@ class DecodeLayerOps:
         None, few_rows: the most rows for the few-row kernel, the many-row one above, amx:
         the AMX kernel above instead, dp: the vdpbf16ps one above instead, both bf16
         numerics, i8: the most rows for the kernel of x rounded to 8 bits, ahead of all
-        those), in quant_linear.c's layouts. Returns
+        those, i8_weight: the weight in that kernel's layout or None), in quant_linear.c's
+        layouts. Returns
         the bound layer and the tensors it points into (keep them alive as long as the
         layer)."""
         check_caches(key_cache, value_cache)
         check_f32(input_norm, post_norm)
         parts = {}
-        for name, (kind, qs, scales, bias, few_rows, amx, dp, i8) in projections.items():
+        for name, (kind, qs, scales, bias, few_rows, amx, dp, i8, i8_weight) in (
+                projections.items()):
             width = check_weight(kind, qs, scales)
             if bias is not None:
                 check_f32(bias)
+            if i8 and (i8_weight is None or i8_weight.dtype != torch.uint8):
+                raise ValueError("the 8-bit kernel's rows need the weight in its layout "
+                                 "(QuantLinearOps.repack_i8).")
             parts[name] = _Projection(qs.data_ptr(), scales.data_ptr(),
                                       None if bias is None else bias.data_ptr(), qs.shape[0],
                                       width, int(kind == "Q4_1"), few_rows, int(amx),
-                                      int(dp), i8)
+                                      int(dp), i8,
+                                      None if i8_weight is None else i8_weight.data_ptr())
         bound = _Layer(parts["qkv"], parts["o"], parts["gate_up"], parts["down"],
                        input_norm.data_ptr(), post_norm.data_ptr(), key_cache.data_ptr(),
                        value_cache.data_ptr())

@@ -42,12 +42,22 @@ class QuantLinearOps:
             ("Q8_0", "dp"): library.ts_q8_0_linear_dp,
             ("Q4_1", "dp_panels"): library.ts_q4_1_gemm_dp,
             ("Q8_0", "dp_panels"): library.ts_q8_0_gemm_dp,
-            ("Q4_1", "i8"): library.ts_q4_1_linear_i8,
-            ("Q8_0", "i8"): library.ts_q8_0_linear_i8,
         }
         for function in self._kernels.values():
             function.restype = ctypes.c_int
             function.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr]
+        # The 8-bit kernel reads the weight in its own layout (repack_i8).
+        self._i8_kernels = {"Q4_1": library.ts_q4_1_linear_i8,
+                            "Q8_0": library.ts_q8_0_linear_i8}
+        for function in self._i8_kernels.values():
+            function.restype = ctypes.c_int
+            function.argtypes = [ptr, ptr, i64, i64, i64, ptr]
+        self._i8_repack = library.ts_i8_repack
+        self._i8_repack.restype = ctypes.c_int
+        self._i8_repack.argtypes = [ptr, ptr, ptr, i64, i64, i64]
+        self._i8_weight_bytes = library.ts_i8_weight_bytes
+        self._i8_weight_bytes.restype = i64
+        self._i8_weight_bytes.argtypes = [i64, i64, i64]
         available = library.ts_quant_amx_available
         available.restype = ctypes.c_int
         # Whether the AMX kernel runs here: built for the amx level, the tiles granted.
@@ -58,6 +68,21 @@ class QuantLinearOps:
         # avx512_bf16 and amx levels).
         self.i8 = bool(library.ts_quant_i8_available())
 
+    def repack_i8(self, kind: str, qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """The weight's blocks copied into the 8-bit kernel's layout (quant_i8.h, i8_repack:
+        panels of 16 output rows, the file's bytes and float16 scales), uint8."""
+        if not self.i8:
+            raise RuntimeError("the 8-bit quantized kernel needs AVX512-VNNI (the avx512_bf16 "
+                               "or amx level).")
+        width = check_weight(kind, qs, scales)
+        q4_1 = int(kind == "Q4_1")
+        out = torch.empty(self._i8_weight_bytes(qs.shape[0], width, q4_1), dtype=torch.uint8)
+        status = self._i8_repack(out.data_ptr(), qs.data_ptr(), scales.data_ptr(), qs.shape[0],
+                                 width, q4_1)
+        if status != 0:
+            raise ValueError(f"the 8-bit kernel's layout needs whole {BLOCK}-weight blocks.")
+        return out
+
     def bind(self, kind: str, qs: torch.Tensor, scales: torch.Tensor) -> BoundQuantLinear:
         """Both kernels of one weight, the weight checked once: a decode step makes ~120 of
         these small products, so per-call checks of the weight would be a sizeable share of
@@ -67,18 +92,18 @@ class QuantLinearOps:
         return BoundQuantLinear(self._kernels[kind, "few"], self._kernels[kind, "panels"], amx,
                                 self._kernels[kind, "dp"] if self.dp else None,
                                 self._kernels[kind, "dp_panels"] if self.dp else None,
-                                self._kernels[kind, "i8"] if self.i8 else None,
-                                qs, scales)
+                                self._i8_kernels[kind] if self.i8 else None,
+                                qs, scales, functools.partial(self.repack_i8, kind, qs, scales))
 
 
 class BoundQuantLinear:
     """y = x · Wᵀ for one checked weight (`QuantLinearOps.bind`): each call checks only x."""
 
-    __slots__ = ("_amx", "_amx_bf16", "_dp", "_dp_panels", "_few", "_i8", "_many", "_num_out",
-                 "_qs", "_scales", "_width")
+    __slots__ = ("_amx", "_amx_bf16", "_dp", "_dp_panels", "_few", "_i8", "_i8_repack",
+                 "_i8_weight", "_many", "_num_out", "_qs", "_scales", "_width")
 
     def __init__(self, few, many, amx, dp, dp_panels, i8, qs: torch.Tensor,
-                 scales: torch.Tensor) -> None:
+                 scales: torch.Tensor, i8_repack=None) -> None:
         # amx: the AMX kernel on float32 and on bf16 x and y, or None.
         self._amx, self._amx_bf16 = amx if amx is not None else (None, None)
         self._few, self._many, self._dp = few, many, dp
@@ -86,6 +111,17 @@ class BoundQuantLinear:
         # The tensors are held so that their memory outlives the pointers passed to C.
         self._qs, self._scales = qs, scales
         self._num_out, self._width = qs.shape[0], scales.shape[1] * BLOCK
+        # The 8-bit kernel's copy of the weight, made at its first use (i8_weight()).
+        self._i8_repack, self._i8_weight = i8_repack, None
+
+    def i8_weight(self) -> torch.Tensor:
+        """The weight in the 8-bit kernel's layout (QuantLinearOps.repack_i8), made once."""
+        if self._i8_weight is None:
+            if self._i8 is None:
+                raise RuntimeError("the 8-bit quantized kernel needs AVX512-VNNI (the "
+                                   "avx512_bf16 or amx level).")
+            self._i8_weight = self._i8_repack()
+        return self._i8_weight
 
     def __call__(self, x: torch.Tensor, panels: bool = False, amx: bool = False,
                  dp: bool = False, dp_panels: bool = False, i8: bool = False) -> torch.Tensor:
@@ -112,8 +148,16 @@ class BoundQuantLinear:
                 f"{tuple(x.shape)}, the weight takes [rows, {self._width}])."
             )
         out = torch.empty((x.shape[0], self._num_out), dtype=x.dtype)
+        if i8:
+            status = self._i8(out.data_ptr(), x.data_ptr(), x.shape[0], self._width,
+                              self._num_out, self.i8_weight().data_ptr())
+            if status == 2:
+                raise MemoryError("quantized linear could not allocate its scratch buffer.")
+            if status != 0:
+                raise ValueError(f"the 8-bit quantized kernel failed (status {status}).")
+            return out
         kernel = (self._amx_bf16 if bf16 else self._amx if amx else self._dp if dp
-                  else self._dp_panels if dp_panels else self._i8 if i8
+                  else self._dp_panels if dp_panels
                   else self._many if panels else self._few)
         status = kernel(
             out.data_ptr(), x.data_ptr(), x.shape[0], self._width, self._num_out,

@@ -182,7 +182,8 @@ class FusedDecodeLayerStack(LayerStack):
             few_rows = (blocks.amx_min_rows - 1 if blocks.uses_amx
                         else DP_FEW_ROWS if blocks.uses_dp else blocks.max_rows)
             projections[part] = (blocks.kind, blocks.qs, blocks.scales, linear.bias, few_rows,
-                                 blocks.uses_amx, blocks.uses_dp, blocks.i8_max_rows)
+                                 blocks.uses_amx, blocks.uses_dp, blocks.i8_max_rows,
+                                 blocks.i8_weight() if blocks.i8_max_rows else None)
         key_cache, value_cache = TorchSDPABackend.split_kv_cache(kv_cache)
         bound, keep = self.ops.layer(
             projections, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,

@@ -35,7 +35,10 @@ typedef struct {
     const float *scales;
     const float *bias;
     int64_t out, in, q4_1, few_rows, amx, dp;
-    int64_t i8; /* products of at most this many rows: x rounded to 8 bits (quant_i8.h) */
+    /* Products of at most i8 rows: x rounded to 8 bits (quant_i8.h), the weight read from
+     * i8_weight, its copy in that kernel's layout (i8_repack). */
+    int64_t i8;
+    const uint8_t *i8_weight;
 } ts_projection;
 
 /* What a layer holds. */
@@ -91,7 +94,7 @@ static void project(float *y, const float *x, int64_t M, const ts_projection *w,
 #if QUANT_I8
     if (M <= w->i8) {
         i8_round_rows(xr, x, M, w->in, (int)w->q4_1);
-        i8_columns(y, xr, M, w->in, w->out, w->qs, w->scales, (int)w->q4_1);
+        i8_columns(y, xr, M, w->in, w->out, w->i8_weight, (int)w->q4_1);
         add_bias(y, M, w);
         return;
     }
@@ -148,7 +151,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
             return 1;
         widest = projections[i]->in > widest ? projections[i]->in : widest;
         if (M <= projections[i]->i8) {
-            if (!QUANT_I8) return 1;
+            if (!QUANT_I8 || projections[i]->i8_weight == NULL) return 1;
             i8 = 1;
             continue; /* neither the AMX nor the vdpbf16ps kernel's scratch */
         }
@@ -228,9 +231,9 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
 #endif
         uint16_t *a = a_rows ? (uint16_t *)aligned_alloc(64, (size_t)(a_rows * widest * 2)) : NULL;
 #if QUANT_I8
-        /* Room for M rounded rows of the widest input, in either layout. */
-        uint8_t *xr = i8 ? (uint8_t *)aligned_alloc(64, (size_t)(M * i8_row_bytes_max(widest)))
-                         : NULL;
+        /* Room for M rounded rows of the widest input. */
+        const size_t xr_bytes = (size_t)((M * i8_row_bytes(widest) + 63) / 64 * 64);
+        uint8_t *xr = i8 ? (uint8_t *)aligned_alloc(64, xr_bytes) : NULL;
 #else
         uint8_t *xr = NULL;
 #endif

@@ -594,25 +594,49 @@ int ts_q8_0_gemm_amx_bf16(uint16_t *y, const uint16_t *x, int64_t M, int64_t K, 
 #endif
 
 /* x rounded to 8 bits per block (quant_i8.h): returns 3 where the level lacks
- * AVX512-VNNI (ts_quant_i8_available says which). */
+ * AVX512-VNNI (ts_quant_i8_available says which). The weight in i8_repack's layout. */
 int ts_quant_i8_available(void) { return QUANT_I8; }
 
-int ts_q4_1_linear_i8(float *y, const float *x, int64_t M, int64_t K, int64_t N,
-                      const uint8_t *qs, const float *dm) {
+/* Bytes of an [N, K] weight in the 8-bit kernel's layout (0 where the level lacks it). */
+int64_t ts_i8_weight_bytes(int64_t N, int64_t K, int64_t q4_1) {
 #if QUANT_I8
-    return quant_linear_i8(y, x, M, K, N, qs, dm, 1);
+    return i8_weight_bytes(N, K, (int)q4_1);
 #else
-    (void)y, (void)x, (void)M, (void)K, (void)N, (void)qs, (void)dm;
+    (void)N, (void)K, (void)q4_1;
+    return 0;
+#endif
+}
+
+/* The file's blocks (the layouts above) into the 8-bit kernel's, at out
+ * (ts_i8_weight_bytes). */
+int ts_i8_repack(uint8_t *out, const uint8_t *qs, const float *scales, int64_t N, int64_t K,
+                 int64_t q4_1) {
+#if QUANT_I8
+    if (K % BLOCK != 0) return 1;
+    i8_repack(out, qs, scales, N, K, (int)q4_1);
+    return 0;
+#else
+    (void)out, (void)qs, (void)scales, (void)N, (void)K, (void)q4_1;
+    return 3;
+#endif
+}
+
+int ts_q4_1_linear_i8(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                      const uint8_t *weight) {
+#if QUANT_I8
+    return quant_linear_i8(y, x, M, K, N, weight, 1);
+#else
+    (void)y, (void)x, (void)M, (void)K, (void)N, (void)weight;
     return 3;
 #endif
 }
 
 int ts_q8_0_linear_i8(float *y, const float *x, int64_t M, int64_t K, int64_t N,
-                      const int8_t *qs, const float *d) {
+                      const uint8_t *weight) {
 #if QUANT_I8
-    return quant_linear_i8(y, x, M, K, N, (const uint8_t *)qs, d, 0);
+    return quant_linear_i8(y, x, M, K, N, weight, 0);
 #else
-    (void)y, (void)x, (void)M, (void)K, (void)N, (void)qs, (void)d;
+    (void)y, (void)x, (void)M, (void)K, (void)N, (void)weight;
     return 3;
 #endif
 }

@@ -234,6 +234,10 @@ class QuantizedWeight:
             panels = x.shape[0] > self.max_rows and self._fits_panels
         return self._kernels(x.contiguous(), panels)
 
+    def i8_weight(self) -> torch.Tensor:
+        """The weight's copy in the 8-bit kernel's layout (csrc/quant_i8.h, made once)."""
+        return self._kernels.i8_weight()
+
     @functools.cached_property
     def _kernels(self) -> BoundQuantLinear:
         """The kernels bound to this weight (checked once; qs and scales are not reassigned:
@@ -309,10 +313,13 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         covered = firsts == [0, *itertools.accumulate(part.shape[0] for part in ordered)][:-1]
         if joined is None or not covered or joined.shape != shape:
             return None
-        return replace(joined, max_rows=self.max_rows, gemm_max_rows=self.gemm_max_rows,
-                       amx_max_rows=self.amx_max_rows, dp_max_rows=self.dp_max_rows,
-                       amx_min_rows=1 if self.batch_invariant else AMX_MIN_ROWS,
-                       i8_max_rows=self.i8_max_rows)
+        joined = replace(joined, max_rows=self.max_rows, gemm_max_rows=self.gemm_max_rows,
+                         amx_max_rows=self.amx_max_rows, dp_max_rows=self.dp_max_rows,
+                         amx_min_rows=1 if self.batch_invariant else AMX_MIN_ROWS,
+                         i8_max_rows=self.i8_max_rows)
+        if joined.i8_max_rows:
+            joined.i8_weight()  # its copy for the 8-bit kernel made at load, not in a step
+        return joined
 
     def input_dtype(self, layer: nn.Module, rows: int) -> torch.dtype | None:
         """The blocks' AMX kernel reads bf16, as the dense bf16 products do (the operator
