@@ -37,8 +37,10 @@ On those two levels (both have AVX512-VNNI) products of at most `i8_max_rows` ro
 kernel of x rounded to 8 bits per 32-value block instead of any of the above (csrc/
 quant_i8.h; `KernelConfig.int8_activation_rows`: 4 for a bfloat16 model by default, none
 for a float32 one): the file's weights times x on an 8-bit grid, integer products by
-vpdpbusd, as llama.cpp's and vLLM's GGUF kernels compute; float32 in and out. At one to four
-rows that is the fastest way through the blocks (docs/PERFORMANCE_CPU.md, "Few-row products
+vpdpbusd, as llama.cpp's and vLLM's GGUF kernels compute; float32 in and out. It reads a
+copy of the blocks in its own layout (panels of 16 output rows, the file's bytes and float16
+scales: `i8_weight`), made at load for every weight it will take. At one to four rows that
+is the fastest way through the blocks (docs/PERFORMANCE_CPU.md, "Few-row products
 with x rounded to 8 bits"); its error is of the order of the bf16 path's rounding
 (tests/model/test_int8_activations.py).
 """
