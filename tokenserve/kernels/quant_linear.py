@@ -46,12 +46,10 @@ class QuantLinearOps:
         for function in self._kernels.values():
             function.restype = ctypes.c_int
             function.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr]
-        # The 8-bit kernel reads the weight in its own layout (repack_i8).
-        self._i8_kernels = {"Q4_1": library.ts_q4_1_linear_i8,
-                            "Q8_0": library.ts_q8_0_linear_i8}
-        for function in self._i8_kernels.values():
-            function.restype = ctypes.c_int
-            function.argtypes = [ptr, ptr, i64, i64, i64, ptr]
+        # The 8-bit kernel reads the weight in its own layout (repack_i8), either kind.
+        self._i8_kernel = library.ts_linear_i8
+        self._i8_kernel.restype = ctypes.c_int
+        self._i8_kernel.argtypes = [ptr, ptr, i64, i64, i64, ptr, i64]
         self._i8_repack = library.ts_i8_repack
         self._i8_repack.restype = ctypes.c_int
         self._i8_repack.argtypes = [ptr, ptr, ptr, i64, i64, i64]
@@ -92,7 +90,7 @@ class QuantLinearOps:
         return BoundQuantLinear(self._kernels[kind, "few"], self._kernels[kind, "panels"], amx,
                                 self._kernels[kind, "dp"] if self.dp else None,
                                 self._kernels[kind, "dp_panels"] if self.dp else None,
-                                self._i8_kernels[kind] if self.i8 else None,
+                                self._i8_kernel if self.i8 else None,
                                 qs, scales, functools.partial(self.repack_i8, kind, qs, scales))
 
 
@@ -150,7 +148,8 @@ class BoundQuantLinear:
         out = torch.empty((x.shape[0], self._num_out), dtype=x.dtype)
         if i8:
             status = self._i8(out.data_ptr(), x.data_ptr(), x.shape[0], self._width,
-                              self._num_out, self.i8_weight().data_ptr())
+                              self._num_out, self.i8_weight().data_ptr(),
+                              int(self._qs.dtype == torch.uint8))  # Q4_1 (check_weight)
             if status == 2:
                 raise MemoryError("quantized linear could not allocate its scratch buffer.")
             if status != 0:

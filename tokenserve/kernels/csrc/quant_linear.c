@@ -30,7 +30,7 @@
  * bf16 GEMM hands its sums on). It returns 3 where AMX is not built or not granted
  * (ts_quant_amx_available says which). On the avx512_bf16 level (AVX512_BF16 without AMX)
  * ts_*_linear_dp (quant_dp.h) has those numerics by vdpbf16ps; it returns 3 on other
- * levels (ts_quant_dp_available). On both those levels ts_*_linear_i8 (quant_i8.h) rounds
+ * levels (ts_quant_dp_available). On both those levels ts_linear_i8 (quant_i8.h) rounds
  * x to 8 bits per block and multiplies the blocks into it as integers (VNNI); 3 elsewhere
  * (ts_quant_i8_available).
  */
@@ -621,22 +621,14 @@ int ts_i8_repack(uint8_t *out, const uint8_t *qs, const float *scales, int64_t N
 #endif
 }
 
-int ts_q4_1_linear_i8(float *y, const float *x, int64_t M, int64_t K, int64_t N,
-                      const uint8_t *weight) {
+/* y = x · Wᵀ, W in the 8-bit kernel's layout (ts_i8_repack) of Q4_1 (q4_1 = 1) or Q8_0
+ * blocks. */
+int ts_linear_i8(float *y, const float *x, int64_t M, int64_t K, int64_t N,
+                 const uint8_t *weight, int64_t q4_1) {
 #if QUANT_I8
-    return quant_linear_i8(y, x, M, K, N, weight, 1);
+    return quant_linear_i8(y, x, M, K, N, weight, (int)q4_1);
 #else
-    (void)y, (void)x, (void)M, (void)K, (void)N, (void)weight;
-    return 3;
-#endif
-}
-
-int ts_q8_0_linear_i8(float *y, const float *x, int64_t M, int64_t K, int64_t N,
-                      const uint8_t *weight) {
-#if QUANT_I8
-    return quant_linear_i8(y, x, M, K, N, weight, 0);
-#else
-    (void)y, (void)x, (void)M, (void)K, (void)N, (void)weight;
+    (void)y, (void)x, (void)M, (void)K, (void)N, (void)weight, (void)q4_1;
     return 3;
 #endif
 }
