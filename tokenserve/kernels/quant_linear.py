@@ -17,6 +17,8 @@ from tokenserve.kernels import build
 from tokenserve.kernels.tensor_checks import check_f32, i64, ptr
 
 BLOCK = 32  # weights per GGUF block
+# Why the kernel of x rounded to 8 bits (QuantLinearOps.i8) is refused where it is not built.
+_I8_UNAVAILABLE = "the 8-bit quantized kernel needs AVX512-VNNI (the avx512_bf16 or amx level)."
 
 
 class QuantLinearOps:
@@ -70,8 +72,7 @@ class QuantLinearOps:
         """The weight's blocks copied into the 8-bit kernel's layout (quant_i8.h, i8_repack:
         panels of 16 output rows, the file's bytes and float16 scales), uint8."""
         if not self.i8:
-            raise RuntimeError("the 8-bit quantized kernel needs AVX512-VNNI (the avx512_bf16 "
-                               "or amx level).")
+            raise RuntimeError(_I8_UNAVAILABLE)
         width = check_weight(kind, qs, scales)
         q4_1 = int(kind == "Q4_1")
         out = torch.empty(self._i8_weight_bytes(qs.shape[0], width, q4_1), dtype=torch.uint8)
@@ -116,8 +117,7 @@ class BoundQuantLinear:
         """The weight in the 8-bit kernel's layout (QuantLinearOps.repack_i8), made once."""
         if self._i8_weight is None:
             if self._i8 is None:
-                raise RuntimeError("the 8-bit quantized kernel needs AVX512-VNNI (the "
-                                   "avx512_bf16 or amx level).")
+                raise RuntimeError(_I8_UNAVAILABLE)
             self._i8_weight = self._i8_repack()
         return self._i8_weight
 
@@ -134,8 +134,7 @@ class BoundQuantLinear:
         if (dp or dp_panels) and self._dp is None:
             raise RuntimeError("the vdpbf16ps quantized kernel is not available on this level.")
         if i8 and self._i8 is None:
-            raise RuntimeError("the 8-bit quantized kernel needs AVX512-VNNI (the avx512_bf16 "
-                               "or amx level).")
+            raise RuntimeError(_I8_UNAVAILABLE)
         bf16 = amx and x.dtype == torch.bfloat16
         if (x.dtype != torch.float32 and not bf16) or not x.is_cpu or not x.is_contiguous():
             raise ValueError("C kernels need contiguous float32 CPU tensors (the AMX kernel: "
