@@ -13,6 +13,9 @@ A bfloat16 cache runs twice on a level with native bf16: read in float32 arithme
 with bf16 numerics ("bfloat16 dp": the dot-product path a bf16 model's decode rows take).
 `--prefetch` names how the threads keep memory busy (paged_attention.DECODE_PREFETCH; the
 engine takes the CPU's plan, `decode_prefetch()`); several plans take turns case by case.
+The bytes per second are also stated against what the machine reads at all: `torch.sum`
+over a 512 MiB float32 tensor on the same threads, fastest of `--repeats`, timed between
+the cases' turns.
 
 usage: python benchmarks/paged_decode.py [--rows 64] [--context 340] [--block-size 16]
        [--layers 30] [--kv-cache-dtype float32 bfloat16] [--cpu-isa avx2 avx512 ...]
@@ -27,6 +30,9 @@ import time
 import torch
 
 from tokenserve.kernels import cpu_isa, paged_attention
+
+# Bytes of the reference read (see the module docstring).
+READ_BYTES = 512 << 20
 
 
 def main() -> None:
@@ -91,29 +97,39 @@ def main() -> None:
 
     wall = dict.fromkeys(cases, float("inf"))
     cpu = dict.fromkeys(cases, float("inf"))
+    # The machine's read rate: a tensor far larger than any cache, summed.
+    stream = torch.ones(READ_BYTES // 4)
+    read = float("inf")
     for case in cases:
         step(case)  # warm-up
+    stream.sum()
     for _ in range(args.repeats):
         for case in cases:
             started, started_cpu = time.perf_counter(), time.process_time()
             step(case)
             wall[case] = min(wall[case], time.perf_counter() - started)
             cpu[case] = min(cpu[case], time.process_time() - started_cpu)
+        started = time.perf_counter()
+        stream.sum()
+        read = min(read, time.perf_counter() - started)
+    read_rate = READ_BYTES / read / 1e9
     print(
         f"{args.rows} rows x {args.context} tokens, {args.heads} heads / {args.kv_heads} kv "
         f"heads x {args.head_dim}, block size {args.block_size}, {args.layers} layers, "
-        f"{torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} threads; torch.sum reads {READ_BYTES >> 20} MiB at "
+        f"{read_rate:.3g} GB/s"
     )
     for level, dtype, dp, order, plan in cases:
         element = caches[dtype][0][0].element_size()
         kv_bytes = (2 * args.rows * args.context * args.kv_heads * args.head_dim * element
                     * args.layers)
         seconds = wall[level, dtype, dp, order, plan]
+        rate = kv_bytes / seconds / 1e9
         name = dtype + (" dp" if dp else "")
         # Microseconds and three significant digits: a tiny shape on a fast CPU is not 0.0.
         print(
             f"  {level:11s} {name:11s} blocks {order:9s} {plan:16s} {seconds * 1e3:9.3f} ms "
-            f"per step  {kv_bytes / seconds / 1e9:8.3g} GB/s  "
+            f"per step  {rate:8.3g} GB/s ({rate / read_rate:4.2f} of the read rate)  "
             f"cpu {cpu[level, dtype, dp, order, plan] * 1e3:9.3f} ms"
         )
 

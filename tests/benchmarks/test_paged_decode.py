@@ -2,7 +2,8 @@
 
 Timings depend on the host, so only their shape is checked: every instruction-set level the
 host runs, both cache dtypes, both block orders and each prefetch plan asked for reported,
-each figure a finite, non-negative number (a fast CPU may time a tiny shape near 0).
+each figure a finite, non-negative number (a fast CPU may time a tiny shape near 0), and the
+machine's read rate they are stated against a positive one.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def test_paged_decode_times_both_block_orders():
     timed = re.findall(
         rf"^\s+(\S+)\s+(float32|bfloat16)\s+blocks (in order|scattered)\s+(\w+)\s+{NUMBER} ms "
         rf"per step"
-        rf"\s+{NUMBER} GB/s\s+cpu\s+{NUMBER} ms$",
+        rf"\s+{NUMBER} GB/s \(\s*{NUMBER} of the read rate\)\s+cpu\s+{NUMBER} ms$",
         result.stdout, re.MULTILINE,
     )
     assert [row[:4] for row in timed] == [
@@ -42,6 +43,8 @@ def test_paged_decode_times_both_block_orders():
         for order in ("in order", "scattered")
         for plan in paged_attention.DECODE_PREFETCH
     ], result.stdout
-    for *_, ms, rate, cpu_ms in timed:
-        for value in (float(ms), float(rate), float(cpu_ms)):
+    read = re.search(rf"torch.sum reads 512 MiB at {NUMBER} GB/s$", result.stdout.splitlines()[0])
+    assert read and math.isfinite(float(read[1])) and float(read[1]) > 0, result.stdout
+    for *_, ms, rate, share, cpu_ms in timed:
+        for value in (float(ms), float(rate), float(share), float(cpu_ms)):
             assert math.isfinite(value) and value >= 0, result.stdout
