@@ -23,19 +23,33 @@ row limit for its GGUF blocks' bf16 kernel (AMX or vdpbf16ps; `--bf16-quantized-
 as the engine set it and N: steps of more rows than N then run operator by operator, their
 products on oneDNN's bf16 GEMM.
 
+`--warm-up` runs the engine core's idle-time warm-up to its end before the first batch, as
+a server does before its first request (EngineCore.warm_up: the bf16 products' oneDNN
+primitives, the heap of a full step, the weights moved onto huge pages); an offline engine
+does none of it. With `--no-weight-huge-pages` beside it, the weights stay on 4 KiB pages.
+
+`--other-engine-flags="FLAGS"` builds a second engine in the same process from the same
+arguments with FLAGS added (e.g. `--no-weight-huge-pages`) and takes turns the same way
+between the two engines' steps, each with its own B requests: an engine option's cost seen
+under the same drift. (Each step then also finds the caches holding the other engine's
+weights, so a step costs more than in one engine alone.)
+
 `--other-decode-prefetch PLAN` takes turns the same way between the CPU's plan for the
 decode attention's prefetches (kernels/paged_attention.py, `decode_prefetch()`) and PLAN, one
 of `stream_next_item`, `own_tokens_ahead`: whether the CPU at hand takes the faster one.
 
 usage: python benchmarks/decode_step_cost.py [--batches 1,4,8,16,32,64] [--input-len 256]
-           [--steps 20] [--cpu-time] [--other-csrc DIR | --other-bf16-quantized-max-rows N |
-           --other-decode-prefetch PLAN] [engine flags as for bench throughput]
+           [--steps 20] [--cpu-time] [--warm-up]
+           [--other-csrc DIR | --other-bf16-quantized-max-rows N | --other-decode-prefetch PLAN |
+            --other-engine-flags="FLAGS"]
+           [engine flags as for bench throughput]
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import shlex
 import statistics
 import time
 
@@ -65,6 +79,10 @@ def main() -> None:
                         choices=list(paged_attention.DECODE_PREFETCH),
                         help="Every other step with this plan for the decode attention's "
                              "prefetches.")
+    parser.add_argument("--other-engine-flags", default=None,
+                        help="A second engine with these flags added takes every other step.")
+    parser.add_argument("--warm-up", action="store_true",
+                        help="Run the engine core's idle-time warm-up first, as a server does.")
     add_engine_arguments(parser, positional_model=False)
     args = parser.parse_args()
     batches = [int(n) for n in args.batches.split(",")]
@@ -81,15 +99,28 @@ def main() -> None:
     clock = time.thread_time if args.cpu_time else time.perf_counter
 
     engine = LLMEngine.from_engine_args(engine_args_from(args))
+    engines = [engine]  # the engines by turn
+    if args.other_engine_flags is not None:
+        if args.other_csrc is not None or other_limit is not None or args.other_decode_prefetch:
+            raise SystemExit("--other-engine-flags takes turns between two engines: not with "
+                             "another --other-* option.")
+        other_args = parser.parse_args(shlex.split(args.other_engine_flags),
+                                       namespace=argparse.Namespace(**vars(args)))
+        engines.append(LLMEngine.from_engine_args(engine_args_from(other_args)))
+        print(f"other engine: this one's arguments and {args.other_engine_flags}")
     # The model and engine out of the collector's walks, as in a server's engine core and
     # LLM.generate (core/gc_heap.py): else full collections land in the timed steps.
     freeze_startup_heap()
+    if args.warm_up:
+        for each in engines:
+            while each.engine_core.warm_up():
+                pass
     max_num_seqs = engine.config.scheduler_config.max_num_seqs
     if max(batches) > max_num_seqs:
         raise SystemExit(f"A batch of {max(batches)} rows needs --max-num-seqs of at least that "
                          f"(it is {max_num_seqs}): the requests beyond it would wait for ones "
                          "that never finish.")
-    builds = [None]  # the fused decode layer's operators by turn; None: this tree's
+    builds = [None] * len(engines)  # the fused decode layer's operators by turn; None: this tree's
     stack = None
     if args.other_csrc is not None:
         (stack,) = engine.engine_core.collective_rpc(_fused_stack)
@@ -132,11 +163,12 @@ def main() -> None:
               "   median / other's")
     for batch in batches:
         prompts = random_token_prompts(batch, args.input_len, vocab_size, seed=batch)
-        for index, prompt in enumerate(prompts):
-            engine.add_request(f"{batch}-{index}", {"prompt_token_ids": prompt}, params)
-        started: set[str] = set()
-        while len(started) < batch:  # until every request has its first token
-            started.update(out.request_id for out in engine.step() if out.outputs[0].token_ids)
+        for each in engines:
+            for index, prompt in enumerate(prompts):
+                each.add_request(f"{batch}-{index}", {"prompt_token_ids": prompt}, params)
+            started: set[str] = set()
+            while len(started) < batch:  # until every request has its first token
+                started.update(out.request_id for out in each.step() if out.outputs[0].token_ids)
         times: list[list[float]] = [[] for _ in builds]
         for step in range(args.steps * len(builds)):
             turn = step % len(builds)
@@ -146,12 +178,14 @@ def main() -> None:
                 paged_attention.force_decode_prefetch(plans[turn])
             elif stack is not None:
                 stack.ops = builds[turn]
+            stepping = engines[turn % len(engines)]
             begin = clock()
-            engine.step()
+            stepping.step()
             times[turn].append(clock() - begin)
-        engine.abort_request([f"{batch}-{index}" for index in range(batch)])
-        while engine.has_unfinished_requests():
-            engine.step()
+        for each in engines:
+            each.abort_request([f"{batch}-{index}" for index in range(batch)])
+            while each.has_unfinished_requests():
+                each.step()
         if limits:
             _set_bf16_row_limit(blocks, stack, limits[0])
         elif plans:

@@ -1,5 +1,6 @@
-"""Which pages of a tensor's memory are resident (mincore(2)), for the tests of faulting the
-KV cache in ahead of use (worker/cpu_memory.py), and whether this kernel can do that."""
+"""Which pages of a tensor's memory are resident (mincore(2)) or huge, for the tests of
+faulting the KV cache in ahead of use and of moving weights onto huge pages
+(worker/cpu_memory.py), and whether this kernel can do those."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import platform
 import pytest
 import torch
 
-from tokenserve.worker.cpu_memory import populate
+from tokenserve.worker.cpu_memory import MADV_COLLAPSE, huge_page_size, populate
 
 
 def resident_pages(tensor: torch.Tensor) -> list[bool]:
@@ -35,3 +36,41 @@ needs_populate = pytest.mark.skipif(
     platform.system() != "Linux" or not _can_populate(),
     reason="madvise(MADV_POPULATE_WRITE): Linux 5.14 and later",
 )
+
+
+def _can_collapse() -> bool:
+    """Whether madvise(MADV_COLLAPSE) moves a page of written memory onto a huge page here."""
+    page = huge_page_size()
+    if page is None or platform.system() != "Linux":
+        return False
+    region = mmap.mmap(-1, 2 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = (ctypes.c_char * len(region)).from_buffer(region)
+    address = -(-ctypes.addressof(buffer) // page) * page  # the huge page inside it
+    ctypes.memset(address, 1, page)
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    moved = libc.madvise(address, page, MADV_COLLAPSE) == 0
+    del buffer
+    region.close()
+    return moved
+
+
+needs_collapse = pytest.mark.skipif(
+    not _can_collapse(), reason="madvise(MADV_COLLAPSE): Linux 6.1 and later, with THP"
+)
+
+
+def huge_page_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the mapping holding the tensor's first byte that lie on transparent huge
+    pages (/proc/self/smaps' AnonHugePages)."""
+    address = tensor.data_ptr()
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                start, end = (int(part, 16) for part in fields[0].split("-"))
+                inside = start <= address < end
+            elif inside and fields[0] == "AnonHugePages:":
+                return int(fields[1]) * 1024
+    raise AssertionError("no mapping holds the tensor")

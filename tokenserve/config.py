@@ -328,6 +328,10 @@ class KernelConfig:
     # best the CPU has, or a lower level forced; --dtype auto takes bfloat16 only where the
     # level computes it natively (avx512_bf16, amx).
     cpu_isa: str = "auto"
+    # A CPU worker moves the model's weights onto transparent huge pages while the engine
+    # core is idle (worker/cpu_memory.py, WeightHugePages). Off: they stay where they were
+    # loaded, on 4 KiB pages.
+    weight_huge_pages: bool = True
 
     def __post_init__(self) -> None:
         if self.cpu_isa not in CPU_ISAS:

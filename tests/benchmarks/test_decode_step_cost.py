@@ -1,8 +1,9 @@
 """benchmarks/decode_step_cost.py on a tiny model: decode steps of each batch size, timed for
 real, with every row running; with `--other-csrc`, on the default model, two builds of the
 fused decode layer taking turns, with `--other-bf16-quantized-max-rows` two row limits of
-the bf16 block kernel, and with `--other-decode-prefetch` two plans of the decode
-attention's prefetches."""
+the bf16 block kernel, with `--other-decode-prefetch` two plans of the decode attention's
+prefetches, and with `--other-engine-flags` two engines, after the idle warm-up
+(`--warm-up`)."""
 
 from __future__ import annotations
 
@@ -123,3 +124,18 @@ def test_another_decode_prefetch_plan_takes_turns_with_the_cpus(tiny_model_dirs)
     result = subprocess.run(command + ["--other-csrc", build.SOURCE_DIR], capture_output=True,
                             text=True, timeout=300, check=False)
     assert result.returncode != 0 and "not with --other-csrc" in result.stderr
+
+
+def test_another_engine_takes_turns_after_the_warm_up(tiny_model_dirs):
+    command = [sys.executable, str(SCRIPT), "--model", tiny_model_dirs["llama"],
+               "--kv-cache-memory", "64MiB", "--batches", "1,3", "--input-len", "24",
+               "--steps", "2", "--warm-up", "--other-engine-flags=--no-weight-huge-pages"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^other engine: this one's arguments and --no-weight-huge-pages$",
+                     result.stdout, re.MULTILINE), result.stdout
+    rows = re.findall(r"^\s+(\d+)" + r"\s+([\d.]+)" * 5 + "$", result.stdout, re.MULTILINE)
+    assert [int(row[0]) for row in rows] == [1, 3], result.stdout
+    result = subprocess.run(command + ["--other-decode-prefetch", "stream_next_item"],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode != 0 and "not with another --other-* option" in result.stderr

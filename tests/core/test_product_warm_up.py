@@ -1,7 +1,7 @@
 """An idle engine core builds its bf16 products' oneDNN primitives ahead of the steps that
 run them (worker/product_warm_up.py): each distinct weight shape once per row bucket up to
 the step budget's, the most rows first, one product per call; then the heap a full step
-takes (worker/cpu_memory.py), before the KV cache's pages."""
+takes and the weights' huge pages (worker/cpu_memory.py), before the KV cache's pages."""
 
 from __future__ import annotations
 
@@ -62,11 +62,16 @@ def test_an_idle_engine_core_builds_each_product_once_per_bucket(tiny_model_dirs
     calls = 0
     while core.warm_up():
         calls += 1
-    # A call per product, then one per piece of the heap a full step takes (the last call,
-    # its last piece, says none is left).
-    [heap] = core.collective_rpc(lambda worker: worker.model_runner.heap_reserve)
+    # A call per product, then one per piece of the heap a full step takes, then one per
+    # huge page of the weights (tests/worker/test_weight_huge_pages.py) that the kernel was
+    # asked to move (the call of the last piece says none is left; with no page to move, a
+    # call after the heap's last piece does nothing and says so).
+    [(heap, pages)] = core.collective_rpc(
+        lambda worker: (worker.model_runner.heap_reserve, worker.model_runner.weight_pages))
     assert heap is not None and heap.done == heap.pieces
-    assert calls == len(plan) + heap.pieces - 1
+    assert pages is not None and pages.done == len(pages.pages)
+    asked = pages.moved + sum(pages.refusals.values())
+    assert calls == len(plan) + heap.pieces + max(asked - 1, 0)
     assert not core.warm_up()
     # The products' weights untouched: the same tokens as an engine that did not warm up.
     assert greedy_tokens(core) == greedy_tokens(_core(tiny_model_dirs["llama"]))

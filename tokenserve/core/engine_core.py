@@ -120,8 +120,9 @@ class EngineCore:
         """Between steps only, while nothing is to compute: one more piece of the workers'
         warm-up, so that the first step of each size does not pay for it: the oneDNN
         primitives for the bf16 products' row buckets (worker/product_warm_up.py), then the
-        heap memory a step of the budget's tokens allocates (worker/cpu_memory.py,
-        `HeapReserve`); whether any are left."""
+        heap memory a step of the budget's tokens allocates and the weights moved onto huge
+        pages (worker/cpu_memory.py, `HeapReserve`, `WeightHugePages`); whether any are
+        left."""
         assert not self.has_unfinished_requests(), "only while idle"
         return self.executor.warm_up()
 

@@ -148,6 +148,7 @@ class EngineArgs:
     quantized_gemm_max_rows: int = DEFAULT_QUANTIZED_GEMM_MAX_ROWS
     bf16_quantized_max_rows: int | None = None  # None: by level (KernelConfig)
     batch_invariant: bool = False  # KernelConfig.batch_invariant
+    weight_huge_pages: bool = True  # KernelConfig.weight_huge_pages
     int8_activation_max_rows: int | None = None  # None: by dtype (KernelConfig)
     # The C kernels' instruction set (kernels/cpu_isa.py): "auto" or a lower level forced.
     cpu_isa: str = "auto"
@@ -202,6 +203,7 @@ class EngineArgs:
             batch_invariant=self.batch_invariant,
             int8_activation_max_rows=self.int8_activation_max_rows,
             cpu_isa=self.cpu_isa,
+            weight_huge_pages=self.weight_huge_pages,
         )
         files = resolve_model(self.model)
         hf_config = files.hf_config

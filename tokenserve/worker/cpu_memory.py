@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import functools
 import logging
 import math
@@ -266,3 +267,111 @@ class KVCachePrefault:
             logger.info("The KV cache is in memory: %.2f GiB faulted in ahead of use in %.1f s "
                         "(%.2f s/GiB).", gib, self.seconds, self.seconds / gib if gib else 0.0)
         return self.next_block < self.num_blocks
+
+
+# madvise(2) advice (Linux 6.1 and later): move the range onto transparent huge pages in
+# place, its contents kept, whatever /sys/kernel/mm/transparent_hugepage/enabled says.
+MADV_COLLAPSE = 25
+# The size of a transparent huge page (2 MiB on x86-64); absent without THP support.
+_HUGE_PAGE_SIZE_FILE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
+
+
+def huge_page_size() -> int | None:
+    """The kernel's transparent huge page size, or None where it has none (not Linux, or
+    built without THP)."""
+    try:
+        with open(_HUGE_PAGE_SIZE_FILE) as file:
+            return int(file.read())
+    except (OSError, ValueError):
+        return None
+
+
+def anonymous_mappings(maps: str = "/proc/self/maps") -> list[tuple[int, int]]:
+    """(start, end) of each of the process's private, writable mappings that no file backs
+    (the heap's included), in order."""
+    mappings = []
+    with open(maps) as file:
+        for line in file:
+            fields = line.split(maxsplit=5)
+            path = fields[5].strip() if len(fields) > 5 else ""
+            if fields[1].startswith("rw") and fields[1][3] == "p" and fields[4] == "0" and (
+                    path in ("", "[heap]")):
+                start, end = fields[0].split("-")
+                mappings.append((int(start, 16), int(end, 16)))
+    return mappings
+
+
+def huge_pages_holding(spans: list[tuple[int, int]], mappings: list[tuple[int, int]],
+                       page: int) -> list[int]:
+    """The address of every `page`-aligned huge page that holds part of one of `spans`
+    ((address, length) each) and lies wholly inside one of `mappings` ((start, end) each,
+    as anonymous_mappings gives them), once each, in order."""
+    pages: set[int] = set()
+    for address, length in spans:
+        if length <= 0:
+            continue
+        for start, end in mappings:
+            if start < address + length and address < end:
+                low = max(address // page * page, -(-start // page) * page)
+                high = min(-(-(address + length) // page) * page, end // page * page)
+                pages.update(range(low, high, page))
+    return sorted(pages)
+
+
+class WeightHugePages:
+    """Moves the memory of `tensors` (what every step reads: a model's weights) onto
+    transparent huge pages, one huge page per `step`: madvise(MADV_COLLAPSE), Linux 6.1 and
+    later, which copies a huge page's 4 KiB pages into one and keeps their addresses and
+    contents. Each huge page holding part of a tensor's storage is moved whole (what lies
+    beside the tensor in it too) where it lies inside one private anonymous mapping, the
+    heap included; memory a file backs, and oneDNN's opaque tensors (a float32 model's
+    packed weights), are left as they are. Where the kernel refuses the
+    first page for want of the call (EINVAL: before 6.1, or THP turned off for the process)
+    nothing more is tried; a page refused otherwise (no huge page free: ENOMEM, EAGAIN) is
+    left on small pages and the next one tried. The time taken and what moved are logged
+    with the last page."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        storages = {}
+        for tensor in tensors:
+            # (oneDNN's opaque tensors hide their memory: they stay where they are.)
+            if tensor.device.type != "cpu" or tensor.is_mkldnn:
+                continue
+            storage = tensor.untyped_storage()
+            if storage.nbytes() > 0:
+                storages[storage.data_ptr()] = storage.nbytes()
+        self.page = huge_page_size()
+        self.pages: list[int] = []
+        if self.page is not None and _madvise() is not None:
+            self.pages = huge_pages_holding(sorted(storages.items()), anonymous_mappings(),
+                                            self.page)
+        self.done = 0
+        self.moved = 0  # pages madvise moved (or found moved already)
+        self.seconds = 0.0
+        self.refusals: dict[int, int] = {}  # errno: pages refused with it
+
+    def step(self) -> bool:
+        """Move the next huge page; whether any are left."""
+        if self.done >= len(self.pages):
+            return False
+        started = time.perf_counter()
+        address = self.pages[self.done]
+        self.done += 1
+        if _madvise()(address, self.page, MADV_COLLAPSE) == 0:
+            self.moved += 1
+        else:
+            error = ctypes.get_errno()
+            self.refusals[error] = self.refusals.get(error, 0) + 1
+            if error == errno.EINVAL and self.moved == 0:
+                logger.info("The weights stay on 4 KiB pages: madvise(MADV_COLLAPSE, Linux "
+                            "6.1) refused (%s).", os.strerror(error))
+                self.done = len(self.pages)
+                return False
+        self.seconds += time.perf_counter() - started
+        if self.done == len(self.pages):
+            refused = ", ".join(f"{count} refused ({os.strerror(error)})"
+                                for error, count in sorted(self.refusals.items()))
+            logger.info("The weights are on huge pages: %d MiB moved in %.2f s%s.",
+                        self.moved * self.page >> 20, self.seconds,
+                        f"; {refused}" if refused else "")
+        return self.done < len(self.pages)

@@ -31,6 +31,7 @@ from tokenserve.kv_transfer.worker_factory import create_worker_connector
 from tokenserve.lora.manager import LoRAModelManager
 from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.messages.scheduler_output import SchedulerOutput
+from tokenserve.model.layers.quantization.gguf import QuantizedWeight
 from tokenserve.model.precision import activation_dtype
 from tokenserve.model.registry import get_model
 from tokenserve.sample.logits_processors import GrammarMask
@@ -39,7 +40,12 @@ from tokenserve.sample.rejection_sampler import RejectionSampler
 from tokenserve.sample.sampler import Sampler
 from tokenserve.spec_decode.proposer import attention_rows
 from tokenserve.spec_decode.selector import build_proposer
-from tokenserve.worker.cpu_memory import HeapReserve, KVCachePrefault, keep_freed_memory
+from tokenserve.worker.cpu_memory import (
+    HeapReserve,
+    KVCachePrefault,
+    WeightHugePages,
+    keep_freed_memory,
+)
 from tokenserve.worker.encoder_runner import ChunkRows, EncoderRunner
 from tokenserve.worker.pooling_runner import PoolingRunner
 from tokenserve.worker.product_warm_up import ProductWarmUp
@@ -96,6 +102,7 @@ class ModelRunner:
         self.kv_prefault: KVCachePrefault | None = None  # a CPU cache's, once allocated
         self.product_warm_up: ProductWarmUp | None = None  # made on first use
         self.heap_reserve: HeapReserve | None = None  # on CPU, made with it
+        self.weight_pages: WeightHugePages | None = None  # made once the heap is reserved
         # --runner pooling: prompts pooled instead of tokens sampled (pooling_runner.py).
         self.pooling = PoolingRunner(config) if model_config.runner == "pooling" else None
         # With enable_lora: the adapters' slots in the wrapped layers (lora/manager.py).
@@ -157,9 +164,10 @@ class ModelRunner:
         """One more piece of what the first steps of each size would otherwise pay for:
         the oneDNN primitives the model's bf16 products will run at, one product per call, for
         every row bucket up to the step budget's (worker/product_warm_up.py); then, on CPU,
-        the heap memory a step of the budget's tokens allocates, a piece per call
-        (worker/cpu_memory.py). Whether any are left. For the engine core's idle time, on the
-        thread that runs the steps."""
+        the heap memory a step of the budget's tokens allocates, a piece per call, and the
+        model's weights moved onto huge pages, one per call (worker/cpu_memory.py;
+        --no-weight-huge-pages: not). Whether any are left. For the engine core's idle time,
+        on the thread that runs the steps."""
         budget = self.config.scheduler_config.max_num_batched_tokens
         if self.product_warm_up is None:
             self.product_warm_up = ProductWarmUp(self.model, budget)
@@ -167,7 +175,16 @@ class ModelRunner:
                 self.heap_reserve = HeapReserve(self._step_heap_bytes(budget))
         if self.product_warm_up.step():
             return True
-        return self.heap_reserve is not None and self.heap_reserve.step()
+        heap = self.heap_reserve
+        if heap is not None and heap.done < heap.pieces:
+            heap.step()
+            return True  # the weights' pages, if nothing else, are left
+        if self.weight_pages is None:
+            self.weight_pages = WeightHugePages(
+                weight_tensors(self.model)
+                if self.device.type == "cpu" and self.config.kernel_config.weight_huge_pages
+                else [])
+        return self.weight_pages.step()
 
     def _step_heap_bytes(self, tokens: int) -> int:
         """The heap a step of `tokens` tokens takes, about: twice a decoder layer's
@@ -469,3 +486,20 @@ def _with_drafts(state: CachedRequestState, drafts: list[int]) -> CachedRequestS
     the request's cached tensors, which depend only on its params and prompt."""
     buffer = np.concatenate([state.token_ids, np.asarray(drafts, dtype=np.int64)])
     return replace(state, token_buffer=buffer, num_tokens=len(buffer))
+
+
+def weight_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What the model's decode steps read, step after step: its parameters and buffers, and
+    per linear layer what its products of few rows multiply by: a GGUF model's blocks (with
+    the 8-bit kernel's copy of them, made here where products will take it:
+    QuantizedWeight.resident_tensors), else oneDNN's packed weight. (A GGUF layer's packed
+    weight serves steps of many rows, bound by arithmetic rather than by the TLB.)"""
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        blocks = getattr(module, "blocks", None)
+        packed = getattr(module, "packed_weight", None)
+        if isinstance(blocks, QuantizedWeight):
+            tensors += blocks.resident_tensors()
+        elif isinstance(packed, torch.Tensor):
+            tensors.append(packed)
+    return tensors

@@ -240,6 +240,15 @@ class QuantizedWeight:
         """The weight's copy in the 8-bit kernel's layout (csrc/quant_i8.h, made once)."""
         return self._kernels.i8_weight()
 
+    def resident_tensors(self) -> list[torch.Tensor]:
+        """What this weight's products read step after step: the blocks, and the 8-bit
+        kernel's copy where products of few rows take it (made here if not yet, as the
+        first such product would make it)."""
+        tensors = [self.qs, self.scales]
+        if self.i8_max_rows:
+            tensors.append(self.i8_weight())
+        return tensors
+
     @functools.cached_property
     def _kernels(self) -> BoundQuantLinear:
         """The kernels bound to this weight (checked once; qs and scales are not reassigned:
