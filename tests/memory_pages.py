@@ -4,14 +4,18 @@ faulting the KV cache in ahead of use and of moving weights onto huge pages
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import logging
 import mmap
 import platform
+from collections.abc import Iterator
 
 import pytest
 import torch
 
+from tokenserve.worker import cpu_memory
 from tokenserve.worker.cpu_memory import MADV_COLLAPSE, huge_page_size, populate
 
 
@@ -74,3 +78,22 @@ def huge_page_bytes(tensor: torch.Tensor) -> int:
             elif inside and fields[0] == "AnonHugePages:":
                 return int(fields[1]) * 1024
     raise AssertionError("no mapping holds the tensor")
+
+
+@contextlib.contextmanager
+def cpu_memory_log_lines(monkeypatch) -> Iterator[list[str]]:
+    """cpu_memory's INFO lines while the block runs, read at the module's logger itself: a
+    logging configuration applied earlier in the session (dictConfig) may have disabled the
+    loggers that existed then, or cut their way to the root."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    monkeypatch.setattr(cpu_memory.logger, "disabled", False)
+    cpu_memory.logger.addHandler(handler)
+    level = cpu_memory.logger.level
+    cpu_memory.logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        cpu_memory.logger.removeHandler(handler)
+        cpu_memory.logger.setLevel(level)

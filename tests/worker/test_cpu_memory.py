@@ -5,19 +5,16 @@ contents kept."""
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import mmap
 import platform
 import subprocess
 import sys
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tests.memory_pages import needs_populate, resident_pages
+from tests.memory_pages import cpu_memory_log_lines, needs_populate, resident_pages
 from tokenserve.attention.backend import zeros_on_first_touch
 from tokenserve.worker.cpu_memory import KVCachePrefault
 
@@ -112,27 +109,6 @@ def test_the_worker_sets_them_on_cpu(monkeypatch):
 
 # ------------------------------------------------------------------ KV cache prefault
 
-@contextlib.contextmanager
-def _log_lines(monkeypatch) -> Iterator[list[str]]:
-    """cpu_memory's INFO lines while the block runs, read at the module's logger itself: a
-    logging configuration applied earlier in the session (dictConfig) may have disabled the
-    loggers that existed then, or cut their way to the root."""
-    from tokenserve.worker import cpu_memory
-
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    monkeypatch.setattr(cpu_memory.logger, "disabled", False)
-    cpu_memory.logger.addHandler(handler)
-    level = cpu_memory.logger.level
-    cpu_memory.logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        cpu_memory.logger.removeHandler(handler)
-        cpu_memory.logger.setLevel(level)
-
-
 def _ticking_clock(monkeypatch) -> SimpleNamespace:
     """A clock for KVCachePrefault that advances one second per call into the kernel."""
     from tokenserve.worker import cpu_memory
@@ -190,7 +166,7 @@ def test_prefault_faults_blocks_in_lowest_first_and_keeps_their_contents(monkeyp
     assert prefault.step(0.0)
     assert resident_blocks(caches[0], 1)[2:4] == [True, True]
     # The last call says nothing is left, and logs what the whole cache took, once.
-    with _log_lines(monkeypatch) as lines:
+    with cpu_memory_log_lines(monkeypatch) as lines:
         assert not prefault.step(100.0)
         assert not prefault.step(100.0)
     assert len(clock.ranges) == 3 * 4  # 3 groups, 4 pieces each: one call each
@@ -243,7 +219,7 @@ def test_prefault_gives_up_where_the_kernel_cannot(monkeypatch):
 
     attempts = []
     monkeypatch.setattr(cpu_memory, "populate", lambda *range_: attempts.append(range_) and False)
-    with _log_lines(monkeypatch) as lines:
+    with cpu_memory_log_lines(monkeypatch) as lines:
         prefault = KVCachePrefault([torch.zeros(2, 4, 1024)], block_dim=1, num_blocks=4)
         assert not prefault.step(1.0)
     [line] = lines

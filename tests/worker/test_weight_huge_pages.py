@@ -7,18 +7,15 @@ contents kept; nothing more where the kernel lacks the call; off with
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import errno
-import logging
 import mmap
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from tests.gguf_blocks import random_quantized
-from tests.memory_pages import huge_page_bytes, needs_collapse
+from tests.memory_pages import cpu_memory_log_lines, huge_page_bytes, needs_collapse
 from tokenserve.core.engine_core import EngineCore
 from tokenserve.engine.cli_args import add_engine_arguments, engine_args_from
 from tokenserve.kernels import quant_linear
@@ -96,24 +93,6 @@ def test_a_tensor_moves_onto_huge_pages_with_its_contents():
     assert not pages.step()
 
 
-@contextlib.contextmanager
-def _log_lines(monkeypatch) -> Iterator[list[str]]:
-    """cpu_memory's INFO lines while the block runs (read at its own logger: a logging
-    configuration applied earlier in the session may have cut its way to the root)."""
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    monkeypatch.setattr(cpu_memory.logger, "disabled", False)
-    cpu_memory.logger.addHandler(handler)
-    level = cpu_memory.logger.level
-    cpu_memory.logger.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        cpu_memory.logger.removeHandler(handler)
-        cpu_memory.logger.setLevel(level)
-
-
 def _refusing_madvise(monkeypatch, errors: list[int]) -> list[int]:
     """madvise failing with errors[i] at its i-th call (0: success); the addresses it got."""
     calls: list[int] = []
@@ -133,7 +112,7 @@ def _refusing_madvise(monkeypatch, errors: list[int]) -> list[int]:
 def test_nothing_more_is_tried_where_the_kernel_lacks_the_call(monkeypatch):
     calls = _refusing_madvise(monkeypatch, [errno.EINVAL])
     tensor = _anonymous_tensor(12 * MiB)
-    with _log_lines(monkeypatch) as lines:
+    with cpu_memory_log_lines(monkeypatch) as lines:
         pages = WeightHugePages([tensor])
         assert len(pages.pages) >= 5
         assert not pages.step()
@@ -146,7 +125,7 @@ def test_nothing_more_is_tried_where_the_kernel_lacks_the_call(monkeypatch):
 def test_a_page_refused_for_want_of_memory_is_left_and_the_next_tried(monkeypatch):
     calls = _refusing_madvise(monkeypatch, [0, errno.ENOMEM, errno.EAGAIN, 0, 0, 0])
     tensor = _anonymous_tensor(12 * MiB)
-    with _log_lines(monkeypatch) as lines:
+    with cpu_memory_log_lines(monkeypatch) as lines:
         pages = WeightHugePages([tensor])
         while pages.step():
             pass
