@@ -325,11 +325,11 @@ class WeightHugePages:
     contents. Each huge page holding part of a tensor's storage is moved whole (what lies
     beside the tensor in it too) where it lies inside one private anonymous mapping, the
     heap included; memory a file backs, and oneDNN's opaque tensors (a float32 model's
-    packed weights), are left as they are. Where the kernel refuses the
-    first page for want of the call (EINVAL: before 6.1, or THP turned off for the process)
-    nothing more is tried; a page refused otherwise (no huge page free: ENOMEM, EAGAIN) is
-    left on small pages and the next one tried. The time taken and what moved are logged
-    with the last page."""
+    packed weights), are left as they are. Where the kernel refuses the first page for want
+    of the call (EINVAL: before 6.1, or THP turned off for the process) nothing more is
+    tried; a page refused otherwise (no huge page free: ENOMEM, EAGAIN) is left on small
+    pages and the next one tried. The time taken and what moved are logged with the last
+    page."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         storages = {}
