@@ -120,7 +120,8 @@ def main() -> None:
         raise SystemExit(f"A batch of {max(batches)} rows needs --max-num-seqs of at least that "
                          f"(it is {max_num_seqs}): the requests beyond it would wait for ones "
                          "that never finish.")
-    builds = [None] * len(engines)  # the fused decode layer's operators by turn; None: this tree's
+    # The fused decode layer's operators by turn (None: this tree's), a turn per engine.
+    builds = [None] * len(engines)
     stack = None
     if args.other_csrc is not None:
         (stack,) = engine.engine_core.collective_rpc(_fused_stack)

@@ -44,16 +44,14 @@ needs_populate = pytest.mark.skipif(
 
 def _can_collapse() -> bool:
     """Whether madvise(MADV_COLLAPSE) moves a page of written memory onto a huge page here."""
-    page = huge_page_size()
-    if page is None or platform.system() != "Linux":
+    page, madvise = huge_page_size(), cpu_memory._madvise()  # the call WeightHugePages makes
+    if page is None or madvise is None:
         return False
     region = mmap.mmap(-1, 2 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buffer = (ctypes.c_char * len(region)).from_buffer(region)
     address = -(-ctypes.addressof(buffer) // page) * page  # the huge page inside it
     ctypes.memset(address, 1, page)
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    moved = libc.madvise(address, page, MADV_COLLAPSE) == 0
+    moved = madvise(address, page, MADV_COLLAPSE) == 0
     del buffer
     region.close()
     return moved
