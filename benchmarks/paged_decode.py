@@ -18,7 +18,8 @@ over a 512 MiB float32 tensor on the same threads, fastest of `--repeats`, timed
 the cases' turns.
 
 usage: python benchmarks/paged_decode.py [--rows 64] [--context 340] [--block-size 16]
-       [--layers 30] [--kv-cache-dtype float32 bfloat16] [--cpu-isa avx2 avx512 ...]
+       [--layers 30] [--kv-cache-dtype float32 bfloat16 float8_e4m3fn float8_e5m2]
+       [--cpu-isa avx2 avx512 ...]
        [--prefetch stream_next_item own_tokens_ahead] [--repeats 7]
 """
 
@@ -44,7 +45,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--kv-cache-dtype", nargs="+", choices=["float32", "bfloat16"],
+    parser.add_argument("--kv-cache-dtype", nargs="+",
+                        choices=["float32", "bfloat16", "float8_e4m3fn", "float8_e5m2"],
                         default=["float32", "bfloat16"])
     parser.add_argument("--cpu-isa", nargs="+", default=cpu_isa.supported_levels(),
                         help="Levels to run (default: every one this CPU runs).")

@@ -32,7 +32,7 @@ class PoolerConfig:
 
 # The dtypes a model or KV cache may have, by name, and their bytes per element: configurations
 # hold names, so that the API process, which builds one too, imports no torch.
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -130,7 +130,8 @@ class CacheConfig:
     num_blocks: int
     enable_prefix_caching: bool
     prefix_caching_hash_algo: str
-    # What the KV cache stores, by name: the model's dtype, or bfloat16 (--kv-cache-dtype).
+    # What the KV cache stores, by name: the model's dtype, bfloat16 or an 8-bit float
+    # (float8_e4m3fn, float8_e5m2) (--kv-cache-dtype).
     dtype: str = "float32"
     # A CPU cache's pages faulted in while the engine core is idle, ahead of their first
     # use (--kv-cache-prefault; worker/cpu_memory.py); else each on first use only.

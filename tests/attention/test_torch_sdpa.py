@@ -81,7 +81,8 @@ TABLES = [[3, 9, 4], [10, 11], [20], [30, 31, 32], [40, 41, 42, 43], [50, 51], [
 
 
 @pytest.mark.parametrize("use_kernels", [True, False], ids=["kernels", "torch"])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn,
+                                         torch.float8_e5m2])
 def test_mixed_step_equals_attention_over_whole_contexts(use_kernels, cache_dtype):
     common, tensors, generator = _step(QUERY_LENS, SEQ_LENS, TABLES)
     # Prompt chunks in float32 whatever the cache (the bf16 ones: the test below).
@@ -113,6 +114,10 @@ def test_prompt_chunks_over_a_bfloat16_cache_attend_in_bfloat16_where_native():
     assert backend.prompt_dtype(torch.float32, torch.float32) == torch.float32
     assert TorchSDPABackend(native_bf16=False).prompt_dtype(
         torch.float32, torch.bfloat16) == torch.float32
+    # Over 8-bit floats too (each one a bf16 exactly), on SDPA: not the prompt kernel.
+    assert backend.prompt_dtype(torch.float32, torch.float8_e4m3fn) == torch.bfloat16
+    fp8_cache = torch.empty(1, KV_HEADS, BLOCK_SIZE, DIM, dtype=torch.float8_e4m3fn)
+    assert not backend.prompt_kernel_takes(HEADS, fp8_cache)
     kv_cache = _cache(backend, torch.bfloat16, generator)
     metadata = backend.build_metadata(common)
     output = backend.forward(*tensors, kv_cache, metadata, SCALE)
@@ -131,7 +136,8 @@ def test_prompt_chunks_over_a_bfloat16_cache_attend_in_bfloat16_where_native():
     assert 1e-5 < error.max() < 2e-2, error.max()
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn,
+                                         torch.float8_e5m2])
 def test_kernels_and_pure_torch_agree_and_write_the_same_cache(cache_dtype):
     assert paged_attention.load() is not None, "the C kernels did not build (see the log)"
     common, tensors, generator = _step(QUERY_LENS, SEQ_LENS, TABLES)

@@ -121,8 +121,60 @@ def test_write_kv_rounds_to_bfloat16_as_torch_does(paged):
     written[0, 0, 2] = key[0, 0, 2] = 0.0
     assert torch.equal(written.view(torch.int16), key.to(torch.bfloat16).view(torch.int16))
     assert torch.equal(_by_slot(value_cache)[slots], value.to(torch.bfloat16))
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
+    with pytest.raises(ValueError, match="KV caches, both the same"):
         paged.write_kv(key_cache.half(), value_cache.half(), key, value, slots)
+
+
+def _float8_values(dtype: torch.dtype) -> torch.Tensor:
+    """float32 values that a conversion to `dtype` can get wrong: every finite value of the
+    format, the midpoints between neighbours (ties: to the even one) and a hair either side of
+    them, values past the largest finite one, ones below half the smallest subnormal, a NaN;
+    negated too."""
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    finite = codes[~codes.isnan()].unique().sort().values.double()
+    midpoints = (finite[1:] + finite[:-1]) / 2
+    largest = float(finite[-1])
+    edges = torch.tensor([largest * 1.01, largest * 100, 1e30, float("inf"), 1e-30,
+                          float("nan")], dtype=torch.float64)
+    values = torch.cat([finite, midpoints, midpoints * (1 + 1e-6), midpoints * (1 - 1e-6),
+                        edges])
+    return torch.cat([values, -values]).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_write_kv_rounds_to_float8_as_torch_does_saturating(paged, dtype):
+    values = _float8_values(dtype)
+    values = torch.cat([values, torch.zeros(-len(values) % 64)]).view(-1, 1, 64)
+    tokens = values.shape[0]
+    key_cache = torch.zeros(tokens, 1, 1, 64, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    paged.write_kv(key_cache, value_cache, values, -values, torch.arange(tokens))
+    # Bit for bit torch's conversion of the values clamped to the largest finite one.
+    largest = torch.finfo(dtype).max
+    for cache, written in ((key_cache, values), (value_cache, -values)):
+        expected = written.clamp(-largest, largest).to(dtype)
+        assert torch.equal(cache[:, :, 0].view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(paged_attention.round_to_cache(values, dtype).view(torch.uint8),
+                       key_cache[:, :, 0].view(torch.uint8))
+    assert key_cache.float().nan_to_num().abs().max() == largest
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_decode_reads_every_float8_value_exactly(paged, dtype):
+    """A context of one position weighs its value by exactly 1: each decode row's output is
+    its value row as the kernel widens it, to be every code's float32 value."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    # The cache never holds a NaN or an infinity (writes saturate).
+    codes = codes[codes.view(dtype).float().isfinite()]
+    codes = torch.cat([codes, torch.zeros(-len(codes) % 64, dtype=torch.uint8)])
+    rows = len(codes) // 64
+    value_cache = codes.view(rows, 1, 1, 64).view(dtype)
+    query = torch.randn(rows, 2, 64, generator=torch.Generator().manual_seed(3))
+    out = torch.empty_like(query)
+    paged.decode(out, query, torch.arange(rows), value_cache, value_cache,
+                 torch.arange(rows).view(rows, 1), torch.ones(rows, dtype=torch.int64), 0.125)
+    for head in range(2):
+        assert torch.equal(out[:, head], value_cache[:, 0, 0].float())
 
 
 def test_write_kv_from_fused_qkv_views(paged):

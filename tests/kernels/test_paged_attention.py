@@ -3,7 +3,8 @@ splits on, against attention written out in float64 torch, for every instruction
 the host has (conftest.py): head sizes it specialises (64, 128), ones it takes with the size
 a variable (96; 192 and 256, done in slices), ones only the plain loop takes (40, 80 with a
 bfloat16 cache), a bfloat16 cache read with the bf16 numerics of the dot-product path (and
-blocks of an odd size, which it leaves to the float32 code), query-head groups that fill its
+blocks of an odd size, which it leaves to the float32 code), 8-bit float caches (E4M3, E5M2:
+widened to float32 whatever the numerics asked), query-head groups that fill its
 per-pass head counts unevenly (1, 3, 4, 5, 7), contexts on and off block edges, one row and
 many; under each prefetch plan (paged_attention.DECODE_PREFETCH), which give the same bits."""
 
@@ -51,8 +52,11 @@ def _reference(query, key_cache, value_cache, tables, seq_lens, scale, bf16_roun
 
 
 @pytest.mark.parametrize(("cache_dtype", "bf16_numerics"),
-                         [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
-                         ids=["float32", "bfloat16", "bfloat16-numerics"])
+                         [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True),
+                          (torch.float8_e4m3fn, False), (torch.float8_e4m3fn, True),
+                          (torch.float8_e5m2, False)],
+                         ids=["float32", "bfloat16", "bfloat16-numerics", "fp8-e4m3",
+                              "fp8-e4m3-numerics", "fp8-e5m2"])
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "block_size", "seq_lens"),
     [
@@ -97,7 +101,8 @@ def test_paged_decode_matches_float64_attention(
     # Prefetches move no arithmetic.
     assert torch.equal(outs["own_tokens_ahead"], out)
     dot_products = paged.dot_products(cache_dtype, head_dim, block_size, bf16_numerics)
-    assert dot_products == (bf16_numerics and cpu_isa.native_bf16(cpu_isa_level)
+    assert dot_products == (cache_dtype == torch.bfloat16 and bf16_numerics
+                            and cpu_isa.native_bf16(cpu_isa_level)
                             and head_dim % 32 == 0 and block_size % 2 == 0)
     expected = _reference(query, key_cache, value_cache, tables, seq_lens, scale,
                           bf16_rounding=dot_products)
@@ -110,8 +115,11 @@ def test_paged_decode_matches_float64_attention(
 
 
 @pytest.mark.parametrize(("cache_dtype", "bf16_numerics"),
-                         [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
-                         ids=["float32", "bfloat16", "bfloat16-numerics"])
+                         [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True),
+                          (torch.float8_e4m3fn, False), (torch.float8_e4m3fn, True),
+                          (torch.float8_e5m2, False)],
+                         ids=["float32", "bfloat16", "bfloat16-numerics", "fp8-e4m3",
+                              "fp8-e4m3-numerics", "fp8-e5m2"])
 def test_paged_decode_row_alone_equals_row_among_many(paged, cache_dtype, bf16_numerics):
     """A row's output is bit-identical whichever rows share the call and wherever its
     blocks lie in the cache."""

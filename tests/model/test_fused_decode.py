@@ -60,7 +60,7 @@ def _generate(llm: LLM, fused: bool, num_prompts: int, seed: int = 3):
     ]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "fp8"])
 def test_fused_layers_equal_operators_one_by_one(kv_cache_dtype, fused_calls):
     llm = LLM(kv_cache_memory="128MiB", kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
     assert _model(llm).model.layer_stack.max_rows == 192

@@ -37,8 +37,8 @@ likewise; on AMX, else whole contexts); `--disable-cascade-attn` turns it off to
 A layer's cache is [2, num_blocks, num_kv_heads, block_size, head_dim], keys then values: a
 kv head's keys within a block are contiguous, which is what the decode kernel streams. A
 token's slot is block * block_size + offset; a gather indexes [blocks, :, offsets]. The
-cache may hold a narrower dtype than the model (--kv-cache-dtype bfloat16): keys and values
-are rounded as they are written and widened as they are read. A first chunk attends to its
+cache may hold a narrower dtype than the model (--kv-cache-dtype bfloat16, or fp8: 8-bit
+floats): keys and values are rounded as they are written and widened as they are read. A first chunk attends to its
 keys and values as computed; a chunk that continues a context reads all of it from the
 cache, its own new tokens included.
 
@@ -46,7 +46,10 @@ Prompt chunks attend in the cache's dtype when that is bfloat16 and the CPU comp
 natively (`prompt_dtype`): their keys and values are then exactly what the cache holds and
 what decode reads, and SDPA's bf16 kernel (AMX tiles) runs about three times as fast as
 float32 (docs/PERFORMANCE_CPU.md); queries are rounded to bf16, the softmax and the sums stay
-float32 inside the kernel, and the output is widened back.
+float32 inside the kernel, and the output is widened back. Over an 8-bit float cache they
+attend in bf16 there too (every 8-bit float is a bf16 exactly), on SDPA, not the prompt
+kernel, which reads float32 and bf16 caches only; its decode rows widen the cache's values
+to float32 in the decode kernel.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ from tokenserve.attention.backend import (
 from tokenserve.attention.cascade import Cascade, attend_cascade, plan_cascades
 from tokenserve.attention.paged_context import context_index, gather_context, offset_causal_mask
 from tokenserve.kernels import build, cpu_isa, paged_attention, prompt_attention
-from tokenserve.kernels.paged_attention import DecodeRows, shared_prefix_rows
+from tokenserve.kernels.paged_attention import DecodeRows, round_to_cache, shared_prefix_rows
 from tokenserve.kernels.prompt_attention import PromptChunks
 from tokenserve.kernels.row_buckets import empty_rows
 
@@ -331,7 +334,8 @@ class TorchSDPABackend(AttentionBackend):
     def prompt_dtype(self, query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
         """What prompt chunks attend in: bf16 for a bf16 cache on a CPU with native bf16
         (see the module docstring), else the queries' dtype."""
-        if cache_dtype == torch.bfloat16 and self.native_bf16 and self.device.type == "cpu":
+        narrow = cache_dtype == torch.bfloat16 or cache_dtype.itemsize == 1
+        if narrow and self.native_bf16 and self.device.type == "cpu":
             return torch.bfloat16
         return query_dtype
 
@@ -357,8 +361,8 @@ class TorchSDPABackend(AttentionBackend):
         else:
             assert metadata.write_index is not None
             blocks, offsets = metadata.write_index
-            key_cache[blocks, :, offsets] = key.to(key_cache.dtype)
-            value_cache[blocks, :, offsets] = value.to(value_cache.dtype)
+            key_cache[blocks, :, offsets] = round_to_cache(key, key_cache.dtype)
+            value_cache[blocks, :, offsets] = round_to_cache(value, value_cache.dtype)
 
         # o_proj reads it; a bf16 product pads its rows in place (kernels/row_buckets.py).
         output = empty_rows(tuple(query.shape), query.dtype, query.device)

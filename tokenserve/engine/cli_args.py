@@ -41,10 +41,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                         help="KV cache size: bytes or e.g. '4GiB' (default 4GiB on CPU).")
     parser.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES),
                         default=defaults.kv_cache_dtype,
-                        help="What the KV cache stores: 'auto' (the model's dtype) or "
+                        help="What the KV cache stores: 'auto' (the model's dtype), "
                              "'bfloat16' (half a float32 cache's bytes: twice the tokens in "
                              "--kv-cache-memory and less to read each decode step; keys and "
-                             "values rounded to 8 significant bits).")
+                             "values rounded to 8 significant bits), or 'fp8' (= 'fp8_e4m3') "
+                             "or 'fp8_e5m2': 8-bit floats, a quarter of float32's bytes, "
+                             "4 or 3 significant bits, saturated at 448 or 57344.")
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="Number of KV cache blocks (overrides --kv-cache-memory).")
     parser.add_argument("--kv-cache-prefault", action=argparse.BooleanOptionalAction,

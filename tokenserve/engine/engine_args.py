@@ -39,8 +39,10 @@ logger = logging.getLogger(__name__)
 # CPU default for the KV cache, as vLLM's CPU backend uses: comfortable on a 24 GiB machine.
 DEFAULT_CPU_KV_CACHE_MEMORY = 4 * 1024**3
 
-# --kv-cache-dtype values (vLLM's names; its fp8 ones are refused on CPU).
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+# --kv-cache-dtype values (vLLM's names) → what the cache stores (a name of
+# config.DTYPE_SIZES); "auto": the model's dtype. fp8 is E4M3, as in vLLM.
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "fp8": "float8_e4m3fn",
+                   "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 _MEMORY_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
                  "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
 
@@ -366,14 +368,12 @@ class EngineArgs:
             )
 
     def _resolve_kv_cache_dtype(self, model_dtype: str) -> str:
-        if self.kv_cache_dtype == "auto":
-            return model_dtype
-        if self.kv_cache_dtype == "bfloat16":
-            return "bfloat16"
-        raise ValueError(
-            f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r} "
-            "(fp8 KV caches are not supported on CPU)."
-        )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got "
+                f"{self.kv_cache_dtype!r}."
+            )
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
     def _resolve_max_model_len(self, hf_config) -> int:
         limit = getattr(hf_config, "max_position_embeddings", None) or 2048

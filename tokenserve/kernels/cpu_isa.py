@@ -6,7 +6,7 @@ levels are ordered; a CPU runs every level up to the best it has, and `--cpu-isa
 lower one (for comparison, or to test a path on a host that has a better one). Off x86-64
 the only level is "native" (`-march=native`, what the compiler finds on the host).
 
-    avx2         AVX2 + FMA (Haswell, Zen 1 on)
+    avx2         AVX2 + FMA + F16C (Haswell, Zen 1 on)
     avx512       + AVX-512 F/BW/VL/DQ (Skylake-SP, Zen 4 on)
     avx512_bf16  + AVX512_BF16 (and AVX512-VNNI, which every such CPU has): native bf16 dot
                  products (Cooper Lake, Sapphire Rapids, Zen 4)
@@ -25,7 +25,7 @@ from tokenserve.config import CPU_ISAS
 
 # Levels, lowest first → (the /proc/cpuinfo flags they need, the compiler flags).
 ISA_LEVELS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "avx2": (("avx2", "fma"), ("-mavx2", "-mfma")),
+    "avx2": (("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c")),
     "avx512": (
         ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"),
         ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),

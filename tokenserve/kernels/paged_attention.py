@@ -9,7 +9,14 @@ import numpy as np
 import torch
 
 from tokenserve.kernels import build, cpu_isa
-from tokenserve.kernels.tensor_checks import check_caches, check_i64, check_rows, i64, ptr
+from tokenserve.kernels.tensor_checks import (
+    CACHE_MODES,
+    check_caches,
+    check_i64,
+    check_rows,
+    i64,
+    ptr,
+)
 
 
 # How a decode step's threads keep memory busy while they compute (csrc/paged_attention.c's
@@ -168,7 +175,7 @@ class PagedAttentionOps:
     ) -> None:
         """Attend query rows `rows` of query [tokens, heads, dim] (a view into a fused QKV
         tensor is fine) over their contexts; write the same rows of out [tokens, heads, dim].
-        The caches are float32 or bfloat16; `bf16_numerics`: see kv_mode(); `prefetch`: a
+        The caches are float32, bfloat16 or float8; `bf16_numerics`: see kv_mode(); `prefetch`: a
         plan of DECODE_PREFETCH (None: this CPU's, decode_prefetch())."""
         self.decode_prepared(out, query, key_cache, value_cache,
                              DecodeRows(rows, block_tables, seq_lens), scale, bf16_numerics,
@@ -201,9 +208,9 @@ class PagedAttentionOps:
         slots: torch.Tensor,
     ) -> None:
         """key/value [tokens, kv_heads, dim] (views into a fused QKV tensor are fine) into
-        slots [tokens] of the caches [blocks, kv_heads, block_size, dim] (float32, or
-        bfloat16: rounded to nearest even)."""
-        bf16 = check_caches(key_cache, value_cache)
+        slots [tokens] of the caches [blocks, kv_heads, block_size, dim] (float32; bfloat16
+        or float8: rounded to nearest even, float8 saturated as `round_to_cache` does)."""
+        mode = check_caches(key_cache, value_cache)
         check_rows(key, value)
         check_i64(slots)
         if key.stride(0) != value.stride(0) and len(slots) > 1:
@@ -214,17 +221,28 @@ class PagedAttentionOps:
         self._write_kv(
             key_cache.data_ptr(), value_cache.data_ptr(), key.data_ptr(), value.data_ptr(),
             key.stride(0), slots.data_ptr(), len(slots), num_kv_heads, block_size, head_dim,
-            bf16,
+            mode,
         )
 
 
 def kv_mode(cache_dtype: torch.dtype, bf16_numerics: bool) -> int:
     """The C kernels' cache argument: 0 a float32 cache; 1 a bfloat16 one read in float32
     arithmetic; 2 a bfloat16 one read with bf16 numerics, the prompt chunks' when they attend
-    in bf16 (the dot-product path where the level has AVX512_BF16, else as 1)."""
-    if cache_dtype != torch.bfloat16:
-        return 0
-    return 2 if bf16_numerics else 1
+    in bf16 (the dot-product path where the level has AVX512_BF16, else as 1); 3 and 4 a
+    float8 cache (E4M3, E5M2), widened to float32 whatever bf16_numerics says."""
+    if cache_dtype == torch.bfloat16:
+        return 2 if bf16_numerics else 1
+    return CACHE_MODES.get(cache_dtype, 0)
+
+
+def round_to_cache(values: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """values in the cache's dtype, as the C kernels write them: float8 saturated at its
+    largest finite value (torch's own conversion gives E5M2 an infinity there) and rounded
+    to nearest even."""
+    if cache_dtype.is_floating_point and cache_dtype.itemsize == 1:
+        largest = torch.finfo(cache_dtype).max
+        values = values.clamp(-largest, largest)
+    return values.to(cache_dtype)
 
 
 def load(isa: str | None = None) -> PagedAttentionOps | None:

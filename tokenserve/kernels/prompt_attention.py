@@ -103,6 +103,8 @@ class PromptAttentionOps:
         tensor is fine) over their contexts in the caches [blocks, kv_heads, block_size,
         dim]; write the same rows of out [tokens, heads, dim]."""
         bf16 = check_caches(key_cache, value_cache)
+        if bf16 not in (0, 1):
+            raise ValueError("the prompt-attention kernel reads float32 or bfloat16 caches.")
         check_rows(out, query)
         num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
         _, num_heads, _ = query.shape

@@ -46,12 +46,18 @@ def check_f32_or_bf16(*tensors: torch.Tensor) -> None:
             raise ValueError("C kernels need contiguous float32 or bfloat16 CPU tensors.")
 
 
+# What a KV cache holds, as the C kernels name it (csrc/paged_attention.c's KV_* modes; 2,
+# a bfloat16 cache read with bf16 numerics, is paged_attention.kv_mode's to choose).
+CACHE_MODES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
+
+
 def check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
-    """1 for bfloat16 caches, 0 for float32; anything else is refused."""
-    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in (torch.float32,
-                                                                       torch.bfloat16):
-        raise ValueError("C kernels need float32 or bfloat16 KV caches, both the same.")
+    """The caches' mode (CACHE_MODES: 0 float32, 1 bfloat16, 3 and 4 the 8-bit floats E4M3
+    and E5M2); anything else is refused."""
+    if key_cache.dtype != value_cache.dtype or key_cache.dtype not in CACHE_MODES:
+        raise ValueError("C kernels need float32, bfloat16 or float8 (e4m3fn, e5m2) KV caches, "
+                         "both the same.")
     for cache in (key_cache, value_cache):
         if not cache.is_contiguous() or not cache.is_cpu:
             raise ValueError("C kernels need contiguous CPU KV caches.")
-    return int(key_cache.dtype == torch.bfloat16)
+    return CACHE_MODES[key_cache.dtype]

@@ -20,8 +20,9 @@
  * The cache holds float32 or bfloat16 (--kv-cache-dtype bfloat16: half the bytes to
  * stream; a bfloat16 is the top half of a float32, so reading two back is a shift and a
  * mask (vecw.h's even and odd lanes: the queries are laid out to match), and writing one
- * rounds to nearest even, as torch's conversion does). The arithmetic is float32 either way,
-except on the dot-product path below.
+ * rounds to nearest even, as torch's conversion does), or 8-bit floats (--kv-cache-dtype
+ * fp8, fp8_e4m3, fp8_e5m2: a quarter of float32's bytes; fp8.h widens and narrows them). The
+ * arithmetic is float32 in every case except on the dot-product path below.
  *
  * On a level with AVX512_BF16 (avx512_bf16, amx) a bfloat16 cache of head size a multiple
  * of 32 in blocks of an even size takes the dot-product path instead, with the numerics of
@@ -50,11 +51,8 @@ except on the dot-product path below.
 #include <string.h>
 
 #include "bf16.h"
+#include "fp8.h"
 #include "vecw.h"
-
-static inline float kv_load1(const void *cache, int64_t i, int bf16) {
-    return bf16 ? bf16_load((const uint16_t *)cache, i) : ((const float *)cache)[i];
-}
 
 /* Query heads scored per pass over a block's keys: each holds KEYS accumulators, and a
  * 16-register AVX2 file holds one head's. */
@@ -79,23 +77,42 @@ static inline float kv_load1(const void *cache, int64_t i, int bf16) {
 #define LEAD 32
 #define SCORE_HEADS (VW == 16 ? 3 : 1)
 /* What the cache holds and how it is multiplied: float32; bfloat16 widened to float32
- * (bf16_pairs) for float32 multiply-adds; bfloat16 into vdpbf16ps (PAGED_DP builds only). */
+ * (bf16_pairs) for float32 multiply-adds; bfloat16 into vdpbf16ps (PAGED_DP builds only);
+ * 8-bit floats, E4M3 or E5M2, widened to float32 (fp8.h) for float32 multiply-adds. */
 #define KV_F32 0
 #define KV_BF16 1
 #define KV_BF16_DP 2
+#define KV_FP8_E4M3 3
+#define KV_FP8_E5M2 4
+#define KV_FP8(kv) ((kv) == KV_FP8_E4M3 || (kv) == KV_FP8_E5M2)
+/* Whether a 32-bit lane holds two elements (bfloat16), read as even and odd lanes. */
+#define KV_PAIRS(kv) ((kv) == KV_BF16 || (kv) == KV_BF16_DP)
+#define KV_ELEMENT(kv) (KV_FP8(kv) ? 1 : KV_PAIRS(kv) ? 2 : 4) /* bytes */
 #if defined(__AVX512BF16__)
 #define PAGED_DP 1
 #else
 #define PAGED_DP 0
 #endif
-/* Cache elements per vector step: VW float32, or 2 * VW bfloat16 (an even and an odd vector). */
-#define CHUNK(bf16) ((bf16) ? 2 * VW : VW)
+/* Vectors of float32 a step over the cache gives: two for bfloat16 (an even and an odd
+ * vector) and, on AVX-512, for 8-bit floats (the first and second VW elements: one widening
+ * of 32 bytes to float16 serves both); else one. CHUNK: cache elements a step. */
+#define KV_PARTS(kv) (KV_PAIRS(kv) || (KV_FP8(kv) && FP8_PAIRED) ? 2 : 1)
+#define CHUNK(kv) (KV_PARTS(kv) * VW)
 
-/* Chunk c of cache row `row` as float32 into k[0] (and k[1]: the odd elements of bf16). */
+static inline float kv_load1(const void *cache, int64_t i, int kv) {
+    if (KV_FP8(kv)) return fp8_load((const uint8_t *)cache, i, kv == KV_FP8_E5M2);
+    return kv ? bf16_load((const uint16_t *)cache, i) : ((const float *)cache)[i];
+}
+
+/* Chunk c of cache row `row` as float32 into k[0] (and k[1]: the odd elements of bf16);
+ * 8-bit floats come divided by KV_UNIT(kv) (fp8.h), which attend_item folds into its scales. */
+#define KV_UNIT(kv) (KV_FP8(kv) ? FP8_UNIT((kv) == KV_FP8_E5M2) : 1.0f)
 static inline __attribute__((always_inline)) void kv_chunk(const void *cache, int64_t row,
-                                                          int64_t c, int bf16, vwf k[2]) {
-    if (bf16)
+                                                          int64_t c, int kv, vwf k[2]) {
+    if (KV_PAIRS(kv))
         bf16_pairs((const uint16_t *)cache + row + c * 2 * VW, &k[0], &k[1]);
+    else if (KV_FP8(kv))
+        fp8_widen_chunk((const uint8_t *)cache + row + c * CHUNK(kv), kv == KV_FP8_E5M2, k);
     else
         k[0] = loadw((const float *)cache + row + c * VW);
 }
@@ -105,9 +122,9 @@ static inline __attribute__((always_inline)) void kv_chunk(const void *cache, in
  * Each key is converted once for all the heads. */
 static inline __attribute__((always_inline)) void score_keys(
     float *s, int64_t stride, const float *qs, const void *key_cache, int64_t keys,
-    int64_t count, const int64_t head_dim, const int heads, int bf16) {
-    const int64_t chunks = head_dim / CHUNK(bf16);
-    const int parts = bf16 ? 2 : 1;
+    int64_t count, const int64_t head_dim, const int heads, int kv) {
+    const int64_t chunks = head_dim / CHUNK(kv);
+    const int parts = KV_PARTS(kv);
     int64_t i = 0;
     for (; i + KEYS <= count; i += KEYS) {
         vwf acc[SCORE_HEADS][KEYS];
@@ -117,7 +134,7 @@ static inline __attribute__((always_inline)) void score_keys(
         for (int64_t c = 0; c < chunks; ++c)
             for (int t = 0; t < KEYS; ++t) {
                 vwf k[2];
-                kv_chunk(key_cache, keys + (i + t) * head_dim, c, bf16, k);
+                kv_chunk(key_cache, keys + (i + t) * head_dim, c, kv, k);
                 for (int h = 0; h < heads; ++h)
                     for (int p = 0; p < parts; ++p)
                         acc[h][t] = fmaw(loadw(qs + h * head_dim + (c * parts + p) * VW), k[p],
@@ -135,7 +152,7 @@ static inline __attribute__((always_inline)) void score_keys(
 #pragma GCC unroll 16
         for (int64_t c = 0; c < chunks; ++c) {
             vwf k[2];
-            kv_chunk(key_cache, keys + i * head_dim, c, bf16, k);
+            kv_chunk(key_cache, keys + i * head_dim, c, kv, k);
             for (int h = 0; h < heads; ++h)
                 for (int p = 0; p < parts; ++p)
                     acc[h] = fmaw(loadw(qs + h * head_dim + (c * parts + p) * VW), k[p], acc[h]);
@@ -227,9 +244,9 @@ static inline __attribute__((always_inline)) void weigh_values(
     float *o, const float *p, int64_t stride, const float *inv, const void *value_cache,
     const int64_t *table, int64_t seq_len, const int64_t head_dim, const int64_t first,
     const int64_t width, int64_t block_stride, int64_t block_size, int64_t kv_offset,
-    const int heads, int bf16, const NextItem *next) {
-    const int64_t chunks = width / CHUNK(bf16);
-    const int parts = bf16 ? 2 : 1;
+    const int heads, int kv, const NextItem *next) {
+    const int64_t chunks = width / CHUNK(kv);
+    const int parts = KV_PARTS(kv);
     vwf acc[4][SLICE_VECTORS]; /* heads <= 4 */
     for (int h = 0; h < heads; ++h)
         for (int64_t c = 0; c < chunks * parts; ++c) acc[h][c] = splatw(0.0f);
@@ -241,11 +258,11 @@ static inline __attribute__((always_inline)) void weigh_values(
             if (next && i % 16 == 0)
                 prefetch_next(value_cache, next, start + i,
                               start + (i + 16 < count ? i + 16 : count), seq_len, head_dim,
-                              block_stride, block_size, bf16 ? 2 : 4);
+                              block_stride, block_size, KV_ELEMENT(kv));
 #pragma GCC unroll 16
             for (int64_t c = 0; c < chunks; ++c) {
                 vwf v[2];
-                kv_chunk(value_cache, row, c, bf16, v);
+                kv_chunk(value_cache, row, c, kv, v);
                 for (int h = 0; h < heads; ++h) {
                     const vwf weight = splatw(p[h * stride + start + i]);
                     for (int q = 0; q < parts; ++q)
@@ -256,8 +273,10 @@ static inline __attribute__((always_inline)) void weigh_values(
     }
     for (int h = 0; h < heads; ++h)
         for (int64_t c = 0; c < chunks; ++c) {
-            if (!bf16) {
-                storew(o + h * head_dim + first + c * VW, acc[h][c] * splatw(inv[h]));
+            if (!KV_PAIRS(kv)) { /* in the row's order already */
+                for (int part = 0; part < parts; ++part)
+                    storew(o + h * head_dim + first + (c * parts + part) * VW,
+                           acc[h][c * parts + part] * splatw(inv[h]));
                 continue;
             }
             /* Back from even and odd lanes to the row's order. */
@@ -429,7 +448,7 @@ static inline __attribute__((always_inline)) void prefetch_ahead(
         n = until - at < n ? until - at : n;
         n = seq_len - at < n ? seq_len - at : n;
         for (int64_t b = 0; b < n * head_dim * element; b += 64) {
-            if (element == 2 && !near)
+            if (element < 4 && !near)
                 __builtin_prefetch((const char *)key_cache + row * element + b, 0, 2);
             else
                 __builtin_prefetch((const char *)key_cache + row * element + b, 0, 3);
@@ -451,21 +470,23 @@ static inline __attribute__((always_inline)) void attend_item(
     float *o, const float *q, const void *key_cache, const void *value_cache,
     const int64_t *table, int64_t seq_len, int64_t group, const int64_t head_dim,
     int64_t block_stride, int64_t block_size, int64_t kv_offset,
-    float scale, float *scores, int bf16, int own, const NextItem *next,
+    float scale, float *scores, int kv, int own, const NextItem *next,
     const NextItem *lead, float *lse) {
-    const int64_t element = bf16 ? 2 : 4;
-    const int dp = bf16 == KV_BF16_DP;
-    /* The queries scaled, and for bf16 de-interleaved per chunk as kv_chunk reads keys; on
-     * the dot-product path rounded to bf16 instead (the scores are scaled). */
+    const int64_t element = KV_ELEMENT(kv);
+    const int dp = kv == KV_BF16_DP;
+    /* The queries scaled (and by KV_UNIT: exactly, a power of two), and for bf16
+     * de-interleaved per chunk as kv_chunk reads keys; on the dot-product path rounded to
+     * bf16 instead (the scores are scaled). */
+    const float unit = KV_UNIT(kv);
     float qs[dp ? 1 : group * head_dim] __attribute__((aligned(64)));
     uint16_t qb[dp ? group * head_dim : 1] __attribute__((aligned(64)));
     (void)qb; /* read on the dot-product path only (PAGED_DP builds) */
     if (dp)
         for (int64_t g = 0; g < group * head_dim; ++g) qb[g] = bf16_round(q[g]);
     else
-        for (int64_t g = 0; g < group * head_dim; g += CHUNK(bf16))
-            for (int64_t j = 0; j < CHUNK(bf16); ++j)
-                qs[g + (bf16 ? (j & 1) * VW + j / 2 : j)] = q[g + j] * scale;
+        for (int64_t g = 0; g < group * head_dim; g += CHUNK(kv))
+            for (int64_t j = 0; j < CHUNK(kv); ++j)
+                qs[g + (KV_PAIRS(kv) ? (j & 1) * VW + j / 2 : j)] = q[g + j] * scale * unit;
     /* Pass 1: scaled scores, per query head of the group, per context position, in runs
      * of at most RUN tokens of one block. */
     for (int64_t start = 0; start < seq_len;) {
@@ -487,9 +508,9 @@ static inline __attribute__((always_inline)) void attend_item(
 #define SCORE(n)                                                                              \
     (dp ? score_keys_dp(s, seq_len, qb + g * head_dim, key_cache, block, count, head_dim, n,   \
                         scale)                                                                \
-        : score_keys(s, seq_len, qg, key_cache, block, count, head_dim, n, bf16))
+        : score_keys(s, seq_len, qg, key_cache, block, count, head_dim, n, kv))
 #else
-#define SCORE(n) score_keys(s, seq_len, qg, key_cache, block, count, head_dim, n, bf16)
+#define SCORE(n) score_keys(s, seq_len, qg, key_cache, block, count, head_dim, n, kv)
 #endif
             /* A constant head count in each call, so the accumulators stay in registers. */
             switch (group - g < SCORE_HEADS ? group - g : SCORE_HEADS) {
@@ -505,7 +526,7 @@ static inline __attribute__((always_inline)) void attend_item(
     for (int64_t g = 0; g < group; ++g) {
         float top;
         const float sum = softmax_unnormalised(scores + g * seq_len, seq_len, &top);
-        inv[g] = 1.0f / sum;
+        inv[g] = unit / sum;
         if (lse != NULL) lse[g] = top + logf(sum);
 #if PAGED_DP
         if (dp) bf16_pairs_in_place(scores + g * seq_len, seq_len);
@@ -526,7 +547,7 @@ static inline __attribute__((always_inline)) void attend_item(
             const NextItem *values_next = first == 0 && g == 0 ? next : NULL;
 #define WEIGH_F32(n)                                                                          \
     weigh_values(o + g * head_dim, scores + g * seq_len, seq_len, inv + g, value_cache, table, \
-                 seq_len, head_dim, first, slice, block_stride, block_size, kv_offset, n, bf16,  \
+                 seq_len, head_dim, first, slice, block_stride, block_size, kv_offset, n, kv,    \
                  values_next)
 #if PAGED_DP
 #define WEIGH(n)                                                                              \
@@ -555,14 +576,14 @@ static void attend_item_generic(float *o, const float *q, const void *key_cache,
                                 const void *value_cache, const int64_t *table, int64_t seq_len,
                                 int64_t group, int64_t head_dim,
                                 int64_t block_stride, int64_t block_size, int64_t kv_offset,
-                                float scale, float *scores, int bf16) {
+                                float scale, float *scores, int kv) {
     for (int64_t t = 0; t < seq_len; ++t) {
         const int64_t k = table[t / block_size] * block_stride + (t % block_size) * head_dim +
                           kv_offset;
         for (int64_t g = 0; g < group; ++g) {
             float dot = 0.0f;
             for (int64_t d = 0; d < head_dim; ++d)
-                dot += q[g * head_dim + d] * kv_load1(key_cache, k + d, bf16);
+                dot += q[g * head_dim + d] * kv_load1(key_cache, k + d, kv);
             scores[g * seq_len + t] = dot * scale;
         }
     }
@@ -581,7 +602,7 @@ static void attend_item_generic(float *o, const float *q, const void *key_cache,
             const int64_t v = table[t / block_size] * block_stride +
                               (t % block_size) * head_dim + kv_offset;
             for (int64_t d = 0; d < head_dim; ++d)
-                og[d] += s[t] * kv_load1(value_cache, v + d, bf16);
+                og[d] += s[t] * kv_load1(value_cache, v + d, kv);
         }
         for (int64_t d = 0; d < head_dim; ++d) og[d] /= sum;
     }
@@ -595,16 +616,16 @@ int ts_paged_decode_dot_products(int64_t head_dim, int64_t block_size) {
 
 /* Work item (row, kv_head) of a decode step: the group of query heads sharing kv_head, for
  * decode row `row` (its query at q, its output at o), over the row's seq_len positions;
- * `scores` holds group * seq_len floats. kv_bf16 is the cache's mode: KV_F32, KV_BF16 or
+ * `scores` holds group * seq_len floats. kv_mode is the cache's mode: KV_F32, KV_BF16,
  * KV_BF16_DP (bf16 numerics: the dot-product path where the build and shapes allow it,
- * else as KV_BF16). own, next and lead: what it prefetches (attend_item). With lse (the
+ * else as KV_BF16), KV_FP8_E4M3 or KV_FP8_E5M2. own, next and lead: what it prefetches (attend_item). With lse (the
  * row's num_heads floats), each head's log-sum-exp goes there too; not on the generic path
  * (head_dim not a multiple of the vector chunk, or above 256: lse is left alone). */
 static void decode_item_then(float *o, const float *q, const void *key_cache,
                              const void *value_cache, const int64_t *table, int64_t seq_len,
                              int64_t kv_head, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, int64_t block_size, float scale, float *scores,
-                             int64_t kv_bf16, int own, const NextItem *next,
+                             int64_t kv_mode, int own, const NextItem *next,
                              const NextItem *lead, float *lse) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t block_stride = num_kv_heads * block_size * head_dim;
@@ -613,11 +634,21 @@ static void decode_item_then(float *o, const float *q, const void *key_cache,
     q += kv_head * group * head_dim;
     if (lse != NULL) lse += kv_head * group;
     /* Head size and element type constants in each call, for the compiler. */
-#define ATTEND(dim, bf16)                                                                     \
+#define ATTEND(dim, kv)                                                                       \
     attend_item(o, q, key_cache, value_cache, table, seq_len, group, dim, block_stride,        \
-                block_size, kv_offset, scale, scores, bf16, own, next, lead, lse)
+                block_size, kv_offset, scale, scores, kv, own, next, lead, lse)
+#define ATTEND_DIMS(kv)                                                                       \
+    if (head_dim == 64)                                                                       \
+        ATTEND(64, kv);                                                                       \
+    else if (head_dim == 128)                                                                 \
+        ATTEND(128, kv);                                                                      \
+    else if (head_dim % CHUNK(kv) == 0 && head_dim <= 256)                                    \
+        ATTEND(head_dim, kv); /* the same code with the size a variable */                    \
+    else                                                                                      \
+        attend_item_generic(o, q, key_cache, value_cache, table, seq_len, group, head_dim,    \
+                            block_stride, block_size, kv_offset, scale, scores, kv);
 #if PAGED_DP
-    if (kv_bf16 == KV_BF16_DP && ts_paged_decode_dot_products(head_dim, block_size)) {
+    if (kv_mode == KV_BF16_DP && ts_paged_decode_dot_products(head_dim, block_size)) {
         if (head_dim == 64)
             ATTEND(64, KV_BF16_DP);
         else if (head_dim == 128)
@@ -627,21 +658,13 @@ static void decode_item_then(float *o, const float *q, const void *key_cache,
         return;
     }
 #endif
-    if (head_dim == 64 && kv_bf16)
-        ATTEND(64, 1);
-    else if (head_dim == 64)
-        ATTEND(64, 0);
-    else if (head_dim == 128 && kv_bf16)
-        ATTEND(128, 1);
-    else if (head_dim == 128)
-        ATTEND(128, 0);
-    else if (head_dim % CHUNK(kv_bf16 != 0) == 0 && head_dim <= 256 && kv_bf16)
-        ATTEND(head_dim, 1); /* the same code with the size a variable */
-    else if (head_dim % CHUNK(kv_bf16 != 0) == 0 && head_dim <= 256)
-        ATTEND(head_dim, 0);
-    else
-        attend_item_generic(o, q, key_cache, value_cache, table, seq_len, group, head_dim,
-                            block_stride, block_size, kv_offset, scale, scores, kv_bf16 != 0);
+    switch (kv_mode) {
+    case KV_F32: ATTEND_DIMS(KV_F32) break;
+    case KV_FP8_E4M3: ATTEND_DIMS(KV_FP8_E4M3) break;
+    case KV_FP8_E5M2: ATTEND_DIMS(KV_FP8_E5M2) break;
+    default: ATTEND_DIMS(KV_BF16) /* KV_BF16, and KV_BF16_DP off the dot-product path */
+    }
+#undef ATTEND_DIMS
 #undef ATTEND
 }
 
@@ -650,9 +673,9 @@ static inline void decode_item(float *o, const float *q, const void *key_cache,
                         const void *value_cache, const int64_t *table, int64_t seq_len,
                         int64_t kv_head, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, int64_t block_size, float scale, float *scores,
-                        int64_t kv_bf16) {
+                        int64_t kv_mode) {
     decode_item_then(o, q, key_cache, value_cache, table, seq_len, kv_head, num_heads,
-                     num_kv_heads, head_dim, block_size, scale, scores, kv_bf16, OWN_FAR, NULL,
+                     num_kv_heads, head_dim, block_size, scale, scores, kv_mode, OWN_FAR, NULL,
                      NULL, NULL);
 }
 
@@ -692,7 +715,7 @@ static void decode_items(int64_t *claimed, float *out, int64_t out_stride, const
                          const void *value_cache, const int64_t *block_tables,
                          int64_t block_table_stride, const int64_t *seq_lens, int64_t num_rows,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t block_size, float scale, float *scores, int64_t kv_bf16,
+                         int64_t block_size, float scale, float *scores, int64_t kv_mode,
                          int64_t prefetch, int64_t skip, int64_t skip_rows, float *lse) {
     const int64_t num_items = num_rows * num_kv_heads;
     const int stream = prefetch == STREAM_NEXT_ITEM;
@@ -720,7 +743,7 @@ static void decode_items(int64_t *claimed, float *out, int64_t out_stride, const
                              value_cache, block_tables + row * block_table_stride +
                                               from / block_size,
                              seq_lens[row] - from, item % num_kv_heads, num_heads,
-                             num_kv_heads, head_dim, block_size, scale, scores, kv_bf16, own,
+                             num_kv_heads, head_dim, block_size, scale, scores, kv_mode, own,
                              stream ? then : NULL, stream ? NULL : then,
                              from > 0 ? lse + row * num_heads : NULL);
         item = next;
@@ -733,14 +756,14 @@ static void decode_items(int64_t *claimed, float *out, int64_t out_stride, const
 
 /* Returns 0, or -1 if a scratch buffer could not be allocated. Decode row r reads its
  * query at query + rows[r] * query_stride and writes out + rows[r] * out_stride (rows index
- * the step's flat token dimension; query may be a view into a fused QKV tensor). kv_bf16:
+ * the step's flat token dimension; query may be a view into a fused QKV tensor). kv_mode:
  * the caches' mode (decode_item_then); prefetch: STREAM_NEXT_ITEM or OWN_TOKENS_AHEAD. */
 int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t query_stride,
                     const int64_t *rows, const void *key_cache, const void *value_cache,
                     const int64_t *block_tables, int64_t block_table_stride,
                     const int64_t *seq_lens, int64_t num_rows, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                    int64_t kv_bf16, int64_t prefetch) {
+                    int64_t kv_mode, int64_t prefetch) {
     const int64_t group = num_heads / num_kv_heads;
     int64_t max_seq_len = 0;
     for (int64_t r = 0; r < num_rows; ++r)
@@ -757,7 +780,7 @@ int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t 
         }
         decode_items(&claimed, out, out_stride, query, query_stride, rows, key_cache,
                      value_cache, block_tables, block_table_stride, seq_lens, num_rows,
-                     num_heads, num_kv_heads, head_dim, block_size, scale, scores, kv_bf16,
+                     num_heads, num_kv_heads, head_dim, block_size, scale, scores, kv_mode,
                      prefetch, 0, 0, NULL);
         free(scores);
     }
@@ -766,10 +789,11 @@ int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t 
 
 /* One token's keys and values (num_kv_heads * head_dim contiguous float32 values at key and
  * value) into cache slot `slot`, i.e. offset slot % block_size of block slot / block_size,
- * one head_dim run per kv head; rounded to bfloat16 if kv_bf16. */
+ * one head_dim run per kv head; rounded to the cache's elements as kv_mode says (bfloat16:
+ * bf16_round; 8-bit floats: fp8_narrow). */
 static inline void write_kv_token(void *key_cache, void *value_cache, const float *key,
                                   const float *value, int64_t slot, int64_t num_kv_heads,
-                                  int64_t block_size, int64_t head_dim, int64_t kv_bf16) {
+                                  int64_t block_size, int64_t head_dim, int64_t kv_mode) {
     const int64_t head_stride = block_size * head_dim;
     const int64_t base =
         slot / block_size * num_kv_heads * head_stride + slot % block_size * head_dim;
@@ -777,7 +801,10 @@ static inline void write_kv_token(void *key_cache, void *value_cache, const floa
         const float *k = key + h * head_dim;
         const float *v = value + h * head_dim;
         const int64_t at = base + h * head_stride;
-        if (kv_bf16) {
+        if (KV_FP8(kv_mode)) {
+            fp8_narrow_run((uint8_t *)key_cache + at, k, head_dim, kv_mode == KV_FP8_E5M2);
+            fp8_narrow_run((uint8_t *)value_cache + at, v, head_dim, kv_mode == KV_FP8_E5M2);
+        } else if (kv_mode) {
             for (int64_t d = 0; d < head_dim; ++d) {
                 ((uint16_t *)key_cache)[at + d] = bf16_round(k[d]);
                 ((uint16_t *)value_cache)[at + d] = bf16_round(v[d]);
@@ -794,9 +821,9 @@ static inline void write_kv_token(void *key_cache, void *value_cache, const floa
  * slots[t] (write_kv_token). */
 void ts_write_kv(void *key_cache, void *value_cache, const float *key, const float *value,
                  int64_t src_stride, const int64_t *slots, int64_t num_tokens,
-                 int64_t num_kv_heads, int64_t block_size, int64_t head_dim, int64_t kv_bf16) {
+                 int64_t num_kv_heads, int64_t block_size, int64_t head_dim, int64_t kv_mode) {
 #pragma omp parallel for schedule(static) if (num_tokens > 64)
     for (int64_t t = 0; t < num_tokens; ++t)
         write_kv_token(key_cache, value_cache, key + t * src_stride, value + t * src_stride,
-                       slots[t], num_kv_heads, block_size, head_dim, kv_bf16);
+                       slots[t], num_kv_heads, block_size, head_dim, kv_mode);
 }
