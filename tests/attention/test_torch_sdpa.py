@@ -52,7 +52,8 @@ def _cache(backend, dtype, generator):
 def _reference(common, tensors, kv_cache):
     """Each request's queries over its whole context read back from the cache (after the
     step's writes), causally: plain SDPA per request. A first prompt chunk attends to its
-    keys and values as computed (a bfloat16 cache rounds them)."""
+    keys and values as computed (a bfloat16 cache rounds them), over an 8-bit float cache as
+    the cache holds them."""
     query, key, value = tensors
     key_cache, value_cache = TorchSDPABackend.split_kv_cache(kv_cache)
     out = torch.empty_like(query)
@@ -63,7 +64,7 @@ def _reference(common, tensors, kv_cache):
         blocks = torch.tensor(table)[positions // BLOCK_SIZE]
         k = key_cache[blocks, :, positions % BLOCK_SIZE].transpose(0, 1).float()
         v = value_cache[blocks, :, positions % BLOCK_SIZE].transpose(0, 1).float()
-        if seq_len == end - start > 1:
+        if seq_len == end - start > 1 and key_cache.itemsize > 1:
             k, v = key[start:end].transpose(0, 1), value[start:end].transpose(0, 1)
         mask = positions[None, :] <= torch.arange(seq_len - (end - start), seq_len)[:, None]
         out[start:end] = F.scaled_dot_product_attention(
@@ -114,10 +115,12 @@ def test_prompt_chunks_over_a_bfloat16_cache_attend_in_bfloat16_where_native():
     assert backend.prompt_dtype(torch.float32, torch.float32) == torch.float32
     assert TorchSDPABackend(native_bf16=False).prompt_dtype(
         torch.float32, torch.bfloat16) == torch.float32
-    # Over 8-bit floats too (each one a bf16 exactly), on SDPA: not the prompt kernel.
+    # Over 8-bit floats too (each one a bf16 exactly): on the prompt kernel's AMX path only
+    # (where a bf16 cache takes it), else on SDPA.
     assert backend.prompt_dtype(torch.float32, torch.float8_e4m3fn) == torch.bfloat16
     fp8_cache = torch.empty(1, KV_HEADS, BLOCK_SIZE, DIM, dtype=torch.float8_e4m3fn)
-    assert not backend.prompt_kernel_takes(HEADS, fp8_cache)
+    amx = backend.prompt_ops.path(torch.bfloat16, HEADS, KV_HEADS, DIM) == "amx"
+    assert backend.prompt_kernel_takes(HEADS, fp8_cache) == amx
     kv_cache = _cache(backend, torch.bfloat16, generator)
     metadata = backend.build_metadata(common)
     output = backend.forward(*tensors, kv_cache, metadata, SCALE)

@@ -3,7 +3,9 @@ out in float64 torch, for every instruction-set level the host has (conftest.py)
 chunks and chunks continuing a cached context in one call, query lengths 1..300 (and the
 default model's W1 and W4 steps), contexts
 on and off block edges, head sizes the AMX path takes (64, 96, 128) and one only the
-vdpbf16ps path takes (40), query-head groups 1, 3 and 4, float32 and bf16 caches; rows
+vdpbf16ps path takes (40), query-head groups 1, 3 and 4, float32, bf16 and 8-bit float
+caches (E4M3, E5M2: on the AMX path widened to bf16 as key tiles are laid out, elsewhere
+the decode kernel per row); rows
 outside the chunks untouched; a chunk's rows the same alone and among others; bad tables
 refused."""
 
@@ -83,15 +85,22 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+CACHE_DTYPES = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
 def test_prompt_attention_matches_float64_attention(kernel, cpu_isa_level, case, cache_dtype):
     num_heads, num_kv_heads, head_dim, block_size, chunks = CASES[case]
     query, key_cache, value_cache, batch = _step(num_heads, num_kv_heads, head_dim,
                                                  block_size, chunks, cache_dtype)
     native = kernel.native(cache_dtype, num_heads, num_kv_heads, head_dim)
-    assert native == (cache_dtype == torch.bfloat16 and cpu_isa.native_bf16(cpu_isa_level))
-    amx = native and cpu_isa_level == "amx" and head_dim % 32 == 0
+    amx_shapes = cpu_isa_level == "amx" and head_dim % 32 == 0
+    if cache_dtype.itemsize == 1:  # the AMX path only
+        assert native == amx_shapes
+    else:
+        assert native == (cache_dtype == torch.bfloat16 and cpu_isa.native_bf16(cpu_isa_level))
+    amx = native and amx_shapes
     assert (kernel.path(cache_dtype, num_heads, num_kv_heads, head_dim) == "amx") == amx
     out = torch.full_like(query, float("nan"))
     scale = head_dim**-0.5
@@ -103,7 +112,7 @@ def test_prompt_attention_matches_float64_attention(kernel, cpu_isa_level, case,
         # The queries are rounded to bf16 in the reference too; what is left is P rounded
         # to bf16 for P·V (relative 2^-9 per weight, so at most 2^-9 · max|v| on an output)
         # and float32 sums in another order: 2^-8 · max|v| bounds both.
-        atol = 2**-8 * value_cache.abs().max().item()
+        atol = 2**-8 * value_cache.float().abs().max().item()
         torch.testing.assert_close(out[~outside].double(), expected[~outside], rtol=0,
                                    atol=atol)
     else:
@@ -132,7 +141,7 @@ def test_a_running_maximum_that_keeps_moving(kernel, cpu_isa_level):
     native = kernel.native(torch.bfloat16, 9, 3, 64)
     expected = _reference(query, key_cache, value_cache, batch, 0.125, bf16_queries=native)
     inside = ~expected.isnan()
-    atol = 2**-8 * value_cache.abs().max().item() if native else 2e-5
+    atol = 2**-8 * value_cache.float().abs().max().item() if native else 2e-5
     torch.testing.assert_close(out[inside].double(), expected[inside], rtol=0, atol=atol)
 
 
@@ -155,11 +164,11 @@ def test_a_score_past_float32s_exponent_range_moves_the_maximum(kernel, cpu_isa_
     expected = _reference(query, key_cache, value_cache, batch, 0.125, bf16_queries=native)
     inside = ~expected.isnan()
     assert out[inside].isfinite().all()
-    atol = 2**-8 * value_cache.abs().max().item() if native else 2e-5
+    atol = 2**-8 * value_cache.float().abs().max().item() if native else 2e-5
     torch.testing.assert_close(out[inside].double(), expected[inside], rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
 def test_a_chunk_alone_equals_the_chunk_among_others(kernel, cache_dtype):
     """A chunk's rows are bit-identical whichever chunks share the call: work items never
     span chunks."""
@@ -213,14 +222,15 @@ SHARED_CHUNKS = [(20, 300), (33, 320), (64, 336), (40, 90), (9, 290), (5, 280), 
 SHARED_MEMBERS = {17: [1, 2, 5, 6, 7], 8: [4]}
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_chunks_behind_a_shared_prefix_match_float64_attention_and_themselves_apart(
-        kernel, cpu_isa_level, threads):
+        kernel, cpu_isa_level, threads, cache_dtype):
     """On the AMX path, consecutive chunks whose tables start with the same blocks are one
     item (the prefix's key tiles laid out once for all of them): the rows are float64
     attention within the bf16 bound, and bit-identical to the same chunks over copies of the
     prefix in blocks of their own (one item per chunk), on 1, 2 and 3 threads."""
-    query, key_cache, value_cache, apart = _step(9, 3, 64, 16, SHARED_CHUNKS, torch.bfloat16)
+    query, key_cache, value_cache, apart = _step(9, 3, 64, 16, SHARED_CHUNKS, cache_dtype)
     shared = apart
     for blocks, members in SHARED_MEMBERS.items():
         shared = _share_prefix(shared, members, blocks)
@@ -238,10 +248,10 @@ def test_chunks_behind_a_shared_prefix_match_float64_attention_and_themselves_ap
         kernel.attend(separate, query, key_cache, value_cache, apart, 0.125)
     finally:
         torch.set_num_threads(before)
-    native = kernel.native(torch.bfloat16, 9, 3, 64)
+    native = kernel.native(cache_dtype, 9, 3, 64)
     expected = _reference(query, key_cache, value_cache, shared, 0.125, bf16_queries=native)
     inside = ~expected.isnan()
-    atol = 2**-8 * value_cache.abs().max().item() if native else 2e-5
+    atol = 2**-8 * value_cache.float().abs().max().item() if native else 2e-5
     torch.testing.assert_close(together[inside].double(), expected[inside], rtol=0, atol=atol)
     assert together[~inside].isnan().all()
     assert torch.equal(together[inside], separate[inside])
@@ -333,7 +343,7 @@ def test_decode_rows_over_a_shared_prefix_match_float64_attention(kernel, cpu_is
     # outputs merged as a convex combination, float32 sums: 2^-8 · max|v| bounds it, as for
     # the prompt kernel; the decode kernel's float32 path (no native bf16) is exact but for
     # the order of its sums.
-    atol = 2**-8 * value_cache.abs().max().item() if native else 2e-5
+    atol = 2**-8 * value_cache.float().abs().max().item() if native else 2e-5
     torch.testing.assert_close(out[2:].double(), expected[2:], rtol=0, atol=atol)
 
 

@@ -47,9 +47,10 @@ natively (`prompt_dtype`): their keys and values are then exactly what the cache
 what decode reads, and SDPA's bf16 kernel (AMX tiles) runs about three times as fast as
 float32 (docs/PERFORMANCE_CPU.md); queries are rounded to bf16, the softmax and the sums stay
 float32 inside the kernel, and the output is widened back. Over an 8-bit float cache they
-attend in bf16 there too (every 8-bit float is a bf16 exactly), on SDPA, not the prompt
-kernel, which reads float32 and bf16 caches only; its decode rows widen the cache's values
-to float32 in the decode kernel.
+attend in bf16 there too (every 8-bit float is a bf16 exactly): on the prompt kernel's AMX
+path where the CPU has AMX, else on SDPA, a first chunk then over its keys and values
+rounded as the cache holds them, so that every path attends to what decode reads; decode
+rows widen the cache's values to float32 in the decode kernel.
 """
 
 from __future__ import annotations
@@ -375,7 +376,11 @@ class TorchSDPABackend(AttentionBackend):
             chunks, cascades = [], []
         for chunk in chunks:
             start, end = chunk.start, chunk.end
-            if chunk.context is None:
+            if chunk.context is None and key_cache.itemsize == 1:
+                # As the 8-bit float cache holds them (and the prompt kernel reads them).
+                k = round_to_cache(key[start:end], key_cache.dtype).transpose(0, 1).to(dtype)
+                v = round_to_cache(value[start:end], key_cache.dtype).transpose(0, 1).to(dtype)
+            elif chunk.context is None:
                 k = key[start:end].transpose(0, 1).to(dtype)
                 v = value[start:end].transpose(0, 1).to(dtype)
             else:

@@ -160,7 +160,9 @@ class DecodeLayerOps:
             None if chunks is None else chunks.block_tables.data_ptr(),
             0 if chunks is None else chunks.num_chunks,
             0 if chunks is None else chunks.block_tables.stride(0),
-            int(kv_mode != 0), prefetch_code(decode_prefetch), prefix_len, prefix_rows,
+            # The prompt kernel's cache mode: what the cache holds (2 is a bf16 cache too).
+            1 if kv_mode == 2 else kv_mode, prefetch_code(decode_prefetch), prefix_len,
+            prefix_rows,
             *(None if buffer is None else buffer.data_ptr() for buffer in prefix),
         )
         return bound, (positions, slots, decode_rows, prompt_chunks, cos, sin, scratch, prefix)

@@ -9,7 +9,14 @@ import torch
 
 from tokenserve.kernels import build, paged_attention
 from tokenserve.kernels.paged_attention import DecodeRows
-from tokenserve.kernels.tensor_checks import check_caches, check_i64, check_rows, i64, ptr
+from tokenserve.kernels.tensor_checks import (
+    CACHE_MODES,
+    check_caches,
+    check_i64,
+    check_rows,
+    i64,
+    ptr,
+)
 
 # ts_prompt_attention_path's answers.
 PATHS = ("float32", "avx512_bf16", "amx")
@@ -81,8 +88,7 @@ class PromptAttentionOps:
         """The kernel's path for these shapes: "amx" (AMX tiles) or "avx512_bf16"
         (vdpbf16ps), both with the numerics of PyTorch's bf16 flash kernel; else "float32"
         (the decode kernel per query row: correct, slower)."""
-        code = self._path(int(cache_dtype == torch.bfloat16), num_heads, num_kv_heads,
-                          head_dim)
+        code = self._path(CACHE_MODES.get(cache_dtype, 0), num_heads, num_kv_heads, head_dim)
         return PATHS[code]
 
     def native(self, cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
@@ -102,9 +108,7 @@ class PromptAttentionOps:
         """Attend the chunks' rows of query [tokens, heads, dim] (a view into a fused QKV
         tensor is fine) over their contexts in the caches [blocks, kv_heads, block_size,
         dim]; write the same rows of out [tokens, heads, dim]."""
-        bf16 = check_caches(key_cache, value_cache)
-        if bf16 not in (0, 1):
-            raise ValueError("the prompt-attention kernel reads float32 or bfloat16 caches.")
+        mode = check_caches(key_cache, value_cache)
         check_rows(out, query)
         num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
         _, num_heads, _ = query.shape
@@ -121,7 +125,7 @@ class PromptAttentionOps:
             out.data_ptr(), out.stride(0), query.data_ptr(), query.stride(0),
             key_cache.data_ptr(), value_cache.data_ptr(), chunks.chunks.data_ptr(),
             chunks.block_tables.data_ptr(), chunks.block_tables.stride(0), chunks.num_chunks,
-            num_heads, num_kv_heads, head_dim, block_size, scale, bf16,
+            num_heads, num_kv_heads, head_dim, block_size, scale, mode,
         )
         if status != 0:
             raise MemoryError("prompt attention could not allocate its scratch buffers.")

@@ -29,14 +29,14 @@
 #define AKT 64          /* keys per AMX key tile: four S tiles, two P tiles */
 #define ROWS_AHEAD 16         /* query and output rows prefetched ahead */
 
-/* kp[d][j] = pair d of key j (rows[j]), for AKT keys and `pairs` (a multiple of 16) pairs:
- * 16 x 16 transposes in registers (avx512.h). */
-static inline void pack_keys(uint32_t *kp, const uint16_t *const *rows, int64_t pairs) {
+/* kp[d][j] = pair d of key j (rows[j]: bf16, or 8-bit floats as kv says, kv_row_bf16), for
+ * AKT keys and `pairs` (a multiple of 16) pairs: 16 x 16 transposes in registers (avx512.h). */
+static inline void pack_keys(uint32_t *kp, const void *const *rows, int64_t pairs, int kv) {
     for (int j0 = 0; j0 < AKT; j0 += 16)
         for (int64_t d0 = 0; d0 < pairs; d0 += 16) {
             __m512i r[16];
             for (int i = 0; i < 16; ++i)
-                r[i] = _mm512_loadu_si512((const uint32_t *)rows[j0 + i] + d0);
+                r[i] = kv_row_bf16(rows[j0 + i], 2 * d0, kv);
             transpose16(r);
             for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kp + (d0 + i) * AKT + j0, r[i]);
         }
@@ -52,7 +52,7 @@ typedef struct {
     uint32_t vp[AKT / 2 * MAX_DIM]; /* [AKT / 2][head_dim] value pairs */
     float s[16 * AKT];              /* one row block's [16][AKT] scores */
     uint16_t p[16 * AKT];           /* its [16][AKT] bf16 probabilities */
-    const uint16_t *rows[AKT];
+    const void *rows[AKT];
     int64_t capacity, queries;      /* queries · head_dim, and queries, they hold */
     uint16_t *q;                    /* [queries][head_dim] bf16 */
     float *o;                       /* [queries][head_dim] */
@@ -215,11 +215,13 @@ static inline void amx_attend_config(void) {
     amx_load_config(&config);
 }
 
-/* What a key tile's pass needs besides the scratch: kv head h's cache and its strides. */
+/* What a key tile's pass needs besides the scratch: kv head h's cache, its strides and
+ * what it holds (KV_BF16, KV_FP8_E4M3, KV_FP8_E5M2). */
 typedef struct {
-    const uint16_t *key_cache, *value_cache;
+    const void *key_cache, *value_cache;
     int64_t block_stride, block_size, kv_offset, head_dim;
     float scale;
+    int kv;
 } AmxKeys;
 
 /* Key tile k0 (AKT keys of `table`, positions past `end` read as zeros) laid out, then the
@@ -232,12 +234,13 @@ static inline __attribute__((always_inline)) void amx_key_tile(
     const __m512 scales_l2 = _mm512_set1_ps(keys->scale * 1.44269504088896341f);
     const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     /* The tile's keys as pairs of dims, [pairs][AKT]; values as pairs of keys. */
+    const int64_t element = KV_ELEMENT(keys->kv);
     tile_rows(w->rows, AKT, keys->key_cache, table, k0, end, keys->block_stride,
-              keys->block_size, keys->kv_offset, head_dim);
-    pack_keys(w->kp, w->rows, head_dim / 2);
+              keys->block_size, keys->kv_offset, head_dim, element);
+    pack_keys(w->kp, w->rows, head_dim / 2, keys->kv);
     tile_rows(w->rows, AKT, keys->value_cache, table, k0, end, keys->block_stride,
-              keys->block_size, keys->kv_offset, head_dim);
-    pack_values(w->vp, w->rows, head_dim, AKT);
+              keys->block_size, keys->kv_offset, head_dim, element);
+    pack_values(w->vp, w->rows, head_dim, AKT, keys->kv);
     const __m512i pos0 = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)k0));
     /* Per block of 16 queries: scores, softmax, output, while they are in L1. */
     for (int64_t r = first; r < last; r += 16) {
@@ -310,22 +313,22 @@ static inline void amx_write_rows(const AmxRows *rows, int64_t base, int64_t h,
 }
 
 /* kv head h's cache as amx_key_tile reads it. */
-static inline AmxKeys amx_keys(const uint16_t *key_cache, const uint16_t *value_cache,
-                               int64_t h, int64_t num_kv_heads, int64_t head_dim,
-                               int64_t block_size, float scale) {
+static inline AmxKeys amx_keys(const void *key_cache, const void *value_cache, int64_t h,
+                               int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                               float scale, int kv) {
     return (AmxKeys){key_cache, value_cache, num_kv_heads * block_size * head_dim, block_size,
-                     h * block_size * head_dim, head_dim, scale};
+                     h * block_size * head_dim, head_dim, scale, kv};
 }
 
 /* The attention of an item's rows (AmxRows) to kv head h's keys and values (see the top of
  * this file). */
 static inline __attribute__((always_inline)) void amx_attend(
-    const AmxRows *rows, const uint16_t *key_cache, const uint16_t *value_cache,
+    const AmxRows *rows, const void *key_cache, const void *value_cache,
     const int64_t *table, int64_t h, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t block_size, float scale, AmxScratch *w) {
+    int64_t head_dim, int64_t block_size, float scale, int kv, AmxScratch *w) {
     const int64_t group = num_heads / num_kv_heads;
     const AmxKeys keys = amx_keys(key_cache, value_cache, h, num_kv_heads, head_dim, block_size,
-                                  scale);
+                                  scale, kv);
     amx_load_rows(rows, 0, h, group, head_dim, w);
     amx_attend_config();
     /* Positions past the last row's limit are never read (tile_rows: rows of zeros). */
@@ -345,11 +348,12 @@ static inline __attribute__((always_inline)) void amx_attend(
  * bit. */
 static inline __attribute__((always_inline)) void amx_attend_runs(
     const AmxRows *runs, const int64_t *const *tables, int64_t num_runs, int64_t shared,
-    const uint16_t *key_cache, const uint16_t *value_cache, int64_t h, int64_t num_heads,
-    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, AmxScratch *w) {
+    const void *key_cache, const void *value_cache, int64_t h, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, int kv,
+    AmxScratch *w) {
     const int64_t group = num_heads / num_kv_heads;
     const AmxKeys keys = amx_keys(key_cache, value_cache, h, num_kv_heads, head_dim, block_size,
-                                  scale);
+                                  scale, kv);
     int64_t total = 0;
     for (int64_t s = 0; s < num_runs; ++s) {
         amx_load_rows(runs + s, total, h, group, head_dim, w);
@@ -387,16 +391,16 @@ static inline AmxRows amx_chunk_rows(float *out, int64_t out_stride, const float
 
 /* Those rows (amx_chunk_rows), kv head h. */
 static void prompt_item_amx(float *out, int64_t out_stride, const float *query,
-                            int64_t query_stride, const uint16_t *key_cache,
-                            const uint16_t *value_cache, const int64_t *table, int64_t start,
+                            int64_t query_stride, const void *key_cache,
+                            const void *value_cache, const int64_t *table, int64_t start,
                             int64_t q_len, int64_t seq_len, int64_t first_row, int64_t count,
                             int64_t h, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t head_dim, int64_t block_size, float scale,
+                            int64_t head_dim, int64_t block_size, float scale, int kv,
                             AmxScratch *w) {
     const AmxRows rows = amx_chunk_rows(out, out_stride, query, query_stride, start, q_len,
                                         seq_len, first_row, count);
     amx_attend(&rows, key_cache, value_cache, table, h, num_heads, num_kv_heads, head_dim,
-               block_size, scale, w);
+               block_size, scale, kv, w);
 }
 
 #endif

@@ -28,9 +28,14 @@
  * the probabilities likewise, for the second product. Key tiles past a tile's last row are
  * skipped; only tiles that reach past its first row are masked.
  *
- * Elsewhere (a float32 cache, a level without native bf16, more than 96 heads per group)
- * each query row is one call of the decode kernel (paged_attention.c's decode_item) over
- * its causal prefix: float32 arithmetic, correct, and slower than the bf16 path.
+ * An 8-bit float cache (E4M3, E5M2) takes the AMX path (prompt_amx.h) where it runs, its
+ * keys and values widened to bf16 (exactly: every 8-bit float is a bf16) as each key tile
+ * is laid out (kv_row_bf16), with the same numerics.
+ *
+ * Elsewhere (a float32 cache, a level without native bf16, an 8-bit float cache without
+ * AMX, more than 96 heads per group) each query row is one call of the decode kernel
+ * (paged_attention.c's decode_item) over its causal prefix: float32 arithmetic, correct,
+ * and slower than the bf16 paths.
  *
  * Layouts: out, query [tokens, num_heads, head_dim] float32, rows strided, heads
  * contiguous; caches [num_blocks, num_kv_heads, block_size, head_dim]; chunks
@@ -55,11 +60,13 @@
 
 static int64_t rows_per_item(int64_t group) { return group >= MAX_QUERIES ? 1 : MAX_QUERIES / group; }
 
-/* Whether ts_prompt_attention takes the bf16 path for these shapes. */
-int ts_prompt_attention_native(int64_t kv_bf16, int64_t num_heads, int64_t num_kv_heads,
+/* Whether a cache (kv: paged_attention.c's KV_* mode) of these shapes suits the bf16 paths
+ * of ts_prompt_attention: a bf16 cache both; an 8-bit float one the AMX path only
+ * (ts_prompt_attention_path). */
+int ts_prompt_attention_native(int64_t kv, int64_t num_heads, int64_t num_kv_heads,
                                int64_t head_dim) {
     const int64_t group = num_heads / num_kv_heads;
-    return PROMPT_BF16 && kv_bf16 && group <= MAX_QUERIES && head_dim <= MAX_DIM &&
+    return PROMPT_BF16 && kv != KV_F32 && group <= MAX_QUERIES && head_dim <= MAX_DIM &&
            head_dim % 2 == 0;
 }
 
@@ -81,19 +88,34 @@ static int by_work_descending(const void *a, const void *b) {
 /* The cache row of context position `pos` (bf16), or a row of zeros past the context. */
 static const uint16_t zero_row[MAX_DIM] __attribute__((aligned(64)));
 
-/* The cache rows of context positions k0 .. k0 + n (bf16): rows past the context are a row
- * of zeros. One division per call, not per row (block_size is not a constant). */
-static inline void tile_rows(const uint16_t **rows, int n, const uint16_t *cache,
+/* Elements d .. d + 31 of a cache row as bf16: a bf16 row's own; an 8-bit float row's
+ * (kv: KV_FP8_E4M3 or KV_FP8_E5M2, the AMX path only) widened (fp8.h) and rounded to bf16,
+ * exactly: every 8-bit float is a bf16. */
+static inline __attribute__((always_inline)) __m512i kv_row_bf16(const void *row, int64_t d,
+                                                                 int kv) {
+    if (!KV_FP8(kv)) return _mm512_loadu_si512((const uint16_t *)row + d);
+    vwf k[2];
+    fp8_widen_chunk((const uint8_t *)row + d, kv == KV_FP8_E5M2, k);
+    const __m512 unit = _mm512_set1_ps(KV_UNIT(kv));
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps((__m512)k[1], unit),
+                                        _mm512_mul_ps((__m512)k[0], unit));
+}
+
+/* The cache rows of context positions k0 .. k0 + n (elements of `element` bytes: bf16, or
+ * 8-bit floats on the AMX path): rows past the context are a row of zeros. One division per
+ * call, not per row (block_size is not a constant). */
+static inline void tile_rows(const void **rows, int n, const void *cache,
                              const int64_t *table, int64_t k0, int64_t seq_len,
                              int64_t block_stride, int64_t block_size, int64_t kv_offset,
-                             int64_t head_dim) {
+                             int64_t head_dim, int64_t element) {
     int64_t block = k0 / block_size, offset = k0 - block * block_size;
     for (int j = 0; j < n; ++j) {
         if (k0 + j >= seq_len) {
             rows[j] = zero_row;
             continue;
         }
-        rows[j] = cache + table[block] * block_stride + kv_offset + offset * head_dim;
+        rows[j] = (const char *)cache +
+                  (table[block] * block_stride + kv_offset + offset * head_dim) * element;
         if (++offset == block_size) {
             offset = 0;
             ++block;
@@ -106,7 +128,7 @@ static inline void tile_rows(const uint16_t **rows, int n, const uint16_t *cache
  * time: more keep the queries in registers no better (the sums then spill). */
 #define SCORE_KEYS 2
 static inline __attribute__((always_inline)) void score_tile(
-    __m512 *s, const __m512i *qp, const uint16_t *const *rows, const int64_t pairs,
+    __m512 *s, const __m512i *qp, const void *const *rows, const int64_t pairs,
     const int NQ) {
     for (int j0 = 0; j0 < KT; j0 += SCORE_KEYS) {
         __m512 acc[SCORE_KEYS][MAX_QV];
@@ -179,8 +201,8 @@ static void weigh_dims(__m512 *o, const __m512 *alpha, const __m512i *pp, const 
 
 /* Values of `keys` keys (rows, an even count) as pairs of keys:
  * vp[k][d] = (v[2k][d], v[2k + 1][d]). */
-static inline void pack_values(uint32_t *vp, const uint16_t *const *rows, int64_t head_dim,
-                               int keys) {
+static inline void pack_values(uint32_t *vp, const void *const *rows, int64_t head_dim,
+                               int keys, int kv) {
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
                                         32, 0);
@@ -190,7 +212,8 @@ static inline void pack_values(uint32_t *vp, const uint16_t *const *rows, int64_
         uint32_t *out = vp + k * head_dim;
         int64_t d = 0;
         for (; d + 32 <= head_dim; d += 32) {
-            const __m512i x = _mm512_loadu_si512(a + d), y = _mm512_loadu_si512(b + d);
+            const __m512i x = kv_row_bf16(rows[2 * k], d, kv);
+            const __m512i y = kv_row_bf16(rows[2 * k + 1], d, kv);
             _mm512_storeu_si512(out + d, _mm512_permutex2var_epi16(x, lo, y));
             _mm512_storeu_si512(out + d + 16, _mm512_permutex2var_epi16(x, hi, y));
         }
@@ -206,7 +229,7 @@ typedef struct {
     __m512 max[MAX_QV], sum[MAX_QV], alpha[MAX_QV];
     __m512i limit[MAX_QV];
     uint32_t vp[KT / 2 * MAX_DIM];
-    const uint16_t *rows[KT];
+    const void *rows[KT];
 } Bf16Scratch;
 
 /* The item's queries as bf16 pairs, qp[d][v] lane i = pair d of query 16v + i (query m:
@@ -345,7 +368,7 @@ static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
     const int64_t last = context + first_row + count - 1; /* the last key any row sees */
     for (int64_t k0 = 0; k0 <= last; k0 += KT) {
         tile_rows(w->rows, KT, key_cache, table, k0, seq_len, block_stride, block_size,
-                  kv_offset, head_dim);
+                  kv_offset, head_dim, 2);
         switch (nq) {
         case 1: score_tile(w->s, w->qp, w->rows, pairs, 1); break;
         case 2: score_tile(w->s, w->qp, w->rows, pairs, 2); break;
@@ -355,8 +378,8 @@ static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
         default: score_tile(w->s, w->qp, w->rows, pairs, 6); break;
         }
         tile_rows(w->rows, KT, value_cache, table, k0, seq_len, block_stride, block_size,
-                  kv_offset, head_dim);
-        pack_values(w->vp, w->rows, head_dim, KT);
+                  kv_offset, head_dim, 2);
+        pack_values(w->vp, w->rows, head_dim, KT, KV_BF16);
         const int masked = k0 + KT - 1 > context + first_row;
         int rescale = 0;
         for (int v = 0; v < nq; ++v) rescale |= softmax_tile(w, v, k0, masked, scales, scales_l2);
@@ -425,13 +448,13 @@ static int64_t chunk_item_rows(int amx, int64_t group, const int64_t *chunk, dou
 
 /* The path ts_prompt_attention takes for these shapes: 2 AMX tiles, 1 vdpbf16ps, 0 the
  * float32 one (per query row). */
-int ts_prompt_attention_path(int64_t kv_bf16, int64_t num_heads, int64_t num_kv_heads,
+int ts_prompt_attention_path(int64_t kv, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim) {
-    if (!ts_prompt_attention_native(kv_bf16, num_heads, num_kv_heads, head_dim)) return 0;
+    if (!ts_prompt_attention_native(kv, num_heads, num_kv_heads, head_dim)) return 0;
 #if PROMPT_AMX
     if (head_dim % 32 == 0 && amx_permitted()) return 2;
 #endif
-    return 1;
+    return KV_FP8(kv) ? 0 : 1;
 }
 
 /* A step's prompt chunks cut into work items (prompt_plan), for prompt_items. */
@@ -519,13 +542,12 @@ static int64_t prompt_groups(PromptPlan *plan, PromptItem *items, int64_t n,
 static int prompt_plan(PromptPlan *plan, const int64_t *chunks, int64_t num_chunks,
                        const int64_t *block_tables, int64_t block_table_stride,
                        int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim, int64_t kv_bf16) {
+                       int64_t head_dim, int64_t kv) {
     const int64_t group = num_heads / num_kv_heads;
-    *plan = (PromptPlan){NULL, 0, 1, 0, group, head_dim, 0, 0,
-                         ts_prompt_attention_native(kv_bf16, num_heads, num_kv_heads,
-                                                    head_dim)};
+    const int path = ts_prompt_attention_path(kv, num_heads, num_kv_heads, head_dim);
+    *plan = (PromptPlan){NULL, 0, 1, 0, group, head_dim, 0, 0, path != 0};
 #if PROMPT_AMX
-    plan->amx = ts_prompt_attention_path(kv_bf16, num_heads, num_kv_heads, head_dim) == 2;
+    plan->amx = path == 2;
 #endif
     /* AMX items: each chunk's rows in pieces by its share of the work (chunk_pieces). */
     const int64_t threads = omp_get_max_threads();
@@ -590,7 +612,7 @@ static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int6
                          const void *value_cache, const int64_t *chunks,
                          const int64_t *block_tables, int64_t block_table_stride,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t block_size, float scale, int64_t kv_bf16) {
+                         int64_t block_size, float scale, int64_t kv) {
     const int amx = plan->amx, native = plan->native;
     (void)amx, (void)native;
 #pragma omp for schedule(dynamic, 1)
@@ -611,17 +633,16 @@ static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int6
                                          chunk[2], 0, rows);
                 tables[s] = block_tables + (c + s) * block_table_stride;
             }
-            amx_attend_runs(runs, tables, item->chunks, item->shared,
-                            (const uint16_t *)key_cache, (const uint16_t *)value_cache, h,
-                            num_heads, num_kv_heads, head_dim, block_size, scale,
-                            (AmxScratch *)scratch);
+            amx_attend_runs(runs, tables, item->chunks, item->shared, key_cache, value_cache,
+                            h, num_heads, num_kv_heads, head_dim, block_size, scale,
+                            KV_FP8(kv) ? (int)kv : KV_BF16, (AmxScratch *)scratch);
             continue;
         }
         if (amx) {
             prompt_item_amx(out, out_stride, query, query_stride, key_cache, value_cache,
                             table, start, q_len, seq_len, item->first_row, item->rows, h,
                             num_heads, num_kv_heads, head_dim, block_size, scale,
-                            (AmxScratch *)scratch);
+                            KV_FP8(kv) ? (int)kv : KV_BF16, (AmxScratch *)scratch);
             continue;
         }
 #endif
@@ -638,7 +659,7 @@ static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int6
             const int64_t row = start + r;
             decode_item(out + row * out_stride, query + row * query_stride, key_cache,
                         value_cache, table, seq_len - q_len + r + 1, h, num_heads,
-                        num_kv_heads, head_dim, block_size, scale, (float *)scratch, kv_bf16);
+                        num_kv_heads, head_dim, block_size, scale, (float *)scratch, kv);
         }
     }
 }
@@ -703,7 +724,7 @@ static void prefix_items(float *out, int64_t out_stride, float *lse, const float
         const AmxRows run = {out + r0 * out_stride, out_stride, query, query_stride, rows + r0,
                              count, prefix - 1, 0, lse + r0 * num_heads};
         amx_attend(&run, key_cache, value_cache, table, h, num_heads, num_kv_heads, head_dim,
-                   block_size, scale, w);
+                   block_size, scale, KV_BF16, w);
     }
 }
 #endif
@@ -798,10 +819,10 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
                         const int64_t *chunks, const int64_t *block_tables,
                         int64_t block_table_stride, int64_t num_chunks, int64_t num_heads,
                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                        float scale, int64_t kv_bf16) {
+                        float scale, int64_t kv) {
     PromptPlan plan;
     if (prompt_plan(&plan, chunks, num_chunks, block_tables, block_table_stride, block_size,
-                    num_heads, num_kv_heads, head_dim, kv_bf16))
+                    num_heads, num_kv_heads, head_dim, kv))
         return -1;
     if (plan.num_items == 0) return 0;
     int failed = 0;
@@ -814,7 +835,7 @@ int ts_prompt_attention(float *out, int64_t out_stride, const float *query,
         }
         prompt_items(&plan, scratch, out, out_stride, query, query_stride, key_cache,
                      value_cache, chunks, block_tables, block_table_stride, num_heads,
-                     num_kv_heads, head_dim, block_size, scale, kv_bf16);
+                     num_kv_heads, head_dim, block_size, scale, kv);
         prompt_scratch_free(&plan, scratch);
     }
     free(plan.items);
