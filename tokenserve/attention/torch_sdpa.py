@@ -38,8 +38,9 @@ A layer's cache is [2, num_blocks, num_kv_heads, block_size, head_dim], keys the
 kv head's keys within a block are contiguous, which is what the decode kernel streams. A
 token's slot is block * block_size + offset; a gather indexes [blocks, :, offsets]. The
 cache may hold a narrower dtype than the model (--kv-cache-dtype bfloat16, or fp8: 8-bit
-floats): keys and values are rounded as they are written and widened as they are read. A first chunk attends to its
-keys and values as computed; a chunk that continues a context reads all of it from the
+floats): keys and values are rounded as they are written and widened as they are read. A
+first chunk attends to its keys and values as computed (over an 8-bit float cache, as the
+cache holds them: see below); a chunk that continues a context reads all of it from the
 cache, its own new tokens included.
 
 Prompt chunks attend in the cache's dtype when that is bfloat16 and the CPU computes bf16

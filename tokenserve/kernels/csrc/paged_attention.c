@@ -618,9 +618,10 @@ int ts_paged_decode_dot_products(int64_t head_dim, int64_t block_size) {
  * decode row `row` (its query at q, its output at o), over the row's seq_len positions;
  * `scores` holds group * seq_len floats. kv_mode is the cache's mode: KV_F32, KV_BF16,
  * KV_BF16_DP (bf16 numerics: the dot-product path where the build and shapes allow it,
- * else as KV_BF16), KV_FP8_E4M3 or KV_FP8_E5M2. own, next and lead: what it prefetches (attend_item). With lse (the
- * row's num_heads floats), each head's log-sum-exp goes there too; not on the generic path
- * (head_dim not a multiple of the vector chunk, or above 256: lse is left alone). */
+ * else as KV_BF16), KV_FP8_E4M3 or KV_FP8_E5M2. own, next and lead: what it prefetches
+ * (attend_item). With lse (the row's num_heads floats), each head's log-sum-exp goes there
+ * too; not on the generic path (head_dim not a multiple of the vector chunk, or above 256:
+ * lse is left alone). */
 static void decode_item_then(float *o, const float *q, const void *key_cache,
                              const void *value_cache, const int64_t *table, int64_t seq_len,
                              int64_t kv_head, int64_t num_heads, int64_t num_kv_heads,
