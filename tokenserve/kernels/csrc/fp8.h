@@ -132,9 +132,8 @@ static inline __attribute__((always_inline)) void fp8_narrow(uint8_t *p, vwf f, 
     const vwu magnitude = bits & 0x7FFFFFFFu;
     const vwf absolute = (vwf)magnitude;
     const vwu odd = (magnitude >> shift) & 1u;
-    const vwu normal =
-        (magnitude + ((1u << (shift - 1)) - 1u) + odd - ((uint32_t)(127 - FP8_BIAS(e5m2)) << 23)) >>
-        shift;
+    const uint32_t rebias = (uint32_t)(127 - FP8_BIAS(e5m2)) << 23;
+    const vwu normal = (magnitude + ((1u << (shift - 1)) - 1u) + odd - rebias) >> shift;
     const float units = e5m2 ? 0x1p16f : 0x1p9f; /* subnormal steps per unit */
     const vwu subnormal = (vwu)(absolute * splatw(units) + splatw(0x1p23f)) - 0x4B000000u;
     vwu code = (vwu)selectw((vwi)(absolute < splatw(FP8_MIN_NORMAL(e5m2))), (vwf)subnormal,
@@ -151,15 +150,15 @@ static inline float fp8_load(const uint8_t *p, int64_t i, int e5m2) {
     const uint8_t x = p[i];
     const int mantissa = FP8_MANTISSA(e5m2);
     const int exponent = (x & 0x7F) >> mantissa, m = x & ((1 << mantissa) - 1);
-    const float scale = exponent ? ldexpf(1.0f + (float)m / (float)(1 << mantissa),
-                                          exponent - FP8_BIAS(e5m2))
-                                 : ldexpf((float)m / (float)(1 << mantissa),
-                                          1 - FP8_BIAS(e5m2));
-    return x & 0x80 ? -scale : scale;
+    const float magnitude = exponent ? ldexpf(1.0f + (float)m / (float)(1 << mantissa),
+                                              exponent - FP8_BIAS(e5m2))
+                                     : ldexpf((float)m / (float)(1 << mantissa),
+                                              1 - FP8_BIAS(e5m2));
+    return x & 0x80 ? -magnitude : magnitude;
 }
 
-/* n float32 at src as elements at dst (fp8_narrow, its tail one element at a time through
- * a zero-padded vector). */
+/* n float32 at src as elements at dst (fp8_narrow; a last part of fewer than VW through a
+ * zero-padded vector). */
 static inline void fp8_narrow_run(uint8_t *dst, const float *src, int64_t n, int e5m2) {
     int64_t i = 0;
     for (; i + VW <= n; i += VW) {
