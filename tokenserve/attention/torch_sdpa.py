@@ -334,8 +334,8 @@ class TorchSDPABackend(AttentionBackend):
                        self.prompt_dtype(query.dtype, key_cache.dtype))
 
     def prompt_dtype(self, query_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
-        """What prompt chunks attend in: bf16 for a bf16 cache on a CPU with native bf16
-        (see the module docstring), else the queries' dtype."""
+        """What prompt chunks attend in: bf16 for a bf16 or 8-bit float cache on a CPU with
+        native bf16 (see the module docstring), else the queries' dtype."""
         narrow = cache_dtype == torch.bfloat16 or cache_dtype.itemsize == 1
         if narrow and self.native_bf16 and self.device.type == "cpu":
             return torch.bfloat16
@@ -377,13 +377,11 @@ class TorchSDPABackend(AttentionBackend):
             chunks, cascades = [], []
         for chunk in chunks:
             start, end = chunk.start, chunk.end
-            if chunk.context is None and key_cache.itemsize == 1:
-                # As the 8-bit float cache holds them (and the prompt kernel reads them).
-                k = round_to_cache(key[start:end], key_cache.dtype).transpose(0, 1).to(dtype)
-                v = round_to_cache(value[start:end], key_cache.dtype).transpose(0, 1).to(dtype)
-            elif chunk.context is None:
-                k = key[start:end].transpose(0, 1).to(dtype)
-                v = value[start:end].transpose(0, 1).to(dtype)
+            if chunk.context is None:
+                k, v = key[start:end], value[start:end]
+                if key_cache.itemsize == 1:  # as an 8-bit float cache holds them
+                    k, v = round_to_cache(k, key_cache.dtype), round_to_cache(v, key_cache.dtype)
+                k, v = k.transpose(0, 1).to(dtype), v.transpose(0, 1).to(dtype)
             else:
                 k = gather_context(key_cache, *chunk.context).to(dtype)
                 v = gather_context(value_cache, *chunk.context).to(dtype)

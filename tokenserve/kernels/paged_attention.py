@@ -175,8 +175,8 @@ class PagedAttentionOps:
     ) -> None:
         """Attend query rows `rows` of query [tokens, heads, dim] (a view into a fused QKV
         tensor is fine) over their contexts; write the same rows of out [tokens, heads, dim].
-        The caches are float32, bfloat16 or float8; `bf16_numerics`: see kv_mode(); `prefetch`: a
-        plan of DECODE_PREFETCH (None: this CPU's, decode_prefetch())."""
+        The caches are float32, bfloat16 or float8; `bf16_numerics`: see kv_mode();
+        `prefetch`: a plan of DECODE_PREFETCH (None: this CPU's, decode_prefetch())."""
         self.decode_prepared(out, query, key_cache, value_cache,
                              DecodeRows(rows, block_tables, seq_lens), scale, bf16_numerics,
                              prefetch)
