@@ -44,19 +44,7 @@ typedef uint32_t vwu __attribute__((vector_size(4 * VW)));
  * into its scales. */
 #define FP8_UNIT(e5m2) ((e5m2) ? 1.0f : 256.0f)
 
-/* VW bytes at p, each into its 32-bit lane, and back. */
-static inline __attribute__((always_inline)) vwu fp8_bytes_in(const uint8_t *p) {
-#if VW == 16
-    return (vwu)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-#elif FP8_X86
-    return (vwu)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-#else
-    uint8_t bytes __attribute__((vector_size(VW)));
-    memcpy(&bytes, p, sizeof bytes);
-    return __builtin_convertvector(bytes, vwu); /* one byte at a time, but portable */
-#endif
-}
-
+/* VW 32-bit lanes' low bytes stored at p. */
 static inline __attribute__((always_inline)) void fp8_bytes_out(uint8_t *p, vwu lanes) {
 #if VW == 16
     _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8((__m512i)lanes));
@@ -110,7 +98,9 @@ static inline __attribute__((always_inline)) void fp8_widen_chunk(const uint8_t 
 #define FP8_PAIRED 0
 static inline __attribute__((always_inline)) void fp8_widen_chunk(const uint8_t *p,
                                                                   const int e5m2, vwf k[2]) {
-    const vwu x = fp8_bytes_in(p);
+    uint8_t bytes __attribute__((vector_size(VW)));
+    memcpy(&bytes, p, sizeof bytes);
+    const vwu x = __builtin_convertvector(bytes, vwu); /* one byte at a time, but portable */
     const int shift = 23 - FP8_MANTISSA(e5m2);
     const vwu magnitude = (x & 0x7Fu) << shift;
     const vwu normal = magnitude + ((uint32_t)(127 - FP8_BIAS(e5m2)) << 23);
