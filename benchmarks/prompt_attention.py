@@ -3,7 +3,8 @@ replaces, on the prompt-chunk shapes of W1, W3 and W4 and short chunks, for each
 instruction-set level the CPU runs with native bf16 (kernels/cpu_isa.py; lower levels keep SDPA).
 
 Both run through the CPU attention backend (attention/torch_sdpa.py) on a bf16 cache, as
-`--dtype auto` serves the default model: one layer's forward() over a step of prompt chunks
+`--dtype auto` serves the default model (`--kv-cache-dtype`: an 8-bit float one, as `fp8`
+and `fp8_e5m2` hold it): one layer's forward() over a step of prompt chunks
 (the K/V writes included, the same for both), with the kernel, then with the backend's
 SDPA path (per chunk: the context gathered from the paged cache, a causal mask offset by
 the cached tokens, PyTorch's bf16 flash kernel). Shapes default to the default model's (9
@@ -21,7 +22,7 @@ one process, which this machine's drift from one run to the next would swamp.
 usage: python benchmarks/prompt_attention.py [--shapes w1 short w3-first w3-continue
        w3-tails w3-cached w4 w2]
        [--scale 1.0] [--block-size 16] [--cpu-isa avx512_bf16 amx] [--repeats 7]
-       [--shared-prefix 0] [--other-csrc DIR]
+       [--shared-prefix 0] [--other-csrc DIR] [--kv-cache-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -111,10 +112,13 @@ def main() -> None:
     parser.add_argument("--other-csrc", default=None,
                         help="Another tree's tokenserve/kernels/csrc: its kernel runs too, "
                              "taking turns with this one's (column `other`).")
+    parser.add_argument("--kv-cache-dtype", default="bfloat16",
+                        choices=["bfloat16", "float8_e4m3fn", "float8_e5m2"])
     args = parser.parse_args()
+    cache_dtype = getattr(torch, args.kv_cache_dtype)
     levels = [cpu_isa.resolve(level) for level in args.cpu_isa]
     print(f"{args.heads} heads / {args.kv_heads} kv heads x {args.head_dim}, block size "
-          f"{args.block_size}, bf16 cache, {torch.get_num_threads()} threads")
+          f"{args.block_size}, {args.kv_cache_dtype} cache, {torch.get_num_threads()} threads")
     if not levels:
         print("no level with native bf16 on this CPU: prompt chunks keep SDPA")
         return
@@ -136,7 +140,7 @@ def main() -> None:
             chunks = [(q, max(q, n)) for q, n in chunks]
             common, tensors, num_blocks = _step(chunks, args.block_size, args)
             kv_cache = torch.randn(backend.kv_cache_shape(
-                num_blocks, args.block_size, args.kv_heads, args.head_dim)).to(torch.bfloat16)
+                num_blocks, args.block_size, args.kv_heads, args.head_dim)).to(cache_dtype)
             metadata = backend.build_metadata(common)
             best = dict.fromkeys(builds, float("inf"))
             for _ in range(args.repeats):

@@ -115,12 +115,13 @@ def test_prompt_chunks_over_a_bfloat16_cache_attend_in_bfloat16_where_native():
     assert backend.prompt_dtype(torch.float32, torch.float32) == torch.float32
     assert TorchSDPABackend(native_bf16=False).prompt_dtype(
         torch.float32, torch.bfloat16) == torch.float32
-    # Over 8-bit floats too (each one a bf16 exactly): on the prompt kernel's AMX path only
-    # (where a bf16 cache takes it), else on SDPA.
+    # Over 8-bit floats too (each one a bf16 exactly): on the prompt kernel where a bf16
+    # cache takes it (head size 64, a multiple of 32), else on SDPA.
     assert backend.prompt_dtype(torch.float32, torch.float8_e4m3fn) == torch.bfloat16
     fp8_cache = torch.empty(1, KV_HEADS, BLOCK_SIZE, DIM, dtype=torch.float8_e4m3fn)
-    amx = backend.prompt_ops.path(torch.bfloat16, HEADS, KV_HEADS, DIM) == "amx"
-    assert backend.prompt_kernel_takes(HEADS, fp8_cache) == amx
+    bf16_cache = torch.empty(1, KV_HEADS, BLOCK_SIZE, DIM, dtype=torch.bfloat16)
+    assert backend.prompt_kernel_takes(HEADS, fp8_cache) == backend.prompt_kernel_takes(
+        HEADS, bf16_cache)
     kv_cache = _cache(backend, torch.bfloat16, generator)
     metadata = backend.build_metadata(common)
     output = backend.forward(*tensors, kv_cache, metadata, SCALE)

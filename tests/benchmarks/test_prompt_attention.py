@@ -23,13 +23,16 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "prompt_attention.
 NUMBER = r"([-+\d.eE]+|inf|nan)"
 
 
-def test_prompt_attention_benchmark_reports_every_level_and_shape():
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_prompt_attention_benchmark_reports_every_level_and_shape(cache_dtype):
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--scale", "0.05", "--repeats", "1"],
+        [sys.executable, str(SCRIPT), "--scale", "0.05", "--repeats", "1",
+         "--kv-cache-dtype", cache_dtype],
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("9 heads / 3 kv heads x 64, block size 16, bf16 cache, ")
+    assert result.stdout.startswith(
+        f"9 heads / 3 kv heads x 64, block size 16, {cache_dtype} cache, ")
     levels = [level for level in cpu_isa.supported_levels() if cpu_isa.native_bf16(level)]
     if not levels:
         assert "prompt chunks keep SDPA" in result.stdout

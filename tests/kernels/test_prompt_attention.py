@@ -4,8 +4,8 @@ chunks and chunks continuing a cached context in one call, query lengths 1..300 
 default model's W1 and W4 steps), contexts
 on and off block edges, head sizes the AMX path takes (64, 96, 128) and one only the
 vdpbf16ps path takes (40), query-head groups 1, 3 and 4, float32, bf16 and 8-bit float
-caches (E4M3, E5M2: on the AMX path widened to bf16 as key tiles are laid out, elsewhere
-the decode kernel per row); rows
+caches (E4M3, E5M2: on both bf16 paths widened to bf16 as key tiles are read, for head
+sizes of 32s; elsewhere the decode kernel per row); rows
 outside the chunks untouched; a chunk's rows the same alone and among others; bad tables
 refused."""
 
@@ -49,13 +49,15 @@ def _step(num_heads, num_kv_heads, head_dim, block_size, chunks, cache_dtype, se
     return query, key_cache, value_cache, PromptChunks(torch.tensor(rows), tables)
 
 
-def _reference(query, key_cache, value_cache, batch, scale, bf16_queries):
+def _reference(query, key_cache, value_cache, batch, scale, bf16_queries, bf16_until=None):
     """softmax(q·kᵀ · scale)·v per chunk and query head, causal aligned bottom-right, in
-    float64 from the cache's values (and the queries rounded to bf16 where the kernel does);
-    rows outside the chunks NaN."""
+    float64 from the cache's values (and the queries rounded to bf16 where the kernel does:
+    with bf16_until, for the scores of context positions before it only); rows outside the
+    chunks NaN."""
     _, num_kv_heads, block_size, _ = key_cache.shape
     group = query.shape[1] // num_kv_heads
     q = query.to(torch.bfloat16).double() if bf16_queries else query.double()
+    rounded = query.to(torch.bfloat16).double()
     out = torch.full(query.shape, float("nan"), dtype=torch.float64)
     for (start, end, seq_len), table in zip(batch.chunks.tolist(), batch.block_tables):
         positions = torch.arange(seq_len)
@@ -66,6 +68,9 @@ def _reference(query, key_cache, value_cache, batch, scale, bf16_queries):
         visible = positions[None, :] <= rows[:, None]
         for head in range(query.shape[1]):
             scores = q[start:end, head] @ k[:, head // group].T * scale
+            if bf16_until is not None:
+                before = rounded[start:end, head] @ k[:bf16_until, head // group].T * scale
+                scores[:, :bf16_until] = before
             weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
             out[start:end, head] = weights @ v[:, head // group]
     return out
@@ -96,11 +101,13 @@ def test_prompt_attention_matches_float64_attention(kernel, cpu_isa_level, case,
                                                  block_size, chunks, cache_dtype)
     native = kernel.native(cache_dtype, num_heads, num_kv_heads, head_dim)
     amx_shapes = cpu_isa_level == "amx" and head_dim % 32 == 0
-    if cache_dtype.itemsize == 1:  # the AMX path only
-        assert native == amx_shapes
+    if cache_dtype.itemsize == 1:  # widened 32 elements at a time: head sizes of 32s
+        assert native == (cpu_isa.native_bf16(cpu_isa_level) and head_dim % 32 == 0)
     else:
         assert native == (cache_dtype == torch.bfloat16 and cpu_isa.native_bf16(cpu_isa_level))
     amx = native and amx_shapes
+    if native and not amx:
+        assert kernel.path(cache_dtype, num_heads, num_kv_heads, head_dim) == "avx512_bf16"
     assert (kernel.path(cache_dtype, num_heads, num_kv_heads, head_dim) == "amx") == amx
     out = torch.full_like(query, float("nan"))
     scale = head_dim**-0.5
@@ -273,7 +280,7 @@ def test_bad_chunk_tables_are_refused(kernel):
 
 
 def _shared_prefix_rows(num_heads, num_kv_heads, head_dim, block_size, prefix, suffixes,
-                        others=(), seed=0):
+                        others=(), seed=0, cache_dtype=torch.bfloat16):
     """Decode rows whose contexts start with the same `prefix` positions (the same blocks,
     first in their tables) and go on with `suffixes[r]` positions of their own, then rows
     of `others[r]` positions all their own; rows 2.. of the queries (rows 0 and 1 not the
@@ -284,8 +291,8 @@ def _shared_prefix_rows(num_heads, num_kv_heads, head_dim, block_size, prefix, s
     own_only = [-(-length // block_size) for length in others]
     num_blocks = 1 + shared + sum(own) + sum(own_only) + 2
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    key_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
-    value_cache = torch.randn(shape, generator=generator).to(torch.bfloat16)
+    key_cache = torch.randn(shape, generator=generator).to(cache_dtype)
+    value_cache = torch.randn(shape, generator=generator).to(cache_dtype)
     order = (1 + torch.randperm(num_blocks - 1, generator=generator)).tolist()
     num_rows = len(suffixes) + len(others)
     tables = torch.zeros(num_rows, max(shared + max(own), max(own_only, default=0)),
@@ -315,17 +322,22 @@ PREFIX_CASES = {
 }
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("case", list(PREFIX_CASES))
-def test_decode_rows_over_a_shared_prefix_match_float64_attention(kernel, cpu_isa_level, case):
+def test_decode_rows_over_a_shared_prefix_match_float64_attention(kernel, cpu_isa_level, case,
+                                                                   cache_dtype):
     """Decode rows sharing their first blocks attend to them together on the AMX path (each
     half of the context with its own softmax, merged by their log-sum-exps), the rows after
     them to their whole contexts, elsewhere all as the decode kernel does: float64
-    attention within the bf16 bound either way, the rows outside untouched."""
+    attention within the bf16 bound either way, the rows outside untouched. An 8-bit float
+    cache's prefix half has the prompt kernel's bf16 numerics, the rest the decode kernel's
+    float32 ones."""
     num_heads, num_kv_heads, head_dim, block_size, prefix, suffixes, others = \
         PREFIX_CASES[case]
     query, key_cache, value_cache, decode_rows = _shared_prefix_rows(
-        num_heads, num_kv_heads, head_dim, block_size, prefix, suffixes, others)
-    shared = kernel.shared_prefix_path(torch.bfloat16, True, num_heads, num_kv_heads,
+        num_heads, num_kv_heads, head_dim, block_size, prefix, suffixes, others,
+        cache_dtype=cache_dtype)
+    shared = kernel.shared_prefix_path(cache_dtype, True, num_heads, num_kv_heads,
                                        head_dim, block_size)
     assert shared == (cpu_isa_level == "amx")
     out = torch.full_like(query, float("nan"))
@@ -337,8 +349,17 @@ def test_decode_rows_over_a_shared_prefix_match_float64_attention(kernel, cpu_is
         torch.tensor([[row, row + 1, seq_len] for row, seq_len in
                       zip(decode_rows.rows.tolist(), decode_rows.seq_lens.tolist())]),
         decode_rows.block_tables)
-    native = cpu_isa.native_bf16(cpu_isa_level)
-    expected = _reference(query, key_cache, value_cache, chunks, scale, bf16_queries=native)
+    if cache_dtype == torch.bfloat16:
+        native = cpu_isa.native_bf16(cpu_isa_level)
+        expected = _reference(query, key_cache, value_cache, chunks, scale, bf16_queries=native)
+    else:  # the decode kernel's float32 arithmetic, the prompt kernel's on the prefix half
+        native = shared
+        expected = _reference(query, key_cache, value_cache, chunks, scale, bf16_queries=False,
+                              bf16_until=prefix if shared else None)
+        # Only rows that share the prefix take the prompt kernel's numerics for it.
+        if shared and others:
+            alone = _reference(query, key_cache, value_cache, chunks, scale, False)
+            expected[2 + len(suffixes):] = alone[2 + len(suffixes):]
     # Each half's probabilities rounded to bf16 (relative 2^-9 per weight), the halves'
     # outputs merged as a convex combination, float32 sums: 2^-8 · max|v| bounds it, as for
     # the prompt kernel; the decode kernel's float32 path (no native bf16) is exact but for

@@ -264,12 +264,15 @@ def _generate_behind(llm: LLM, shared: list[int], prompts: list[list[int]], fuse
               for step in output.outputs[0].logprobs]) for output in outputs]
 
 
-def test_decode_rows_over_a_shared_prefix_fuse_with_the_same_results(monkeypatch, fused_calls):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_decode_rows_over_a_shared_prefix_fuse_with_the_same_results(monkeypatch, fused_calls,
+                                                                     kv_cache_dtype):
     # Ten requests behind one 272-token prefix (17 blocks of 16, cached by a first request
     # alone) and three without it: the ten's decode rows share those blocks, which the
     # fused layer, and the operators one by one, attend to for those rows at once on the
     # AMX path (DecodeRows.prefix_len and prefix_rows; elsewhere each row alone), the three
-    # to their whole contexts. Fused or not, the same results.
+    # to their whole contexts; over a bf16 cache and an 8-bit float one. Fused or not, the
+    # same results.
     prefixes: list[tuple[int, int]] = []  # (rows, positions) of each shared prefix found
     original = torch_sdpa.shared_prefix_rows
 
@@ -280,7 +283,7 @@ def test_decode_rows_over_a_shared_prefix_fuse_with_the_same_results(monkeypatch
 
     monkeypatch.setattr(torch_sdpa, "shared_prefix_rows", recording)
     llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", enable_prefix_caching=True,
-              block_size=16)
+              block_size=16, kv_cache_dtype=kv_cache_dtype)
     shared, *rest = random_token_prompts(14, 272, 49152, seed=5)
     prompts = [shared + tail[:8 + index] for index, tail in enumerate(rest[:10])]
     prompts += [tail[: 40 + 100 * index] for index, tail in enumerate(rest[10:])]

@@ -48,10 +48,11 @@ natively (`prompt_dtype`): their keys and values are then exactly what the cache
 what decode reads, and SDPA's bf16 kernel (AMX tiles) runs about three times as fast as
 float32 (docs/PERFORMANCE_CPU.md); queries are rounded to bf16, the softmax and the sums stay
 float32 inside the kernel, and the output is widened back. Over an 8-bit float cache they
-attend in bf16 there too (every 8-bit float is a bf16 exactly): on the prompt kernel's AMX
-path where the CPU has AMX, else on SDPA, a first chunk then over its keys and values
-rounded as the cache holds them, so that every path attends to what decode reads; decode
-rows widen the cache's values to float32 in the decode kernel.
+attend in bf16 there too (every 8-bit float is a bf16 exactly): on the prompt kernel where it
+takes a bf16 cache's chunks (head sizes of 32s), else on SDPA, a first chunk then over its
+keys and values rounded as the cache holds them, so that every path attends to what decode
+reads; decode rows widen the cache's values to float32 in the decode kernel (and take the
+shared-prefix path as over a bf16 cache).
 """
 
 from __future__ import annotations

@@ -262,7 +262,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                          step->decode_rows, prefix_rows, item_rows,
                          layer->key_cache, layer->value_cache, step->block_tables, prefix,
                          step->num_heads, step->num_kv_heads, D, step->block_size,
-                         step->scale, prefix_scratch);
+                         step->scale, step->kv_mode, prefix_scratch);
 #endif
         decode_items(&claimed, step->attn, q_size, step->qkv, qkv_width, step->decode_rows,
                      layer->key_cache, layer->value_cache, step->block_tables,

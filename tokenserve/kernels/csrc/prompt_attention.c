@@ -28,12 +28,14 @@
  * the probabilities likewise, for the second product. Key tiles past a tile's last row are
  * skipped; only tiles that reach past its first row are masked.
  *
- * An 8-bit float cache (E4M3, E5M2) takes the AMX path (prompt_amx.h) where it runs, its
- * keys and values widened to bf16 (exactly: every 8-bit float is a bf16) as each key tile
- * is laid out (kv_row_bf16), with the same numerics.
+ * An 8-bit float cache (E4M3, E5M2) of head size a multiple of 32 takes the same two
+ * paths, its keys and values widened to bf16 (exactly: every 8-bit float is a bf16) as
+ * each key tile is read (kv_row_bf16): on the AMX path (prompt_amx.h) as its tiles are laid
+ * out, on the vdpbf16ps path into the scratch the scores then read (widen_keys); the
+ * numerics are the bf16 cache's.
  *
- * Elsewhere (a float32 cache, a level without native bf16, an 8-bit float cache without
- * AMX, more than 96 heads per group) each query row is one call of the decode kernel
+ * Elsewhere (a float32 cache, a level without native bf16, an 8-bit float cache of another
+ * head size, more than 96 heads per group) each query row is one call of the decode kernel
  * (paged_attention.c's decode_item) over its causal prefix: float32 arithmetic, correct,
  * and slower than the bf16 paths.
  *
@@ -61,13 +63,13 @@
 static int64_t rows_per_item(int64_t group) { return group >= MAX_QUERIES ? 1 : MAX_QUERIES / group; }
 
 /* Whether a cache (kv: paged_attention.c's KV_* mode) of these shapes suits the bf16 paths
- * of ts_prompt_attention: a bf16 cache both; an 8-bit float one the AMX path only
- * (ts_prompt_attention_path). */
+ * of ts_prompt_attention: a bf16 cache; an 8-bit float one of head size a multiple of 32
+ * (kv_row_bf16 widens 32 elements at a time). */
 int ts_prompt_attention_native(int64_t kv, int64_t num_heads, int64_t num_kv_heads,
                                int64_t head_dim) {
     const int64_t group = num_heads / num_kv_heads;
     return PROMPT_BF16 && kv != KV_F32 && group <= MAX_QUERIES && head_dim <= MAX_DIM &&
-           head_dim % 2 == 0;
+           head_dim % (KV_FP8(kv) ? 32 : 2) == 0;
 }
 
 /* Rows first_row .. first_row + rows of a chunk; work: the keys its last row sees. On the
@@ -89,8 +91,8 @@ static int by_work_descending(const void *a, const void *b) {
 static const uint16_t zero_row[MAX_DIM] __attribute__((aligned(64)));
 
 /* Elements d .. d + 31 of a cache row as bf16: a bf16 row's own; an 8-bit float row's
- * (kv: KV_FP8_E4M3 or KV_FP8_E5M2, the AMX path only) widened (fp8.h) and rounded to bf16,
- * exactly: every 8-bit float is a bf16. */
+ * (kv: KV_FP8_E4M3 or KV_FP8_E5M2) widened (fp8.h) and rounded to bf16, exactly: every
+ * 8-bit float is a bf16. */
 static inline __attribute__((always_inline)) __m512i kv_row_bf16(const void *row, int64_t d,
                                                                  int kv) {
     if (!KV_FP8(kv)) return _mm512_loadu_si512((const uint16_t *)row + d);
@@ -102,8 +104,8 @@ static inline __attribute__((always_inline)) __m512i kv_row_bf16(const void *row
 }
 
 /* The cache rows of context positions k0 .. k0 + n (elements of `element` bytes: bf16, or
- * 8-bit floats on the AMX path): rows past the context are a row of zeros. One division per
- * call, not per row (block_size is not a constant). */
+ * 8-bit floats): rows past the context are a row of zeros. One division per call, not per
+ * row (block_size is not a constant). */
 static inline void tile_rows(const void **rows, int n, const void *cache,
                              const int64_t *table, int64_t k0, int64_t seq_len,
                              int64_t block_stride, int64_t block_size, int64_t kv_offset,
@@ -120,6 +122,17 @@ static inline void tile_rows(const void **rows, int n, const void *cache,
             offset = 0;
             ++block;
         }
+    }
+}
+
+/* A key tile's rows of 8-bit floats (kv) widened to bf16 rows of head_dim (a multiple of 32)
+ * in `keys`, which rows[] then point at. */
+static inline void widen_keys(uint16_t *keys, const void **rows, int64_t head_dim, int kv) {
+    for (int j = 0; j < KT; ++j) {
+        uint16_t *row = keys + j * head_dim;
+        for (int64_t d = 0; d < head_dim; d += 32)
+            _mm512_storeu_si512(row + d, kv_row_bf16(rows[j], d, kv));
+        rows[j] = row;
     }
 }
 
@@ -229,6 +242,7 @@ typedef struct {
     __m512 max[MAX_QV], sum[MAX_QV], alpha[MAX_QV];
     __m512i limit[MAX_QV];
     uint32_t vp[KT / 2 * MAX_DIM];
+    uint16_t keys[KT * MAX_DIM]; /* a key tile widened from 8-bit floats (widen_keys) */
     const void *rows[KT];
 } Bf16Scratch;
 
@@ -336,13 +350,13 @@ static inline __attribute__((always_inline)) int softmax_tile(
 }
 
 /* One item on the bf16 path: `count` rows of a chunk from chunk row `first_row`, the query
- * heads of kv head h. */
+ * heads of kv head h; kv: KV_BF16, KV_FP8_E4M3 or KV_FP8_E5M2. */
 static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
-                             int64_t query_stride, const uint16_t *key_cache,
-                             const uint16_t *value_cache, const int64_t *table, int64_t start,
+                             int64_t query_stride, const void *key_cache,
+                             const void *value_cache, const int64_t *table, int64_t start,
                              int64_t q_len, int64_t seq_len, int64_t first_row, int64_t count,
                              int64_t h, int64_t num_heads, int64_t num_kv_heads,
-                             int64_t head_dim, int64_t block_size, float scale,
+                             int64_t head_dim, int64_t block_size, float scale, int kv,
                              Bf16Scratch *w) {
     const int64_t group = num_heads / num_kv_heads, pairs = head_dim / 2;
     const int64_t queries = count * group, context = seq_len - q_len;
@@ -366,9 +380,11 @@ static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
     const __m512 scales = _mm512_set1_ps(scale);
     const __m512 scales_l2 = _mm512_set1_ps(scale * 1.44269504088896341f);
     const int64_t last = context + first_row + count - 1; /* the last key any row sees */
+    const int64_t element = KV_ELEMENT(kv);
     for (int64_t k0 = 0; k0 <= last; k0 += KT) {
         tile_rows(w->rows, KT, key_cache, table, k0, seq_len, block_stride, block_size,
-                  kv_offset, head_dim, 2);
+                  kv_offset, head_dim, element);
+        if (KV_FP8(kv)) widen_keys(w->keys, w->rows, head_dim, kv);
         switch (nq) {
         case 1: score_tile(w->s, w->qp, w->rows, pairs, 1); break;
         case 2: score_tile(w->s, w->qp, w->rows, pairs, 2); break;
@@ -378,8 +394,8 @@ static void prompt_item_bf16(float *out, int64_t out_stride, const float *query,
         default: score_tile(w->s, w->qp, w->rows, pairs, 6); break;
         }
         tile_rows(w->rows, KT, value_cache, table, k0, seq_len, block_stride, block_size,
-                  kv_offset, head_dim, 2);
-        pack_values(w->vp, w->rows, head_dim, KT, KV_BF16);
+                  kv_offset, head_dim, element);
+        pack_values(w->vp, w->rows, head_dim, KT, kv);
         const int masked = k0 + KT - 1 > context + first_row;
         int rescale = 0;
         for (int v = 0; v < nq; ++v) rescale |= softmax_tile(w, v, k0, masked, scales, scales_l2);
@@ -454,7 +470,7 @@ int ts_prompt_attention_path(int64_t kv, int64_t num_heads, int64_t num_kv_heads
 #if PROMPT_AMX
     if (head_dim % 32 == 0 && amx_permitted()) return 2;
 #endif
-    return KV_FP8(kv) ? 0 : 1;
+    return 1;
 }
 
 /* A step's prompt chunks cut into work items (prompt_plan), for prompt_items. */
@@ -651,7 +667,7 @@ static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int6
             prompt_item_bf16(out, out_stride, query, query_stride, key_cache, value_cache,
                              table, start, q_len, seq_len, item->first_row, item->rows, h,
                              num_heads, num_kv_heads, head_dim, block_size, scale,
-                             (Bf16Scratch *)scratch);
+                             KV_FP8(kv) ? (int)kv : KV_BF16, (Bf16Scratch *)scratch);
             continue;
         }
 #endif
@@ -673,10 +689,13 @@ static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int6
  * a kv head at once: each prefix key tile is laid out once for all of them instead of being
  * read once per row, and the tiles are full (16 queries) where a row's 3 heads fill a
  * sixteenth of one. The rest is the decode kernel's item over the row's own positions
- * (decode_items with skip). Numerics: those of both kernels (queries and probabilities
- * rounded to bf16, float32 sums), each half's probabilities relative to its own maximum;
- * the merge in float32. Needs the AMX prompt path and the decode kernel's dot-product path
- * (a bf16 cache, head_dim a multiple of 32, up to 256: ts_decode_prefix_available). */
+ * (decode_items with skip). Numerics: those of both kernels, each half's probabilities
+ * relative to its own maximum, the merge in float32: for a bf16 cache queries and
+ * probabilities rounded to bf16 in both halves, float32 sums; for an 8-bit float cache the
+ * prefix half as the prompt kernel computes it (bf16 rounding, its values widened exactly)
+ * and the rest as the decode kernel does (float32 arithmetic on the widened values). Needs
+ * the AMX prompt path for the cache and, for a bf16 one, the decode kernel's dot-product
+ * path (head_dim a multiple of 32, up to 256: ts_decode_prefix_available). */
 #if PROMPT_AMX
 #define PREFIX_AMX 1
 #else
@@ -686,8 +705,12 @@ static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int6
 /* Whether decode rows with these shapes can take the shared-prefix path here. */
 int ts_decode_prefix_available(int64_t kv_mode, int64_t num_heads, int64_t num_kv_heads,
                                int64_t head_dim, int64_t block_size) {
-    return PREFIX_AMX && kv_mode == KV_BF16_DP &&
-           ts_prompt_attention_path(1, num_heads, num_kv_heads, head_dim) == 2 &&
+    if (!PREFIX_AMX) return 0;
+    if (KV_FP8(kv_mode)) /* the decode item's lse: head_dim a multiple of its chunk, <= 256 */
+        return ts_prompt_attention_path(kv_mode, num_heads, num_kv_heads, head_dim) == 2 &&
+               head_dim % CHUNK(KV_FP8_E4M3) == 0 && head_dim <= 256;
+    return kv_mode == KV_BF16_DP &&
+           ts_prompt_attention_path(KV_BF16, num_heads, num_kv_heads, head_dim) == 2 &&
            ts_paged_decode_dot_products(head_dim, block_size);
 }
 
@@ -707,14 +730,16 @@ static int64_t prefix_item_rows(int64_t rows, int64_t group, int64_t num_kv_head
  * enclosing region (an orphaned `omp for`, dynamic, no barrier at the end): row r (0 ..
  * num_rows - 1, its query at query + rows[r] * query_stride) attends to positions 0 ..
  * prefix - 1 of table (the rows' shared blocks), writing its output to out + r * out_stride
- * and its heads' log-sum-exps to lse + r * num_heads. w: the thread's AMX scratch for
- * item_rows rows (NULL: items claimed, not done). */
+ * and its heads' log-sum-exps to lse + r * num_heads. kv_mode: the decode kernel's mode of
+ * the caches (KV_BF16_DP or an 8-bit float). w: the thread's AMX scratch for item_rows rows
+ * (NULL: items claimed, not done). */
 static void prefix_items(float *out, int64_t out_stride, float *lse, const float *query,
                          int64_t query_stride, const int64_t *rows, int64_t num_rows,
-                         int64_t item_rows, const uint16_t *key_cache,
-                         const uint16_t *value_cache, const int64_t *table, int64_t prefix,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t block_size, float scale, AmxScratch *w) {
+                         int64_t item_rows, const void *key_cache, const void *value_cache,
+                         const int64_t *table, int64_t prefix, int64_t num_heads,
+                         int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                         float scale, int64_t kv_mode, AmxScratch *w) {
+    const int kv = KV_FP8(kv_mode) ? (int)kv_mode : KV_BF16;
     const int64_t runs = (num_rows + item_rows - 1) / item_rows;
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t i = 0; i < runs * num_kv_heads; ++i) {
@@ -724,7 +749,7 @@ static void prefix_items(float *out, int64_t out_stride, float *lse, const float
         const AmxRows run = {out + r0 * out_stride, out_stride, query, query_stride, rows + r0,
                              count, prefix - 1, 0, lse + r0 * num_heads};
         amx_attend(&run, key_cache, value_cache, table, h, num_heads, num_kv_heads, head_dim,
-                   block_size, scale, KV_BF16, w);
+                   block_size, scale, kv, w);
     }
 }
 #endif
@@ -792,9 +817,8 @@ int ts_paged_decode_prefix(float *out, int64_t out_stride, const float *query,
                 failed = 1;
             }
             prefix_items(prefix_out, width, lse, query, query_stride, rows, prefix_rows,
-                         item_rows, (const uint16_t *)key_cache, (const uint16_t *)value_cache,
-                         block_tables, prefix, num_heads, num_kv_heads, head_dim, block_size,
-                         scale, w);
+                         item_rows, key_cache, value_cache, block_tables, prefix, num_heads,
+                         num_kv_heads, head_dim, block_size, scale, kv_mode, w);
             decode_items(&claimed, out, out_stride, query, query_stride, rows, key_cache,
                          value_cache, block_tables, block_table_stride, seq_lens, num_rows,
                          num_heads, num_kv_heads, head_dim, block_size, scale, scores, kv_mode,
