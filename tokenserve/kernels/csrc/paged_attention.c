@@ -12,7 +12,10 @@
  * Two passes per item, each reading every key (value) once for all the query heads of the
  * group: scores q.k for the whole context (KEYS keys by up to SCORE_HEADS heads of
  * accumulators at a time), a softmax per head, then the probability-weighted sum of values
- * (the heads' output rows held in registers). The vectors are the widest of the build's
+ * (the heads' output rows held in registers). An 8-bit float element costs more to widen
+ * than its multiply-adds on AVX2, where a pass holds one head's KEYS accumulators: there
+ * each key and value is widened once for all the heads of the group instead (one key at a
+ * time, and the values in slices narrow enough for all the heads' outputs, ONE_WIDENING). The vectors are the widest of the build's
  * level (vecw.h: 16 float32 lanes on AVX-512, 8 on AVX2). Head sizes 64 and 128 get code
  * specialised at compile time, other multiples of the vector step take the same code with
  * the size a variable (in slices above SLICE_VECTORS vectors), the rest a plain loop.
@@ -75,7 +78,10 @@
 /* The next item's first LEAD tokens, which an item prefetches into L2 before its second
  * pass under the OWN_TOKENS_AHEAD plan (decode_items). */
 #define LEAD 32
-#define SCORE_HEADS (VW == 16 ? 3 : 1)
+/* ONE_WIDENING(kv): an 8-bit float cache on AVX2 (see the top). */
+#define ONE_WIDENING(kv) (VW == 8 && KV_FP8(kv))
+#define SCORE_HEADS_MAX 3
+#define SCORE_HEADS(kv) (VW == 16 || ONE_WIDENING(kv) ? SCORE_HEADS_MAX : 1)
 /* What the cache holds and how it is multiplied: float32; bfloat16 widened to float32
  * (bf16_pairs) for float32 multiply-adds; bfloat16 into vdpbf16ps (PAGED_DP builds only);
  * 8-bit floats, E4M3 or E5M2, widened to float32 (fp8.h) for float32 multiply-adds. */
@@ -126,8 +132,8 @@ static inline __attribute__((always_inline)) void score_keys(
     const int64_t chunks = head_dim / CHUNK(kv);
     const int parts = KV_PARTS(kv);
     int64_t i = 0;
-    for (; i + KEYS <= count; i += KEYS) {
-        vwf acc[SCORE_HEADS][KEYS];
+    for (; !ONE_WIDENING(kv) && i + KEYS <= count; i += KEYS) {
+        vwf acc[SCORE_HEADS_MAX][KEYS];
         for (int h = 0; h < heads; ++h)
             for (int t = 0; t < KEYS; ++t) acc[h][t] = splatw(0.0f);
 #pragma GCC unroll 16
@@ -147,7 +153,7 @@ static inline __attribute__((always_inline)) void score_keys(
         }
     }
     for (; i < count; ++i) {
-        vwf acc[SCORE_HEADS];
+        vwf acc[SCORE_HEADS_MAX];
         for (int h = 0; h < heads; ++h) acc[h] = splatw(0.0f);
 #pragma GCC unroll 16
         for (int64_t c = 0; c < chunks; ++c) {
@@ -297,7 +303,7 @@ static inline __attribute__((always_inline)) void score_keys_dp(
     const int64_t chunks = head_dim / 32;
     int64_t i = 0;
     for (; i + KEYS <= count; i += KEYS) {
-        __m512 acc[SCORE_HEADS][KEYS];
+        __m512 acc[SCORE_HEADS_MAX][KEYS];
         for (int h = 0; h < heads; ++h)
             for (int t = 0; t < KEYS; ++t) acc[h][t] = _mm512_setzero_ps();
 #pragma GCC unroll 8
@@ -316,7 +322,7 @@ static inline __attribute__((always_inline)) void score_keys_dp(
         }
     }
     for (; i < count; ++i) {
-        __m512 acc[SCORE_HEADS];
+        __m512 acc[SCORE_HEADS_MAX];
         for (int h = 0; h < heads; ++h) acc[h] = _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int64_t c = 0; c < chunks; ++c) {
@@ -459,7 +465,7 @@ static inline __attribute__((always_inline)) void prefetch_ahead(
 }
 
 /* The group of query heads sharing one kv head, for one decode row: scores for the whole
- * context (SCORE_HEADS heads per pass over each block's keys), a softmax per head, then
+ * context (SCORE_HEADS(kv) heads per pass over each block's keys), a softmax per head, then
  * the probability-weighted sum of values (as many heads per pass as fit in registers). The
  * caller guarantees head_dim % CHUNK(bf16) == 0 and head_dim <= 256. own: what the item
  * prefetches of its own tokens (OWN_NONE, OWN_FAR, OWN_NEAR); next: the item whose keys
@@ -501,7 +507,7 @@ static inline __attribute__((always_inline)) void attend_item(
         if (next)
             prefetch_next(key_cache, next, start, start + count, seq_len, head_dim,
                           block_stride, block_size, element);
-        for (int64_t g = 0; g < group; g += SCORE_HEADS) {
+        for (int64_t g = 0; g < group; g += SCORE_HEADS(kv)) {
             float *s = scores + g * seq_len + start;
             const float *qg = qs + g * head_dim;
 #if PAGED_DP
@@ -513,7 +519,7 @@ static inline __attribute__((always_inline)) void attend_item(
 #define SCORE(n) score_keys(s, seq_len, qg, key_cache, block, count, head_dim, n, kv)
 #endif
             /* A constant head count in each call, so the accumulators stay in registers. */
-            switch (group - g < SCORE_HEADS ? group - g : SCORE_HEADS) {
+            switch (group - g < SCORE_HEADS(kv) ? group - g : SCORE_HEADS(kv)) {
             case 3: SCORE(3); break;
             case 2: SCORE(2); break;
             default: SCORE(1);
@@ -536,7 +542,11 @@ static inline __attribute__((always_inline)) void attend_item(
         prefetch_lead(key_cache, value_cache, lead, head_dim, block_stride, block_size, element);
     /* Pass 2: per slice of the head, as many heads per pass over the values as their
      * outputs fit in registers. */
-    const int64_t width = head_dim < SLICE_VECTORS * VW ? head_dim : SLICE_VECTORS * VW;
+    int64_t width = head_dim < SLICE_VECTORS * VW ? head_dim : SLICE_VECTORS * VW;
+    if (ONE_WIDENING(kv)) { /* slices in which all the group's heads (up to 4) fit */
+        const int64_t vectors = VALUE_VECTORS / (group < 4 ? group : 4);
+        if (vectors * VW < width) width = vectors * VW;
+    }
     int64_t most = VALUE_VECTORS / (width / VW);
     most = most < 1 ? 1 : most > 4 ? 4 : most;
     for (int64_t first = 0; first < head_dim; first += width)
