@@ -15,10 +15,11 @@
  * (the heads' output rows held in registers). An 8-bit float element costs more to widen
  * than its multiply-adds on AVX2, where a pass holds one head's KEYS accumulators: there
  * each key and value is widened once for all the heads of the group instead (one key at a
- * time, and the values in slices narrow enough for all the heads' outputs, ONE_WIDENING). The vectors are the widest of the build's
- * level (vecw.h: 16 float32 lanes on AVX-512, 8 on AVX2). Head sizes 64 and 128 get code
- * specialised at compile time, other multiples of the vector step take the same code with
- * the size a variable (in slices above SLICE_VECTORS vectors), the rest a plain loop.
+ * time, and the values in slices narrow enough for all the heads' outputs, ONE_WIDENING).
+ * The vectors are the widest of the build's level (vecw.h: 16 float32 lanes on AVX-512, 8
+ * on AVX2). Head sizes 64 and 128 get code specialised at compile time, other multiples of
+ * the vector step take the same code with the size a variable (in slices above
+ * SLICE_VECTORS vectors), the rest a plain loop.
  *
  * The cache holds float32 or bfloat16 (--kv-cache-dtype bfloat16: half the bytes to
  * stream; a bfloat16 is the top half of a float32, so reading two back is a shift and a
