@@ -72,6 +72,10 @@ int ts_prompt_attention_native(int64_t kv, int64_t num_heads, int64_t num_kv_hea
            head_dim % (KV_FP8(kv) ? 32 : 2) == 0;
 }
 
+/* The cache mode the bf16 paths read with: an 8-bit float's own, else KV_BF16 (a bf16 cache,
+ * whatever numerics the decode kernel reads it with). */
+#define BF16_PATHS_KV(kv) (KV_FP8(kv) ? (int)(kv) : KV_BF16)
+
 /* Rows first_row .. first_row + rows of a chunk; work: the keys its last row sees. On the
  * AMX path an item may instead be `chunks` whole consecutive chunks from `chunk` on whose
  * contexts start with the same `shared` positions (prompt_groups). */
@@ -629,8 +633,8 @@ static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int6
                          const int64_t *block_tables, int64_t block_table_stride,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, float scale, int64_t kv) {
-    const int amx = plan->amx, native = plan->native;
-    (void)amx, (void)native;
+    const int amx = plan->amx, native = plan->native, cache = BF16_PATHS_KV(kv);
+    (void)amx, (void)native, (void)cache;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < plan->num_items * num_kv_heads; ++i) {
         const PromptItem *item = plan->items + i / num_kv_heads;
@@ -651,14 +655,14 @@ static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int6
             }
             amx_attend_runs(runs, tables, item->chunks, item->shared, key_cache, value_cache,
                             h, num_heads, num_kv_heads, head_dim, block_size, scale,
-                            KV_FP8(kv) ? (int)kv : KV_BF16, (AmxScratch *)scratch);
+                            cache, (AmxScratch *)scratch);
             continue;
         }
         if (amx) {
             prompt_item_amx(out, out_stride, query, query_stride, key_cache, value_cache,
                             table, start, q_len, seq_len, item->first_row, item->rows, h,
                             num_heads, num_kv_heads, head_dim, block_size, scale,
-                            KV_FP8(kv) ? (int)kv : KV_BF16, (AmxScratch *)scratch);
+                            cache, (AmxScratch *)scratch);
             continue;
         }
 #endif
@@ -667,7 +671,7 @@ static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int6
             prompt_item_bf16(out, out_stride, query, query_stride, key_cache, value_cache,
                              table, start, q_len, seq_len, item->first_row, item->rows, h,
                              num_heads, num_kv_heads, head_dim, block_size, scale,
-                             KV_FP8(kv) ? (int)kv : KV_BF16, (Bf16Scratch *)scratch);
+                             cache, (Bf16Scratch *)scratch);
             continue;
         }
 #endif
@@ -739,7 +743,7 @@ static void prefix_items(float *out, int64_t out_stride, float *lse, const float
                          const int64_t *table, int64_t prefix, int64_t num_heads,
                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                          float scale, int64_t kv_mode, AmxScratch *w) {
-    const int kv = KV_FP8(kv_mode) ? (int)kv_mode : KV_BF16;
+    const int kv = BF16_PATHS_KV(kv_mode);
     const int64_t runs = (num_rows + item_rows - 1) / item_rows;
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t i = 0; i < runs * num_kv_heads; ++i) {
