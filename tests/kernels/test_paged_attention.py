@@ -1,9 +1,11 @@
 """The paged decode kernel (kernels/csrc/paged_attention.c) on the shapes its vector code
 splits on, against attention written out in float64 torch, for every instruction-set level
 the host has (conftest.py): head sizes it specialises (64, 128), ones it takes with the size
-a variable (96; 192 and 256, done in slices), ones only the plain loop takes (40, 80 with a
-bfloat16 cache), a bfloat16 cache read with the bf16 numerics of the dot-product path (and
-blocks of an odd size, which it leaves to the float32 code), 8-bit float caches (E4M3, E5M2:
+a variable (96; 192 and 256, done in slices), ones only the plain loop takes (40; 48, 80, 112
+and 144 with a bfloat16 cache read in float32 arithmetic on AVX-512), a bfloat16 cache read
+with the bf16 numerics of the dot-product path (head sizes 16 past a multiple of 32 end in a
+half instruction: 48, 80, 112, and 144 in slices of 128 and 16; blocks of an odd size, which
+it leaves to the float32 code), 8-bit float caches (E4M3, E5M2:
 widened to float32 whatever the numerics asked), query-head groups that fill its
 per-pass head counts unevenly (1, 3, 4, 5, 7), contexts on and off block edges, one row and
 many; under each prefetch plan (paged_attention.DECODE_PREFETCH), which give the same bits."""
@@ -70,10 +72,14 @@ def _reference(query, key_cache, value_cache, tables, seq_lens, scale, bf16_roun
         (8, 2, 256, 32, [1, 70]),
         (4, 4, 40, 16, [12, 19]),
         (10, 2, 80, 16, [29]),
+        (4, 2, 48, 16, [5, 33]),
+        (6, 3, 112, 16, [18]),
+        (2, 1, 144, 16, [9, 40]),
         (9, 3, 64, 15, [14, 15, 31, 47]),
     ],
     ids=["gqa3-d64", "gqa5-d64", "gqa7-d64", "mha-d128", "gqa4-d128-b8", "gqa3-d96",
-         "gqa3-d192", "gqa4-d256-b32", "mha-d40", "gqa5-d80", "gqa3-d64-b15"],
+         "gqa3-d192", "gqa4-d256-b32", "mha-d40", "gqa5-d80", "gqa2-d48", "gqa2-d112",
+         "gqa2-d144", "gqa3-d64-b15"],
 )
 def test_paged_decode_matches_float64_attention(
     paged, cpu_isa_level, num_heads, num_kv_heads, head_dim, block_size, seq_lens, cache_dtype,
@@ -103,7 +109,7 @@ def test_paged_decode_matches_float64_attention(
     dot_products = paged.dot_products(cache_dtype, head_dim, block_size, bf16_numerics)
     assert dot_products == (cache_dtype == torch.bfloat16 and bf16_numerics
                             and cpu_isa.native_bf16(cpu_isa_level)
-                            and head_dim % 32 == 0 and block_size % 2 == 0)
+                            and head_dim % 16 == 0 and block_size % 2 == 0)
     expected = _reference(query, key_cache, value_cache, tables, seq_lens, scale,
                           bf16_rounding=dot_products)
     # float32 arithmetic on the cache's very values (and, on the dot-product path, on the

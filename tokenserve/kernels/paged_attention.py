@@ -155,7 +155,7 @@ class PagedAttentionOps:
                      bf16_numerics: bool) -> bool:
         """Whether decode over such a cache takes the dot-product path: a bfloat16 cache read
         with bf16_numerics (queries and probabilities rounded to bf16, as the prompt kernel's
-        bf16 path) on a level with AVX512_BF16, head size a multiple of 32, blocks of an even
+        bf16 path) on a level with AVX512_BF16, head size a multiple of 16, blocks of an even
         size; else float32 arithmetic on the cache's values."""
         return (cache_dtype == torch.bfloat16 and bf16_numerics
                 and bool(self._dot_products(head_dim, block_size)))

@@ -29,10 +29,11 @@
  * arithmetic is float32 in every case except on the dot-product path below.
  *
  * On a level with AVX512_BF16 (avx512_bf16, amx) a bfloat16 cache of head size a multiple
- * of 32 in blocks of an even size takes the dot-product path instead, with the numerics of
+ * of 16 in blocks of an even size takes the dot-product path instead, with the numerics of
  * the prompt kernel's bf16 path (prompt_attention.c) and PyTorch's bf16 flash kernel:
  * queries rounded to bfloat16, scores q.k summed in float32 by vdpbf16ps (pairs of bf16
- * products into float32 lanes, 32 cache elements an instruction with no widening), then
+ * products into float32 lanes, 32 cache elements an instruction with no widening; a head
+ * size 16 past a multiple of 32 ends in an instruction over 16 elements and 16 zeros), then
  * scaled; the softmax in float32; the probabilities rounded to bfloat16 for the product
  * with the values, whose rows are taken two tokens at a time and interleaved (unpack) so
  * that one vdpbf16ps weighs both; the output summed in float32. A decode row and the same
@@ -295,27 +296,47 @@ static inline __attribute__((always_inline)) void weigh_values(
 }
 
 #if PAGED_DP
+/* Chunk c of a dot-product row: 32 bf16 elements from p + 32 c, or with `half` (the last
+ * chunk of a row of a size 16 past a multiple of 32) 16 elements and 16 zeros: nothing is
+ * read past the row, and the zeros add nothing to a product. */
+static inline __attribute__((always_inline)) __m512i dp_chunk(const uint16_t *p, int64_t c,
+                                                              int half) {
+    return half ? _mm512_maskz_loadu_epi16((__mmask32)0xffff, p + c * 32)
+                : _mm512_loadu_si512(p + c * 32);
+}
+
+/* The scores of KEYS keys (or 1) from `key` (head_dim apart) by `heads` query heads (qb,
+ * head_dim apart) into acc, over chunks from..until (half: one chunk of 16, dp_chunk). */
+static inline __attribute__((always_inline)) void score_chunks_dp(
+    __m512 acc[SCORE_HEADS_MAX][KEYS], const uint16_t *qb, const uint16_t *key, int n,
+    int64_t from, int64_t until, const int64_t head_dim, const int heads, int half) {
+#pragma GCC unroll 8
+    for (int64_t c = from; c < until; ++c)
+        for (int t = 0; t < n; ++t) {
+            const __m512bh k = (__m512bh)dp_chunk(key + t * head_dim, c, half);
+            for (int h = 0; h < heads; ++h)
+                acc[h][t] = _mm512_dpbf16_ps(acc[h][t],
+                                             (__m512bh)dp_chunk(qb + h * head_dim, c, half), k);
+        }
+}
+
 /* Scores of `heads` query heads (qb: bfloat16, head_dim apart) against `count` keys from
  * `keys` (head_dim apart), scaled; head h's go to s + h * stride. One vdpbf16ps per 32
- * elements of a key and head. */
+ * elements of a key and head (the last 16 of a head size 16 past a multiple of 32: one
+ * with zeros beside them). */
 static inline __attribute__((always_inline)) void score_keys_dp(
     float *s, int64_t stride, const uint16_t *qb, const uint16_t *key_cache, int64_t keys,
     int64_t count, const int64_t head_dim, const int heads, float scale) {
-    const int64_t chunks = head_dim / 32;
+    const int64_t full = head_dim / 32;
+    const int half = head_dim % 32 != 0;
     int64_t i = 0;
     for (; i + KEYS <= count; i += KEYS) {
         __m512 acc[SCORE_HEADS_MAX][KEYS];
         for (int h = 0; h < heads; ++h)
             for (int t = 0; t < KEYS; ++t) acc[h][t] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < chunks; ++c)
-            for (int t = 0; t < KEYS; ++t) {
-                const __m512bh k = (__m512bh)_mm512_loadu_si512(
-                    key_cache + keys + (i + t) * head_dim + c * 32);
-                for (int h = 0; h < heads; ++h)
-                    acc[h][t] = _mm512_dpbf16_ps(
-                        acc[h][t], (__m512bh)_mm512_loadu_si512(qb + h * head_dim + c * 32), k);
-            }
+        const uint16_t *key = key_cache + keys + i * head_dim;
+        score_chunks_dp(acc, qb, key, KEYS, 0, full, head_dim, heads, 0);
+        if (half) score_chunks_dp(acc, qb, key, KEYS, full, full + 1, head_dim, heads, 1);
         for (int h = 0; h < heads; ++h) {
             v8f folded[KEYS];
             for (int t = 0; t < KEYS; ++t) folded[t] = fold8((vwf)acc[h][t]);
@@ -323,17 +344,13 @@ static inline __attribute__((always_inline)) void score_keys_dp(
         }
     }
     for (; i < count; ++i) {
-        __m512 acc[SCORE_HEADS_MAX];
-        for (int h = 0; h < heads; ++h) acc[h] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-        for (int64_t c = 0; c < chunks; ++c) {
-            const __m512bh k =
-                (__m512bh)_mm512_loadu_si512(key_cache + keys + i * head_dim + c * 32);
-            for (int h = 0; h < heads; ++h)
-                acc[h] = _mm512_dpbf16_ps(
-                    acc[h], (__m512bh)_mm512_loadu_si512(qb + h * head_dim + c * 32), k);
-        }
-        for (int h = 0; h < heads; ++h) s[h * stride + i] = hsum8(fold8((vwf)acc[h])) * scale;
+        __m512 acc[SCORE_HEADS_MAX][KEYS];
+        for (int h = 0; h < heads; ++h) acc[h][0] = _mm512_setzero_ps();
+        const uint16_t *key = key_cache + keys + i * head_dim;
+        score_chunks_dp(acc, qb, key, 1, 0, full, head_dim, heads, 0);
+        if (half) score_chunks_dp(acc, qb, key, 1, full, full + 1, head_dim, heads, 1);
+        for (int h = 0; h < heads; ++h)
+            s[h * stride + i] = hsum8(fold8((vwf)acc[h][0])) * scale;
     }
 }
 
@@ -361,15 +378,15 @@ static inline void bf16_pairs_in_place(float *s, int64_t n) {
 #define UNPACK_ORDER_1 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31
 
 /* Two value rows a, b (b: zeros past the context) weighed by `heads` pairs of
- * probabilities w[h] into acc[h][2c], acc[h][2c + 1] for the slice's `chunks` 32-element
- * chunks. */
+ * probabilities w[h] into acc[h][2c], acc[h][2c + 1] for the slice's chunks from..until
+ * (half: one chunk of 16, dp_chunk). */
 static inline __attribute__((always_inline)) void weigh_pair_dp(
     __m512 acc[4][SLICE_VECTORS], const uint16_t *a, const uint16_t *b,
-    const __m512bh *w, int64_t chunks, const int heads) {
+    const __m512bh *w, int64_t from, int64_t until, const int heads, int half) {
 #pragma GCC unroll 8
-    for (int64_t c = 0; c < chunks; ++c) {
-        const __m512i x = _mm512_loadu_si512(a + c * 32);
-        const __m512i y = b ? _mm512_loadu_si512(b + c * 32) : _mm512_setzero_si512();
+    for (int64_t c = from; c < until; ++c) {
+        const __m512i x = dp_chunk(a, c, half);
+        const __m512i y = b ? dp_chunk(b, c, half) : _mm512_setzero_si512();
         const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y);
         const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
         for (int h = 0; h < heads; ++h) {
@@ -377,6 +394,14 @@ static inline __attribute__((always_inline)) void weigh_pair_dp(
             acc[h][2 * c + 1] = _mm512_dpbf16_ps(acc[h][2 * c + 1], hi, w[h]);
         }
     }
+}
+
+/* weigh_pair_dp over a slice's whole chunks, then its half chunk if it has one. */
+static inline __attribute__((always_inline)) void weigh_pair_slice_dp(
+    __m512 acc[4][SLICE_VECTORS], const uint16_t *a, const uint16_t *b,
+    const __m512bh *w, int64_t full, int half, const int heads) {
+    weigh_pair_dp(acc, a, b, w, 0, full, heads, 0);
+    if (half) weigh_pair_dp(acc, a, b, w, full, full + 1, heads, 1);
 }
 
 /* weigh_values on the dot-product path: pp holds each head's probabilities as bf16 pairs
@@ -387,7 +412,9 @@ static inline __attribute__((always_inline)) void weigh_values_dp(
     const uint16_t *value_cache, const int64_t *table, int64_t seq_len,
     const int64_t head_dim, const int64_t first, const int64_t width, int64_t block_stride,
     int64_t block_size, int64_t kv_offset, const int heads, const NextItem *next) {
-    const int64_t chunks = width / 32; /* 2 * chunks <= SLICE_VECTORS */
+    /* 2 * chunks <= SLICE_VECTORS; a width 16 past a multiple of 32 ends in a half chunk */
+    const int64_t full = width / 32, chunks = (width + 31) / 32;
+    const int half = width % 32 != 0;
     __m512 acc[4][SLICE_VECTORS]; /* heads <= 4 */
     for (int h = 0; h < heads; ++h)
         for (int64_t c = 0; c < 2 * chunks; ++c) acc[h][c] = _mm512_setzero_ps();
@@ -404,8 +431,8 @@ static inline __attribute__((always_inline)) void weigh_values_dp(
             __m512bh w[4];
             for (int h = 0; h < heads; ++h)
                 w[h] = (__m512bh)_mm512_set1_epi32((int)pp[h * stride + (start + i) / 2]);
-            weigh_pair_dp(acc, block + i * head_dim, block + (i + 1) * head_dim, w, chunks,
-                          heads);
+            weigh_pair_slice_dp(acc, block + i * head_dim, block + (i + 1) * head_dim, w, full,
+                                half, heads);
         }
         if (i < count) { /* the context's last position, paired with a zero */
             if (next && i % 16 == 0)
@@ -414,7 +441,7 @@ static inline __attribute__((always_inline)) void weigh_values_dp(
             __m512bh w[4];
             for (int h = 0; h < heads; ++h)
                 w[h] = (__m512bh)_mm512_set1_epi32((int)pp[h * stride + (start + i) / 2]);
-            weigh_pair_dp(acc, block + i * head_dim, NULL, w, chunks, heads);
+            weigh_pair_slice_dp(acc, block + i * head_dim, NULL, w, full, half, heads);
         }
     }
     const __m512i order0 = (__m512i)(vwi){UNPACK_ORDER_0};
@@ -425,6 +452,7 @@ static inline __attribute__((always_inline)) void weigh_values_dp(
             float *out = o + h * head_dim + first + c * 32;
             const __m512 lo = acc[h][2 * c], hi = acc[h][2 * c + 1];
             _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_permutex2var_ps(lo, order0, hi), scale));
+            if (c == full) continue; /* a half chunk: its 16 elements are all in order0's */
             _mm512_storeu_ps(out + 16,
                              _mm512_mul_ps(_mm512_permutex2var_ps(lo, order1, hi), scale));
         }
@@ -622,7 +650,7 @@ static void attend_item_generic(float *o, const float *q, const void *key_cache,
 /* Whether decode rows over a bfloat16 cache of these shapes read with bf16 numerics
  * (KV_BF16_DP) take the dot-product path. */
 int ts_paged_decode_dot_products(int64_t head_dim, int64_t block_size) {
-    return PAGED_DP && head_dim % 32 == 0 && head_dim <= 256 && block_size % 2 == 0;
+    return PAGED_DP && head_dim % 16 == 0 && head_dim <= 256 && block_size % 2 == 0;
 }
 
 /* Work item (row, kv_head) of a decode step: the group of query heads sharing kv_head, for
