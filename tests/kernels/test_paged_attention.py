@@ -1,12 +1,12 @@
 """The paged decode kernel (kernels/csrc/paged_attention.c) on the shapes its vector code
 splits on, against attention written out in float64 torch, for every instruction-set level
 the host has (conftest.py): head sizes it specialises (64, 128), ones it takes with the size
-a variable (96; 192 and 256, done in slices), ones only the plain loop takes (40; 48, 80, 112
-and 144 with a bfloat16 cache read in float32 arithmetic on AVX-512), a bfloat16 cache read
-with the bf16 numerics of the dot-product path (head sizes 16 past a multiple of 32 end in a
-half instruction: 48, 80, 112, and 144 in slices of 128 and 16; blocks of an odd size, which
-it leaves to the float32 code), 8-bit float caches (E4M3, E5M2:
-widened to float32 whatever the numerics asked), query-head groups that fill its
+a variable (96; 192 and 256, done in slices), ones only the plain loop takes (40; on AVX-512
+48, 80, 112 and 144 with a bfloat16 cache read in float32 arithmetic or an 8-bit float
+cache), a bfloat16 cache read with the bf16 numerics of the dot-product path (head sizes 16
+past a multiple of 32 end in a half instruction: 48, 80, 112, and 144 in slices of 128 and
+16; blocks of an odd size, which it leaves to the float32 code), 8-bit float caches (E4M3,
+E5M2: widened to float32 whatever the numerics asked), query-head groups that fill its
 per-pass head counts unevenly (1, 3, 4, 5, 7), contexts on and off block edges, one row and
 many; under each prefetch plan (paged_attention.DECODE_PREFETCH), which give the same bits."""
 
