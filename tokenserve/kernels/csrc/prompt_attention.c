@@ -698,8 +698,8 @@ static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int6
  * probabilities rounded to bf16 in both halves, float32 sums; for an 8-bit float cache the
  * prefix half as the prompt kernel computes it (bf16 rounding, its values widened exactly)
  * and the rest as the decode kernel does (float32 arithmetic on the widened values). Needs
- * the AMX prompt path for the cache and, for a bf16 one, the decode kernel's dot-product
- * path (head_dim a multiple of 32, up to 256: ts_decode_prefix_available). */
+ * the AMX prompt path for the cache (head_dim a multiple of 32) and, for a bf16 one, the
+ * decode kernel's dot-product path (head_dim up to 256: ts_decode_prefix_available). */
 #if PROMPT_AMX
 #define PREFIX_AMX 1
 #else
