@@ -38,8 +38,14 @@ weights, so a step costs more than in one engine alone.)
 decode attention's prefetches (kernels/paged_attention.py, `decode_prefetch()`) and PLAN, one
 of `stream_next_item`, `own_tokens_ahead`: whether the CPU at hand takes the faster one.
 
+`--spin-beside BUSY/PERIOD` (ms, e.g. `0.2/2`) runs a process beside the engine that spins
+BUSY of every PERIOD ms while the steps are timed, as a server's API process and its clients
+take the cores between and during steps: how much a step loses to CPU it does not get (each
+operator's work is split in halves between the two threads, so a thread held back stalls
+the other at the next barrier).
+
 usage: python benchmarks/decode_step_cost.py [--batches 1,4,8,16,32,64] [--input-len 256]
-           [--steps 20] [--cpu-time] [--warm-up]
+           [--steps 20] [--cpu-time] [--warm-up] [--spin-beside BUSY/PERIOD]
            [--other-csrc DIR | --other-bf16-quantized-max-rows N | --other-decode-prefetch PLAN |
             --other-engine-flags="FLAGS"]
            [engine flags as for bench throughput]
@@ -51,6 +57,8 @@ import argparse
 import ctypes
 import shlex
 import statistics
+import subprocess
+import sys
 import time
 
 from tokenserve import SamplingParams
@@ -83,6 +91,9 @@ def main() -> None:
                         help="A second engine with these flags added takes every other step.")
     parser.add_argument("--warm-up", action="store_true",
                         help="Run the engine core's idle-time warm-up first, as a server does.")
+    parser.add_argument("--spin-beside", default=None, metavar="BUSY/PERIOD",
+                        help="A process beside the engine spinning BUSY ms of every PERIOD ms "
+                             "while the steps are timed (e.g. 0.2/2).")
     add_engine_arguments(parser, positional_model=False)
     args = parser.parse_args()
     batches = [int(n) for n in args.batches.split(",")]
@@ -97,6 +108,7 @@ def main() -> None:
         raise SystemExit("--other-decode-prefetch takes turns with this tree's build and the "
                          "CPU's plan: not with --other-csrc or --other-bf16-quantized-max-rows.")
     clock = time.thread_time if args.cpu_time else time.perf_counter
+    spin = _spin_times(args.spin_beside) if args.spin_beside is not None else None
 
     engine = LLMEngine.from_engine_args(engine_args_from(args))
     engines = [engine]  # the engines by turn
@@ -162,6 +174,45 @@ def main() -> None:
     else:
         print("decode rows   median ms   fastest ms   other's:  median ms   fastest ms"
               "   median / other's")
+    spinner = None
+    if spin is not None:
+        print(f"beside: a process spinning {spin[0]} ms of every {spin[1]} ms")
+        spinner = subprocess.Popen([sys.executable, "-c", _SPIN, str(spin[0]), str(spin[1])])
+    try:
+        _time_batches(args, batches, engines, builds, limits, plans, stack, clock, params,
+                      vocab_size, blocks if limits else None)
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+
+
+# The process --spin-beside starts: BUSY ms of spinning, then sleep to the end of PERIOD.
+_SPIN = """
+import sys, time
+busy, period = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
+while True:
+    start = time.perf_counter()
+    while time.perf_counter() - start < busy:
+        pass
+    time.sleep(max(period - busy, 0.0))
+"""
+
+
+def _spin_times(value: str) -> tuple[float, float]:
+    """--spin-beside's BUSY/PERIOD, in ms."""
+    try:
+        busy, period = (float(part) for part in value.split("/"))
+    except ValueError:
+        raise SystemExit(f"--spin-beside takes BUSY/PERIOD in ms (e.g. 0.2/2), not {value!r}.")
+    if not 0 < busy <= period:
+        raise SystemExit("--spin-beside: BUSY must be above 0 and at most PERIOD.")
+    return busy, period
+
+
+def _time_batches(args, batches, engines, builds, limits, plans, stack, clock, params,
+                  vocab_size, blocks) -> None:
+    """Each batch's timed decode steps, the builds (or limits, or plans) taking turns."""
     for batch in batches:
         prompts = random_token_prompts(batch, args.input_len, vocab_size, seed=batch)
         for each in engines:

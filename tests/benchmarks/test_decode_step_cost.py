@@ -3,7 +3,7 @@ real, with every row running; with `--other-csrc`, on the default model, two bui
 fused decode layer taking turns, with `--other-bf16-quantized-max-rows` two row limits of
 the bf16 block kernel, with `--other-decode-prefetch` two plans of the decode attention's
 prefetches, and with `--other-engine-flags` two engines, after the idle warm-up
-(`--warm-up`)."""
+(`--warm-up`); with `--spin-beside`, beside a spinning process that is gone when it ends."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.kernel_sources import other_kernel_sources
@@ -31,6 +32,33 @@ def test_decode_step_cost_prints_a_row_per_batch(tiny_model_dirs):
     rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", result.stdout, re.MULTILINE)
     assert [int(batch) for batch, _, _ in rows] == [1, 5], result.stdout
     assert all(float(median) >= float(fastest) > 0 for _, median, fastest in rows)
+
+
+def test_a_process_spins_beside_the_timed_steps_and_is_gone_after(tiny_model_dirs):
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", tiny_model_dirs["llama"], "--kv-cache-memory",
+         "64MiB", "--batches", "1,3", "--input-len", "24", "--steps", "3",
+         "--spin-beside", "0.2/2"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^beside: a process spinning 0.2 ms of every 2.0 ms$", result.stdout,
+                     re.MULTILINE), result.stdout
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", result.stdout, re.MULTILINE)
+    assert [int(batch) for batch, _, _ in rows] == [1, 3], result.stdout
+    spinning = [process for process in psutil.process_iter(["cmdline"])
+                if any("busy, period = " in part for part in process.info["cmdline"] or [])]
+    assert spinning == []
+
+
+@pytest.mark.parametrize("value", ["3/2", "0/2", "fast"])
+def test_spin_beside_takes_busy_within_period(tiny_model_dirs, value):
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", tiny_model_dirs["llama"], "--batches", "1",
+         "--spin-beside", value],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode != 0 and "--spin-beside" in result.stderr
 
 
 def test_a_batch_beyond_max_num_seqs_is_refused(tiny_model_dirs):
