@@ -54,12 +54,14 @@ usage: python benchmarks/decode_step_cost.py [--batches 1,4,8,16,32,64] [--input
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import shlex
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 from tokenserve import SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
@@ -174,17 +176,45 @@ def main() -> None:
     else:
         print("decode rows   median ms   fastest ms   other's:  median ms   fastest ms"
               "   median / other's")
-    spinner = None
-    if spin is not None:
-        print(f"beside: a process spinning {spin[0]} ms of every {spin[1]} ms")
-        spinner = subprocess.Popen([sys.executable, "-c", _SPIN, str(spin[0]), str(spin[1])])
-    try:
-        _time_batches(args, batches, engines, builds, limits, plans, stack, clock, params,
-                      vocab_size, blocks if limits else None)
-    finally:
-        if spinner is not None:
-            spinner.kill()
-            spinner.wait()
+    with _spinning_beside(spin):
+        for batch in batches:
+            prompts = random_token_prompts(batch, args.input_len, vocab_size, seed=batch)
+            for each in engines:
+                for index, prompt in enumerate(prompts):
+                    each.add_request(f"{batch}-{index}", {"prompt_token_ids": prompt}, params)
+                started: set[str] = set()
+                while len(started) < batch:  # until every request has its first token
+                    started.update(
+                        out.request_id for out in each.step() if out.outputs[0].token_ids
+                    )
+            times: list[list[float]] = [[] for _ in builds]
+            for step in range(args.steps * len(builds)):
+                turn = step % len(builds)
+                if limits:
+                    _set_bf16_row_limit(blocks, stack, limits[turn])
+                elif plans:
+                    paged_attention.force_decode_prefetch(plans[turn])
+                elif stack is not None:
+                    stack.ops = builds[turn]
+                stepping = engines[turn % len(engines)]
+                begin = clock()
+                stepping.step()
+                times[turn].append(clock() - begin)
+            for each in engines:
+                each.abort_request([f"{batch}-{index}" for index in range(batch)])
+                while each.has_unfinished_requests():
+                    each.step()
+            if limits:
+                _set_bf16_row_limit(blocks, stack, limits[0])
+            elif plans:
+                paged_attention.force_decode_prefetch(None)
+            elif stack is not None:
+                stack.ops = builds[0]
+            medians = [statistics.median(t) * 1e3 for t in times]
+            columns = "".join(f"   {median:9.1f}   {min(t) * 1e3:10.1f}"
+                              for median, t in zip(medians, times))
+            ratio = f"   {medians[0] / medians[1]:16.3f}" if len(builds) > 1 else ""
+            print(f"{batch:11d}{columns}{ratio}")
 
 
 # The process --spin-beside starts: BUSY ms of spinning, then sleep to the end of PERIOD.
@@ -199,6 +229,21 @@ while True:
 """
 
 
+@contextlib.contextmanager
+def _spinning_beside(spin: tuple[float, float] | None) -> Iterator[None]:
+    """With `spin` (BUSY, PERIOD ms), a process spinning beside this one until the block ends."""
+    if spin is None:
+        yield
+        return
+    print(f"beside: a process spinning {spin[0]} ms of every {spin[1]} ms")
+    spinner = subprocess.Popen([sys.executable, "-c", _SPIN, str(spin[0]), str(spin[1])])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
 def _spin_times(value: str) -> tuple[float, float]:
     """--spin-beside's BUSY/PERIOD, in ms."""
     try:
@@ -208,47 +253,6 @@ def _spin_times(value: str) -> tuple[float, float]:
     if not 0 < busy <= period:
         raise SystemExit("--spin-beside: BUSY must be above 0 and at most PERIOD.")
     return busy, period
-
-
-def _time_batches(args, batches, engines, builds, limits, plans, stack, clock, params,
-                  vocab_size, blocks) -> None:
-    """Each batch's timed decode steps, the builds (or limits, or plans) taking turns."""
-    for batch in batches:
-        prompts = random_token_prompts(batch, args.input_len, vocab_size, seed=batch)
-        for each in engines:
-            for index, prompt in enumerate(prompts):
-                each.add_request(f"{batch}-{index}", {"prompt_token_ids": prompt}, params)
-            started: set[str] = set()
-            while len(started) < batch:  # until every request has its first token
-                started.update(out.request_id for out in each.step() if out.outputs[0].token_ids)
-        times: list[list[float]] = [[] for _ in builds]
-        for step in range(args.steps * len(builds)):
-            turn = step % len(builds)
-            if limits:
-                _set_bf16_row_limit(blocks, stack, limits[turn])
-            elif plans:
-                paged_attention.force_decode_prefetch(plans[turn])
-            elif stack is not None:
-                stack.ops = builds[turn]
-            stepping = engines[turn % len(engines)]
-            begin = clock()
-            stepping.step()
-            times[turn].append(clock() - begin)
-        for each in engines:
-            each.abort_request([f"{batch}-{index}" for index in range(batch)])
-            while each.has_unfinished_requests():
-                each.step()
-        if limits:
-            _set_bf16_row_limit(blocks, stack, limits[0])
-        elif plans:
-            paged_attention.force_decode_prefetch(None)
-        elif stack is not None:
-            stack.ops = builds[0]
-        medians = [statistics.median(t) * 1e3 for t in times]
-        columns = "".join(f"   {median:9.1f}   {min(t) * 1e3:10.1f}"
-                          for median, t in zip(medians, times))
-        ratio = f"   {medians[0] / medians[1]:16.3f}" if len(builds) > 1 else ""
-        print(f"{batch:11d}{columns}{ratio}")
 
 
 def _bf16_blocks(worker) -> list[QuantizedWeight]:
