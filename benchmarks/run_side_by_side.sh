@@ -6,7 +6,9 @@
 # flags) in meta.json, each server's start time and resident memory (its processes'
 # RSS, peak RSS and PSS) in server_<session>_<engine>.json, and what the host charges for fresh
 # memory at the sitting's start and end (benchmarks/first_touch.py: first_touch_start.json,
-# first_touch_end.json); the report prints them.
+# first_touch_end.json) and, also at both, the machine's matmul ceiling on M0's shapes and its
+# read rates (benchmarks/matmul_ceiling.py: ceilings_start.json, ceilings_end.json); the
+# report prints them, and W1 as a fraction of the ceiling.
 #
 # usage: benchmarks/run_side_by_side.sh [OUT_DIR]      (default: /tmp/side_by_side/DATE)
 #        DRY_RUN=1 benchmarks/run_side_by_side.sh OUT_DIR   prints every command, runs none
@@ -59,6 +61,8 @@
 #   FIRST_TOUCH_GIB=2.5             fresh memory benchmarks/first_touch.py writes at the start
 #                                   and at the end (0: not measured; the cheap price ~1 s a
 #                                   GiB, the dear one ~12 s)
+#   CEILING_REPEATS=5               repeats of each GEMM and read of benchmarks/matmul_ceiling.py
+#                                   at the start and at the end (0: not measured; ~10 s each)
 #   SESSIONS=""                     only these server sessions (names as in the logs: main,
 #                                   w2_lpt_N, prefix_cache_off, w4_mbt_256, w4_mbt_512,
 #                                   w4_mbt_2048, kv_2048), e.g. to run again one that failed;
@@ -106,6 +110,7 @@ RUN_TIMEOUT=${RUN_TIMEOUT:-1800}
 SERVER_LIFETIME=${SERVER_LIFETIME:-7200}
 QUICK=${QUICK:-0}
 FIRST_TOUCH_GIB=${FIRST_TOUCH_GIB:-2.5}
+CEILING_REPEATS=${CEILING_REPEATS:-5}
 SESSIONS=${SESSIONS:-}
 VLLM_W5_ARGS=${VLLM_W5_ARGS:---block-size 32 --num-gpu-blocks-override 64 --max-model-len 2016}
 LLAMA_CPP_DIR=${LLAMA_CPP_DIR:-/tmp/peers/llama.cpp}
@@ -249,7 +254,19 @@ first_touch() {  # $1: start | end
     || log "first_touch.py failed, see logs/first_touch_$1.log"
   dry || tail -n 1 "$OUT/logs/first_touch_$1.log" | sed "s/^/    /"
 }
+# The machine's matmul ceiling (M0's GEMMs in float32, and bfloat16 where native) and read
+# rates: on a shared host they move from hour to hour, and W1 is stated against the ceiling.
+ceilings() {  # $1: start | end
+  [ "$CEILING_REPEATS" = 0 ] && return 0
+  log "matmul ceiling and read rates ($1)"
+  x "$PYTHON" benchmarks/matmul_ceiling.py --model "$TS_MODEL" --dtypes native \
+      --repeats "$CEILING_REPEATS" --json "$OUT/ceilings_$1.json" \
+      > "$OUT/logs/ceilings_$1.log" 2>&1 \
+    || log "matmul_ceiling.py failed, see logs/ceilings_$1.log"
+  dry || tail -n 2 "$OUT/logs/ceilings_$1.log" | sed "s/^/    /"
+}
 first_touch start
+ceilings start
 
 # -------------------------------------------------------------------- servers
 SERVER_PID=""
@@ -512,6 +529,7 @@ has w5 && session kv_2048 "--num-kv-blocks 16 --block-size 128 --max-model-len 2
     "$VLLM_W5_ARGS" skip w5 constrained
 
 first_touch end
+ceilings end
 "$PYTHON" - "$OUT/meta.json" <<'EOF'
 import json, os, sys, time
 meta = json.load(open(sys.argv[1]))

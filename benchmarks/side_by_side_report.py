@@ -9,7 +9,9 @@ and writes OUT_DIR/summary.json. The ratio columns are tokenserve / each peer th
 where tokenserve also ran in float32 (engine tokenserve_fp32), tokenserve fp32 / the float32
 peers. transformers (`benchmarks/transformers_generate.py`) has W1 only. The header names the CPU
 (meta.json's lscpu) and what the host charged for fresh memory at the sitting's start and end
-(first_touch_start.json, first_touch_end.json: benchmarks/first_touch.py); the servers table
+(first_touch_start.json, first_touch_end.json: benchmarks/first_touch.py) and the machine's matmul
+ceiling and read rates then (ceilings_start.json, ceilings_end.json: benchmarks/matmul_ceiling.py),
+against whose higher ceiling W1's model GFLOP/s are stated; the servers table
 gives each server's start time and resident memory (server_<session>_<engine>.json), and
 tokenserve's start to a first answer (startup_tokenserve.json, `tokenserve bench startup`).
 """
@@ -141,6 +143,45 @@ def w1_figures(out_dir: str) -> dict[str, dict[str, float | None]]:
     return figures
 
 
+def ceilings(out_dir: str) -> dict[str, dict[str, Any]]:
+    """benchmarks/matmul_ceiling.py's JSON at the sitting's start and end, where measured."""
+    found = {when: load(out_dir, f"ceilings_{when}") for when in ("start", "end")}
+    return {when: data for when, data in found.items() if data is not None}
+
+
+def add_w1_ceiling_rows(figures: dict[str, dict[str, float | None]],
+                        measured: dict[str, dict[str, Any]]) -> None:
+    """Each engine's W1 model GFLOP/s (every token through the layers' products, a logits row
+    per output token: the FLOPs per token matmul_ceiling.py wrote) and its fraction of the
+    machine's matmul ceiling, the highest of any dtype at the start or the end."""
+    if not measured:
+        return
+    any_one = next(iter(measured.values()))
+    layer, logits = any_one["layer_flops_per_token"], any_one["logits_flops_per_row"]
+    ceiling = max(rate for data in measured.values() for rate in data["ceiling_gflops"].values())
+    for row in figures.values():
+        total, output = row["total tok/s"], row["output tok/s"]
+        if total is None or output is None:
+            continue
+        gflops = (layer * total + logits * output) / 1e9
+        row["model GFLOP/s"] = gflops
+        row["of the matmul ceiling"] = gflops / ceiling
+
+
+def ceilings_line(measured: dict[str, dict[str, Any]]) -> str | None:
+    """The machine's matmul ceiling per dtype and read rates at the start and end."""
+    parts = []
+    for when, data in measured.items():
+        gemm = ", ".join(f"{dtype} {rate:.0f}" for dtype, rate in data["ceiling_gflops"].items())
+        reads = ", ".join(f"{rate:.1f} over {mib} MiB"
+                          for mib, rate in (data.get("read_gb_per_s") or {}).items())
+        parts.append(f"{when} {gemm} GFLOP/s" + (f"; read GB/s {reads}" if reads else ""))
+    if not parts:
+        return None
+    return ("Matmul ceiling on M0's shapes and read rates (benchmarks/matmul_ceiling.py): "
+            + "; ".join(parts))
+
+
 def server_figures(out_dir: str) -> dict[str, dict[str, float | None]]:
     """Each engine's server in its main session (else its first): seconds to /health, RSS,
     peak RSS and (sittings since it was recorded) PSS in MiB; tokenserve's `bench startup`
@@ -238,6 +279,8 @@ def _ratio(ours: Any, theirs: Any) -> float | None:
 def main(out_dir: str) -> int:
     summary: dict[str, dict[str, dict[str, Any]]] = {}
     w1 = w1_figures(out_dir)
+    measured = ceilings(out_dir)
+    add_w1_ceiling_rows(w1, measured)
     if w1:
         summary["w1"] = w1
     for name, fields in serve_tables(out_dir):
@@ -264,6 +307,9 @@ def main(out_dir: str) -> int:
     fresh = first_touch_line(out_dir)
     if fresh is not None:
         lines += [fresh, ""]
+    limits = ceilings_line(measured)
+    if limits is not None:
+        lines += [limits, ""]
     lines += [f"meta: {json.dumps(brief)}", ""]
     for name, rows in summary.items():
         lines += table(name, rows)

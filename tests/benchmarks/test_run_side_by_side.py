@@ -68,6 +68,11 @@ def test_dry_run_prints_every_configuration_and_runs_nothing(tmp_path: Path):
     assert len(first_touch) == 2
     for command, when in zip(first_touch, ("start", "end"), strict=True):
         assert "--gib 2.5" in command and f"first_touch_{when}.json" in command
+    # And the machine's matmul ceiling and read rates, at the start and at the end.
+    ceilings = commands(printed, "matmul_ceiling.py")
+    assert len(ceilings) == 2
+    for command, when in zip(ceilings, ("start", "end"), strict=True):
+        assert "--dtypes native --repeats 5" in command and f"ceilings_{when}.json" in command
     # Every server session has its client runs, each engine's results named apart.
     for engine in ("tokenserve", "vllm", "vllm_bf16", "llamacpp", "llamacpp_f16"):
         assert any(f"w2_rate_inf_{engine}.json" in c for c in commands(printed, "bench serve"))
@@ -198,7 +203,7 @@ def test_a_server_session_records_its_server_and_stops_its_whole_group(tmp_path:
              "LLAMA_CPP_DIR": str(tmp_path / "llama.cpp"), "LOCK": str(tmp_path / "cpu.lock"),
              "ENGINES": "llamacpp", "PHASES": "w2", "SESSIONS": "main", "QUICK": "1",
              "PORT": str(port), "START_TIMEOUT": "300", "RUN_TIMEOUT": "300",
-             "FAKE_PIDS": str(pids), "FIRST_TOUCH_GIB": "0.01"},
+             "FAKE_PIDS": str(pids), "FIRST_TOUCH_GIB": "0.01", "CEILING_REPEATS": "1"},
         capture_output=True, text=True, timeout=900, check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -216,3 +221,9 @@ def test_a_server_session_records_its_server_and_stops_its_whole_group(tmp_path:
         assert fresh["first_touch_us_per_page"] and fresh["chunk_mib"] * len(
             fresh["first_touch_us_per_page"]) == pytest.approx(0.01 * 1024, abs=0.01)
     assert "Fresh memory, first write" in (out / "summary.md").read_text()
+    # The matmul ceiling and read rates too, on M0's shapes.
+    for when in ("start", "end"):
+        measured = json.loads((out / f"ceilings_{when}.json").read_text())
+        assert measured["ceiling_gflops"]["float32"] > 0
+        assert set(measured["read_gb_per_s"]) == {"96", "512"}
+    assert "Matmul ceiling on M0's shapes" in (out / "summary.md").read_text()

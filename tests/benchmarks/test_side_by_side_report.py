@@ -197,3 +197,48 @@ def test_report_has_a_table_for_each_long_prefill_threshold_of_the_run(tmp_path,
                              "w3_prefix_cache_on"]
     assert summary["w2_lpt_128_rate_2"]["vllm_bf16"]["output tok/s"] == 30.0
     assert "### w2_lpt_64_rate_2" in capsys.readouterr().out
+
+
+def ceilings_result(ceiling: dict[str, float], reads: dict[str, float]) -> dict:
+    """benchmarks/matmul_ceiling.py's --json: 1 GFLOP a token through the layers, 0.5 a
+    logits row."""
+    return {"ceiling_gflops": ceiling, "read_gb_per_s": reads,
+            "layer_flops_per_token": 1_000_000_000, "logits_flops_per_row": 500_000_000}
+
+
+def test_report_states_w1_against_the_machines_matmul_ceiling(tmp_path, capsys):
+    files = {
+        "w1_tokenserve": {"output_tokens_per_second": 100.0, "total_tokens_per_second": 300.0,
+                          "elapsed_time": 80.0},
+        "w1_vllm": {"num_requests": 64, "elapsed_time": 40.96, "tokens_per_second": 600.0,
+                    "requests_per_second": 1.5625},
+        "ceilings_start": ceilings_result({"float32": 250.0, "bfloat16": 1250.0},
+                                          {"96": 31.3, "512": 21.5}),
+        "ceilings_end": ceilings_result({"float32": 240.0, "bfloat16": 1300.0}, {"512": 20.0}),
+    }
+    write_results(tmp_path, files)
+
+    assert load_report_script().main(str(tmp_path)) == 0
+
+    w1 = json.loads((tmp_path / "summary.json").read_text())["w1"]
+    # 300 tokens a second through the layers, 100 logits rows: 300 + 50 GFLOP/s, against the
+    # highest ceiling of either measurement (bfloat16 at the end).
+    assert w1["tokenserve"]["model GFLOP/s"] == 350.0
+    assert w1["tokenserve"]["of the matmul ceiling"] == 350.0 / 1300.0
+    assert w1["vllm"]["model GFLOP/s"] == 600.0 + 0.5 * 64 * 128 / 40.96
+    printed = capsys.readouterr().out
+    assert ("Matmul ceiling on M0's shapes and read rates (benchmarks/matmul_ceiling.py): "
+            "start float32 250, bfloat16 1250 GFLOP/s; read GB/s 31.3 over 96 MiB, 21.5 over "
+            "512 MiB; end float32 240, bfloat16 1300 GFLOP/s; read GB/s 20.0 over 512 MiB"
+            ) in printed
+    assert "| model GFLOP/s | 350.0 |" in printed
+
+
+def test_report_has_no_ceiling_line_or_rows_where_it_was_not_measured(tmp_path, capsys):
+    write_results(tmp_path, {"w1_tokenserve": {"output_tokens_per_second": 100.0,
+                                               "total_tokens_per_second": 300.0,
+                                               "elapsed_time": 80.0}})
+    assert load_report_script().main(str(tmp_path)) == 0
+    assert "Matmul ceiling" not in capsys.readouterr().out
+    assert "model GFLOP/s" not in json.loads((tmp_path / "summary.json").read_text())["w1"][
+        "tokenserve"]
