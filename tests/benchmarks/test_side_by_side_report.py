@@ -11,6 +11,13 @@ def load_report_script():
     return load_script("side_by_side_report")
 
 
+# W1 as `tokenserve bench throughput --output-json` and vLLM's own `bench throughput` write it.
+W1_TOKENSERVE = {"output_tokens_per_second": 100.0, "total_tokens_per_second": 300.0,
+                 "elapsed_time": 80.0}
+W1_VLLM = {"num_requests": 64, "elapsed_time": 40.96, "tokens_per_second": 600.0,
+           "requests_per_second": 1.5625}
+
+
 def serve_result(output_throughput: float, texts: list[str]) -> dict:
     latency = {"mean": 10.0, "p50": 9.0, "p90": 12.0, "p99": 20.0}
     return {
@@ -29,11 +36,8 @@ def write_results(out_dir, files: dict[str, dict]) -> None:
 
 def test_report_puts_engines_side_by_side(tmp_path, capsys):
     files = {
-        "w1_tokenserve": {"output_tokens_per_second": 100.0, "total_tokens_per_second": 300.0,
-                          "elapsed_time": 80.0},
-        # vLLM's own `bench throughput` JSON
-        "w1_vllm": {"num_requests": 64, "elapsed_time": 40.96, "tokens_per_second": 600.0,
-                    "requests_per_second": 1.5625},
+        "w1_tokenserve": W1_TOKENSERVE,
+        "w1_vllm": W1_VLLM,
         "w5_unconstrained_tokenserve": serve_result(50.0, ["a", "b"]),
         "w5_constrained_tokenserve": serve_result(40.0, ["a", "x"]),
         "w5_unconstrained_vllm": serve_result(80.0, ["a", "b"]),
@@ -208,10 +212,8 @@ def ceilings_result(ceiling: dict[str, float], reads: dict[str, float]) -> dict:
 
 def test_report_states_w1_against_the_machines_matmul_ceiling(tmp_path, capsys):
     files = {
-        "w1_tokenserve": {"output_tokens_per_second": 100.0, "total_tokens_per_second": 300.0,
-                          "elapsed_time": 80.0},
-        "w1_vllm": {"num_requests": 64, "elapsed_time": 40.96, "tokens_per_second": 600.0,
-                    "requests_per_second": 1.5625},
+        "w1_tokenserve": W1_TOKENSERVE,
+        "w1_vllm": W1_VLLM,
         "ceilings_start": ceilings_result({"float32": 250.0, "bfloat16": 1250.0},
                                           {"96": 31.3, "512": 21.5}),
         "ceilings_end": ceilings_result({"float32": 240.0, "bfloat16": 1300.0}, {"512": 20.0}),
@@ -235,9 +237,7 @@ def test_report_states_w1_against_the_machines_matmul_ceiling(tmp_path, capsys):
 
 
 def test_report_has_no_ceiling_line_or_rows_where_it_was_not_measured(tmp_path, capsys):
-    write_results(tmp_path, {"w1_tokenserve": {"output_tokens_per_second": 100.0,
-                                               "total_tokens_per_second": 300.0,
-                                               "elapsed_time": 80.0}})
+    write_results(tmp_path, {"w1_tokenserve": W1_TOKENSERVE})
     assert load_report_script().main(str(tmp_path)) == 0
     assert "Matmul ceiling" not in capsys.readouterr().out
     assert "model GFLOP/s" not in json.loads((tmp_path / "summary.json").read_text())["w1"][
