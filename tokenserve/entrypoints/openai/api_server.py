@@ -27,6 +27,7 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import anyio
 import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
@@ -132,6 +133,7 @@ def build_app(
     )
     models = models or OpenAIServingModels(engine, served_model_names)
     completion.models = chat.models = models
+    chat.warm_up()
     responses = OpenAIServingResponses(chat, ResponseStore())
     max_model_len = engine.config.model_config.max_model_len
     # /v1/embeddings, /score, /rerank, /classify (a 400 on a generate model).
@@ -395,6 +397,10 @@ async def run_server(
         )
         # What start-up built is frozen while the engine core loads (a full collection here
         # takes ~0.1 s), then this process waits for it, still stoppable by a signal.
+        # Starlette streams each response in an anyio task group; the first one would import
+        # anyio's asyncio backend in the middle of the first request.
+        async with anyio.create_task_group():
+            pass
         freeze_startup_heap()  # no full collection walks the app between streamed chunks
         try:
             engine.wait_until_ready()

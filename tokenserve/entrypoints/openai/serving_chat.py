@@ -155,6 +155,19 @@ class OpenAIServingChat(OpenAIServing):
             content=self.content,
         )
 
+    def warm_up(self) -> None:
+        """Render and tokenize a one-message chat as a request does, so that compiling the
+        chat template and the tokenizer's first call are not the first request's (the
+        server calls this while the engine core loads). A model whose template refuses
+        the message, or that has none, stays cold: its requests get their errors as before."""
+        try:
+            prompt = self.render_prompt(
+                [ChatMessage(role="user", content="Hello")], None, True, False, None
+            )
+        except ValueError:
+            return
+        self.encode(prompt.text, add_special_tokens=False)
+
     def check_tool_choice(self, request: ChatCompletionRequest) -> ToolChoice:
         """The request's tool choice (OpenAI's default: "auto" with tools, else "none"); 400
         for one that cannot be served."""
