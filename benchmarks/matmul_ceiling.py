@@ -13,10 +13,10 @@ over each `--read-mib` of float32 on torch's threads, the fastest of `--repeats`
 step cannot read its weights and KV cache faster. 96 MiB is what a few-row decode step of
 the default model reads (its weights' 8-bit copies and the logits matrix), held in L3 by a
 CPU with a large L3 when the host's other guests leave it room; 512 MiB comes from memory
-(0: not measured). These are the two physical
-limits WORKLOADS.md names; on a shared host both move from hour to hour, so a sitting
-(benchmarks/run_side_by_side.sh) measures them at its start and end and `--json` writes
-them, with the model's FLOPs per token, for its report.
+(0: not measured). These are the two physical limits WORKLOADS.md names; on a shared host
+both move from hour to hour, so a sitting (benchmarks/run_side_by_side.sh) measures them at
+its start and end, and `--json` writes them, with the model's FLOPs per token, for its
+report.
 With `--w1-json` (the output of `tokenserve bench throughput --output-json`), W1's model
 FLOPs (2 x linear parameters x tokens through them, plus the logits rows) per second are
 stated as a fraction of the ceiling of each dtype.
@@ -43,11 +43,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def chosen_dtypes(names: list[str]) -> list[str]:
     """The dtypes to time: the names given, "native" standing for float32 and, where the
     CPU computes it natively, bfloat16."""
+    native = ["float32", "bfloat16"] if cpu_isa.native_bf16() else ["float32"]
     chosen: list[str] = []
     for name in names:
-        expanded = ["float32", *(["bfloat16"] if cpu_isa.native_bf16() else [])] \
-            if name == "native" else [name]
-        chosen += [dtype for dtype in expanded if dtype not in chosen]
+        for dtype in native if name == "native" else [name]:
+            if dtype not in chosen:
+                chosen.append(dtype)
     return chosen
 
 

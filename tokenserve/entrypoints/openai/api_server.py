@@ -395,12 +395,12 @@ async def run_server(
                 timeout_graceful_shutdown=args.shutdown_timeout,
             )
         )
-        # What start-up built is frozen while the engine core loads (a full collection here
-        # takes ~0.1 s), then this process waits for it, still stoppable by a signal.
         # Starlette streams each response in an anyio task group; the first one would import
         # anyio's asyncio backend in the middle of the first request.
         async with anyio.create_task_group():
             pass
+        # What start-up built is frozen while the engine core loads (a full collection here
+        # takes ~0.1 s), then this process waits for it, still stoppable by a signal.
         freeze_startup_heap()  # no full collection walks the app between streamed chunks
         try:
             engine.wait_until_ready()
