@@ -653,6 +653,52 @@ int ts_paged_decode_dot_products(int64_t head_dim, int64_t block_size) {
     return PAGED_DP && head_dim % 16 == 0 && head_dim <= 256 && block_size % 2 == 0;
 }
 
+/* The parameters of an item once its kv head is placed (attend_item's, less the cache
+ * mode), and the arguments that pass them on. */
+#define ITEM_PARAMS                                                                           \
+    float *o, const float *q, const void *key_cache, const void *value_cache,                 \
+        const int64_t *table, int64_t seq_len, int64_t group, int64_t head_dim,               \
+        int64_t block_stride, int64_t block_size, int64_t kv_offset, float scale,             \
+        float *scores, int own, const NextItem *next, const NextItem *lead, float *lse
+#define ITEM_ARGS                                                                             \
+    o, q, key_cache, value_cache, table, seq_len, group, head_dim, block_stride, block_size,  \
+        kv_offset, scale, scores, own, next, lead, lse
+
+/* An item of cache mode kv (a constant where this is inlined) by head size: 64 and 128
+ * specialised at compile time, other multiples of the vector chunk up to 256 with the size
+ * a variable, the rest the plain loop (lse left alone there). */
+static inline __attribute__((always_inline)) void attend_dims(ITEM_PARAMS, const int kv) {
+#define ATTEND_ITEM(dim)                                                                      \
+    attend_item(o, q, key_cache, value_cache, table, seq_len, group, dim, block_stride,        \
+                block_size, kv_offset, scale, scores, kv, own, next, lead, lse)
+    if (head_dim == 64)
+        ATTEND_ITEM(64);
+    else if (head_dim == 128)
+        ATTEND_ITEM(128);
+    else if (kv == KV_BF16_DP || (head_dim % CHUNK(kv) == 0 && head_dim <= 256))
+        ATTEND_ITEM(head_dim); /* the same code with the size a variable */
+    else
+        attend_item_generic(o, q, key_cache, value_cache, table, seq_len, group, head_dim,
+                            block_stride, block_size, kv_offset, scale, scores, kv);
+#undef ATTEND_ITEM
+}
+
+/* Each cache mode's items in a function of their own, not inlined into decode_item_then:
+ * with every mode's code in that one function, the fused decode layer's library (which
+ * includes this file) took ~3 % longer over a decode step of 64 rows than the same source
+ * without the 8-bit float modes, the bf16 path's own code unchanged; in functions of their
+ * own, as long (docs/PERFORMANCE_CPU.md, "One function per cache mode"). */
+#define ATTEND_MODE(name, kv)                                                                 \
+    static __attribute__((noinline)) void name(ITEM_PARAMS) { attend_dims(ITEM_ARGS, kv); }
+ATTEND_MODE(attend_f32, KV_F32)
+ATTEND_MODE(attend_bf16, KV_BF16)
+ATTEND_MODE(attend_fp8_e4m3, KV_FP8_E4M3)
+ATTEND_MODE(attend_fp8_e5m2, KV_FP8_E5M2)
+#if PAGED_DP
+ATTEND_MODE(attend_bf16_dp, KV_BF16_DP)
+#endif
+#undef ATTEND_MODE
+
 /* Work item (row, kv_head) of a decode step: the group of query heads sharing kv_head, for
  * decode row `row` (its query at q, its output at o), over the row's seq_len positions;
  * `scores` holds group * seq_len floats. kv_mode is the cache's mode: KV_F32, KV_BF16,
@@ -673,40 +719,23 @@ static void decode_item_then(float *o, const float *q, const void *key_cache,
     o += kv_head * group * head_dim;
     q += kv_head * group * head_dim;
     if (lse != NULL) lse += kv_head * group;
-    /* Head size and element type constants in each call, for the compiler. */
-#define ATTEND(dim, kv)                                                                       \
-    attend_item(o, q, key_cache, value_cache, table, seq_len, group, dim, block_stride,        \
-                block_size, kv_offset, scale, scores, kv, own, next, lead, lse)
-#define ATTEND_DIMS(kv)                                                                       \
-    if (head_dim == 64)                                                                       \
-        ATTEND(64, kv);                                                                       \
-    else if (head_dim == 128)                                                                 \
-        ATTEND(128, kv);                                                                      \
-    else if (head_dim % CHUNK(kv) == 0 && head_dim <= 256)                                    \
-        ATTEND(head_dim, kv); /* the same code with the size a variable */                    \
-    else                                                                                      \
-        attend_item_generic(o, q, key_cache, value_cache, table, seq_len, group, head_dim,    \
-                            block_stride, block_size, kv_offset, scale, scores, kv);
+#define ATTEND(name) name(ITEM_ARGS)
 #if PAGED_DP
     if (kv_mode == KV_BF16_DP && ts_paged_decode_dot_products(head_dim, block_size)) {
-        if (head_dim == 64)
-            ATTEND(64, KV_BF16_DP);
-        else if (head_dim == 128)
-            ATTEND(128, KV_BF16_DP);
-        else
-            ATTEND(head_dim, KV_BF16_DP);
+        ATTEND(attend_bf16_dp);
         return;
     }
 #endif
     switch (kv_mode) {
-    case KV_F32: ATTEND_DIMS(KV_F32) break;
-    case KV_FP8_E4M3: ATTEND_DIMS(KV_FP8_E4M3) break;
-    case KV_FP8_E5M2: ATTEND_DIMS(KV_FP8_E5M2) break;
-    default: ATTEND_DIMS(KV_BF16) /* KV_BF16, and KV_BF16_DP off the dot-product path */
+    case KV_F32: ATTEND(attend_f32); break;
+    case KV_FP8_E4M3: ATTEND(attend_fp8_e4m3); break;
+    case KV_FP8_E5M2: ATTEND(attend_fp8_e5m2); break;
+    default: ATTEND(attend_bf16); /* KV_BF16, and KV_BF16_DP off the dot-product path */
     }
-#undef ATTEND_DIMS
 #undef ATTEND
 }
+#undef ITEM_PARAMS
+#undef ITEM_ARGS
 
 /* One item on its own: its keys and values fetched as it goes. */
 static inline void decode_item(float *o, const float *q, const void *key_cache,
