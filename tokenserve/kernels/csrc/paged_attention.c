@@ -719,20 +719,18 @@ static void decode_item_then(float *o, const float *q, const void *key_cache,
     o += kv_head * group * head_dim;
     q += kv_head * group * head_dim;
     if (lse != NULL) lse += kv_head * group;
-#define ATTEND(name) name(ITEM_ARGS)
 #if PAGED_DP
     if (kv_mode == KV_BF16_DP && ts_paged_decode_dot_products(head_dim, block_size)) {
-        ATTEND(attend_bf16_dp);
+        attend_bf16_dp(ITEM_ARGS);
         return;
     }
 #endif
     switch (kv_mode) {
-    case KV_F32: ATTEND(attend_f32); break;
-    case KV_FP8_E4M3: ATTEND(attend_fp8_e4m3); break;
-    case KV_FP8_E5M2: ATTEND(attend_fp8_e5m2); break;
-    default: ATTEND(attend_bf16); /* KV_BF16, and KV_BF16_DP off the dot-product path */
+    case KV_F32: attend_f32(ITEM_ARGS); break;
+    case KV_FP8_E4M3: attend_fp8_e4m3(ITEM_ARGS); break;
+    case KV_FP8_E5M2: attend_fp8_e5m2(ITEM_ARGS); break;
+    default: attend_bf16(ITEM_ARGS); /* KV_BF16, and KV_BF16_DP off the dot-product path */
     }
-#undef ATTEND
 }
 #undef ITEM_PARAMS
 #undef ITEM_ARGS
