@@ -54,6 +54,9 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.backends.mkldnn.is_available():
         raise SystemExit("This torch has no oneDNN.")
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        raise SystemExit("oneDNN packs no bf16 weights on this CPU (it needs avx512bw/vl/dq "
+                         "or avx_ne_convert): there are no bf16 products to time.")
     threads = torch.get_num_threads()
     print(f"bf16 products, {args.layers} weights per shape in turn, 1 thread against "
           f"{threads}; microseconds per product")
