@@ -5,7 +5,10 @@ Each run is a fresh interpreter that loads the model as `get_model` does (warm w
 run a server or this once first) and prints, per piece, wall seconds, CPU seconds (all
 threads) and minor page faults: build the model, read the cache entry (checksums), copy the
 weights into the parameters, join the GGUF blocks, prepack for oneDNN; then one 8-token
-request. The runs alternate one thread / the pool, so both see the same load.
+request. Each run loads one of three ways, in turns, so all see the same load: on one torch
+thread ("1"), on torch's pool ("2" on two cores), or as `get_model` loads a small model
+("workers": the operations spread over one worker thread per core, each on one torch
+thread; model/load_threads.py).
 
 usage: python benchmarks/startup_load_pieces.py [--runs N] [--busy]
 """
@@ -33,24 +36,32 @@ def mark(name):
     last = current
 from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.model import registry
+from tokenserve.model.layers.weight_loading import copies_submitted_to
+from tokenserve.model.load_threads import LoadWorkers
 from tokenserve.model.loader import iterate_model_weights
 from tokenserve.model.weight_cache import WeightDtypes
 config = EngineArgs().create_engine_config()
 def get_model(model_config, attention, kernel_config, device, parallel=None):
     threads = torch.get_num_threads()
-    torch.set_num_threads(int(sys.argv[1]))
+    mode = sys.argv[1]
+    workers = LoadWorkers(threads if mode == "workers" else 1)
+    torch.set_num_threads(1 if mode == "workers" else int(mode))
     mark("before")
     model = registry.build_model(model_config, attention, kernel_config, parallel); mark("build")
     weights = list(iterate_model_weights(model_config.files, WeightDtypes.of(model)))
     mark("read entry")
-    model.load_weights(weights); mark("load_weights")
+    with copies_submitted_to(workers.submit):
+        model.load_weights(weights)
+    workers.wait(); mark("load_weights")
+    def join(module):
+        module.blocks = module.quant_method._join(module.gguf_parts, tuple(module.weight.shape))
+        module.gguf_parts = {}
     for module in model.modules():
-        method = getattr(module, "quant_method", None)
         if getattr(module, "gguf_parts", None):
-            module.blocks = method._join(module.gguf_parts, tuple(module.weight.shape))
-            module.gguf_parts = {}
-    mark("join blocks")
-    registry.process_weights_after_loading(model); mark("prepack")
+            workers.submit(join, module)
+    workers.wait(); mark("join blocks")
+    registry.process_weights_after_loading(model, workers); mark("prepack")
+    workers.close()
     torch.set_num_threads(threads)
     return model
 import tokenserve.worker.model_runner as runner
@@ -68,10 +79,10 @@ print("ROWS " + json.dumps(rows))
 '''
 
 
-def run(threads: int, busy: bool) -> dict:
+def run(mode: str, busy: bool) -> dict:
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
     try:
-        result = subprocess.run([sys.executable, "-c", PIECES, str(threads)], env=os.environ,
+        result = subprocess.run([sys.executable, "-c", PIECES, mode], env=os.environ,
                                 capture_output=True, text=True, check=False)
     finally:
         if hog is not None:
@@ -89,11 +100,11 @@ def main() -> None:
     parser.add_argument("--busy", action="store_true", help="a busy process beside each run")
     args = parser.parse_args()
     os.chdir(tempfile.mkdtemp(prefix="load-pieces-"))  # PYTHONPATH picks the tree
-    pool = os.cpu_count() or 1
+    pool = str(os.cpu_count() or 1)
     for index in range(args.runs):
-        for threads in (1, pool):
-            record = {"run": index, "threads": threads, "busy": args.busy,
-                      "load1": os.getloadavg()[0], "pieces": run(threads, args.busy)}
+        for mode in ("1", pool, "workers"):
+            record = {"run": index, "threads": mode, "busy": args.busy,
+                      "load1": os.getloadavg()[0], "pieces": run(mode, args.busy)}
             print(json.dumps(record), flush=True)
 
 

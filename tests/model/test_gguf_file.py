@@ -1,8 +1,11 @@
 """tokenserve.model.gguf_file: the header read without the vocabulary's strings, against gguf's
-own GGUFReader (a hand-written file with every value type, and the default model)."""
+own GGUFReader (a hand-written file with every value type, and the default model); the
+format's codes it keeps are gguf's, and a file's header is read without importing gguf."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -10,10 +13,12 @@ import numpy as np
 import pytest
 from gguf.quants import quantize
 
+from tokenserve.model import gguf_file
 from tokenserve.model.gguf_file import GGUFFile, StringArray
 
 
-def write_gguf(path: Path) -> None:
+def write_gguf(path: Path, every_kind: bool = True) -> None:
+    """every_kind=False: only the tensor types gguf_file knows without gguf."""
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_uint32("test.u32", 7)
@@ -32,6 +37,14 @@ def write_gguf(path: Path) -> None:
                       raw_dtype=gguf.GGMLQuantizationType.Q4_1)
     writer.add_tensor("output_norm.weight", rng.standard_normal(64).astype(np.float32))
     writer.add_tensor("token_embd.weight", rng.standard_normal((5, 32)).astype(np.float16))
+    writer.add_tensor("blk.0.attn_k.weight",
+                      quantize(rng.standard_normal((2, 64)).astype(np.float32),
+                               gguf.GGMLQuantizationType.BF16),
+                      raw_dtype=gguf.GGMLQuantizationType.BF16)
+    if every_kind:  # a type outside gguf_file's own table: its sizes come from gguf's
+        writer.add_tensor("blk.0.attn_v.weight",
+                          rng.integers(0, 256, (3, 2 * 18), dtype=np.uint8),
+                          raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -87,3 +100,30 @@ def test_not_a_gguf_file(tmp_path: Path):
     path.write_bytes(b"NOPE" + bytes(64))
     with pytest.raises(ValueError, match="not a GGUF file"):
         GGUFFile(str(path))
+
+
+def test_the_format_codes_kept_are_ggufs():
+    assert {t.name: t.value for t in gguf_file.ValueType} == {
+        t.name: t.value for t in gguf.GGUFValueType
+    }
+    for code, sizes in gguf_file._TYPE_SIZES.items():
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(code)] == sizes, code
+    plain = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
+             "I16": np.int16, "I32": np.int32, "I64": np.int64}
+    assert {gguf.GGMLQuantizationType(code).name: dtype
+            for code, dtype in gguf_file._PLAIN_TENSOR_TYPES.items()} == plain
+
+
+def test_a_header_is_read_without_importing_gguf(tmp_path: Path):
+    path = tmp_path / "known.gguf"
+    write_gguf(path, every_kind=False)
+    script = (
+        "import sys\n"
+        "from tokenserve.model.gguf_file import GGUFFile\n"
+        f"header = GGUFFile({str(path)!r})\n"
+        "assert len(header.tensors) == 4 and header.get('test.u32') == 7\n"
+        "print('gguf' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.strip() == "False"

@@ -1,6 +1,8 @@
-"""A model load's torch threads (model/load_threads.py): a small model loads on one thread,
-torch gets its thread count back afterwards (also after a failed load), a large model keeps
-the pool, and the model loaded on one thread is the model loaded on the pool."""
+"""A model load's threads (model/load_threads.py): a small model's operations run on worker
+threads, one per torch thread, each operation on one torch thread; torch gets its thread
+count back afterwards (also after a failed load); a large model keeps the pool, one operation
+at a time; a failed operation fails the load; and the model loaded by the workers is the
+model loaded one operation at a time."""
 
 from __future__ import annotations
 
@@ -24,11 +26,18 @@ def two_threads() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
-def test_a_small_model_loads_on_one_thread_and_torch_gets_its_threads_back(two_threads):
+def test_a_small_model_loads_on_workers_of_one_torch_thread_and_torch_gets_its_threads_back(
+    two_threads,
+):
     model = torch.nn.Linear(64, 64)
     assert load_threads.parameter_bytes(model) == (64 * 64 + 64) * 4
-    with load_threads.load_threads(model) as threads:
-        assert threads == 1 and torch.get_num_threads() == 1
+    with load_threads.load_threads(model) as workers:
+        assert workers.count == 2 and torch.get_num_threads() == 1
+        seen: list[int] = []
+        for _ in range(4):
+            workers.submit(lambda: seen.append(torch.get_num_threads()))
+        workers.wait()
+        assert seen == [1, 1, 1, 1]
     assert torch.get_num_threads() == 2
     with pytest.raises(RuntimeError), load_threads.load_threads(model):
         raise RuntimeError("a failed load")
@@ -37,29 +46,45 @@ def test_a_small_model_loads_on_one_thread_and_torch_gets_its_threads_back(two_t
 
 def test_a_large_model_keeps_the_pool(two_threads, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(load_threads, "ONE_THREAD_MAX_BYTES", 1000)
-    with load_threads.load_threads(torch.nn.Linear(64, 64)) as threads:
-        assert threads == 2 and torch.get_num_threads() == 2
+    with load_threads.load_threads(torch.nn.Linear(64, 64)) as workers:
+        assert workers.count == 1 and torch.get_num_threads() == 2
     assert torch.get_num_threads() == 2
 
 
-def test_a_gguf_model_loaded_on_one_thread_is_the_model_loaded_on_the_pool(
+def test_a_failed_operation_fails_the_wait_after_the_others_ran(two_threads):
+    done: list[int] = []
+
+    def fail() -> None:
+        raise ValueError("shape (3,) does not fit")
+
+    with load_threads.load_threads(torch.nn.Linear(4, 4)) as workers:
+        workers.submit(fail)
+        for index in range(8):
+            workers.submit(done.append, index)
+        with pytest.raises(ValueError, match="does not fit"):
+            workers.wait()
+        assert sorted(done) == list(range(8))
+        workers.wait()  # nothing left to report
+
+
+def test_a_gguf_model_loaded_by_the_workers_is_the_model_loaded_one_operation_at_a_time(
     two_threads, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
     gguf = write_quantized_gguf(tmp_path / "tiny-q4_1.gguf")
-    seen: list[int] = []
+    seen: list[tuple[int, int]] = []
     process = registry.process_weights_after_loading
 
-    def spy(model: torch.nn.Module) -> None:
-        seen.append(torch.get_num_threads())
-        process(model)
+    def spy(model: torch.nn.Module, workers: load_threads.LoadWorkers) -> None:
+        seen.append((workers.count, torch.get_num_threads()))
+        process(model, workers)
 
     monkeypatch.setattr(registry, "process_weights_after_loading", spy)
     model_state(gguf)  # fills the cache: both loads below are hits
-    one_thread = model_state(gguf)
+    workers = model_state(gguf)
     monkeypatch.setattr(load_threads, "ONE_THREAD_MAX_BYTES", -1)
-    pool = model_state(gguf)
-    assert seen == [1, 1, 2] and torch.get_num_threads() == 2
-    assert one_thread.keys() == pool.keys()
-    for name, tensor in pool.items():
-        assert one_thread[name].dtype == tensor.dtype and torch.equal(one_thread[name], tensor), name
+    one_at_a_time = model_state(gguf)
+    assert seen == [(2, 1), (2, 1), (1, 2)] and torch.get_num_threads() == 2
+    assert workers.keys() == one_at_a_time.keys()
+    for name, tensor in one_at_a_time.items():
+        assert workers[name].dtype == tensor.dtype and torch.equal(workers[name], tensor), name

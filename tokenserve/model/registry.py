@@ -15,7 +15,8 @@ from tokenserve.config import KernelConfig, ModelConfig
 from tokenserve.distributed.parallel_state import ModelParallel
 from tokenserve.model.architectures import model_class_for
 from tokenserve.model.layers.quantization import get_linear_method
-from tokenserve.model.load_threads import load_threads
+from tokenserve.model.layers.weight_loading import copies_submitted_to
+from tokenserve.model.load_threads import LoadWorkers, load_threads
 from tokenserve.model.loader import iterate_model_weights
 from tokenserve.model.precision import activation_dtype
 from tokenserve.model.weight_cache import WeightDtypes
@@ -49,13 +50,20 @@ def build_model(
     )
 
 
-def process_weights_after_loading(model: torch.nn.Module) -> None:
+def process_weights_after_loading(
+    model: torch.nn.Module, workers: LoadWorkers | None = None
+) -> None:
     """Each layer's loaded weights into the form its quantization method reads (packed for
-    oneDNN, GGUF blocks joined); once, after loading, on the model's device."""
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)
+    oneDNN, GGUF blocks joined); once, after loading, on the model's device. `workers`:
+    the load's threads, a layer each at a time (default: this thread)."""
+    workers = workers or LoadWorkers(1)
+    layers = [module for module in model.modules()
+              if getattr(module, "quant_method", None) is not None]
+    # The largest first (a tied head's table), so that no worker is left with it at the end.
+    layers.sort(key=lambda layer: getattr(layer, "weight", torch.empty(0)).numel(), reverse=True)
+    for layer in layers:
+        workers.submit(layer.quant_method.process_weights_after_loading, layer)
+    workers.wait()
 
 
 def get_model(
@@ -69,10 +77,13 @@ def get_model(
     moved to `device` and processed: ready to run."""
     torch.manual_seed(model_config.seed)
     model = build_model(model_config, attention, kernel_config, parallel)
-    with load_threads(model):  # a small model loads on one thread (load_threads.py)
-        # A GGUF model's cached weights come in its parameters' dtypes (no cast at load).
-        model.load_weights(iterate_model_weights(model_config.files, WeightDtypes.of(model)))
+    # A small model's copies and packing on the cores' worker threads (load_threads.py).
+    with load_threads(model) as workers:
+        with copies_submitted_to(workers.submit):
+            # A GGUF model's cached weights come in its parameters' dtypes (no cast at load).
+            model.load_weights(iterate_model_weights(model_config.files, WeightDtypes.of(model)))
+        workers.wait()
         model = model.to(device).eval()
-        process_weights_after_loading(model)
+        process_weights_after_loading(model, workers)
     logger.info("Linear layers: %s.", model.linear_method)
     return model

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -277,6 +278,7 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         # KernelConfig.batch_invariant: every layer's products on the AMX kernel, from 1 row.
         self.batch_invariant = batch_invariant
         self.num_block_weights = 0  # how many layers got their blocks, for the log
+        self._count_lock = threading.Lock()  # layers are processed on a load's workers
 
     def create_weights(
         self,
@@ -303,7 +305,8 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
         if layer.gguf_parts:
             layer.blocks = self._join(layer.gguf_parts, tuple(layer.weight.shape))
             layer.gguf_parts = {}
-            self.num_block_weights += layer.blocks is not None
+            with self._count_lock:
+                self.num_block_weights += layer.blocks is not None
         if self.batch_invariant and (layer.blocks is None or not layer.blocks.uses_amx):
             raise ValueError(
                 f"batch_invariant: a weight of shape {tuple(layer.weight.shape)} is not in "
