@@ -8,7 +8,8 @@ weights into the parameters, join the GGUF blocks, prepack for oneDNN; then one 
 request. Each run loads one of three ways, in turns, so all see the same load: on one torch
 thread ("1"), on torch's pool ("2" on two cores), or as `get_model` loads a small model
 ("workers": the operations spread over one worker thread per core, each on one torch
-thread; model/load_threads.py).
+thread; model/load_threads.py). Its prepacking is timed whichever way; a server's engine
+leaves it to its idle time after "ready" (model/registry.py, `pack_weights=False`).
 
 usage: python benchmarks/startup_load_pieces.py [--runs N] [--busy]
 """
@@ -41,7 +42,7 @@ from tokenserve.model.load_threads import LoadWorkers
 from tokenserve.model.loader import iterate_model_weights
 from tokenserve.model.weight_cache import WeightDtypes
 config = EngineArgs().create_engine_config()
-def get_model(model_config, attention, kernel_config, device, parallel=None):
+def get_model(model_config, attention, kernel_config, device, parallel=None, pack_weights=True):
     threads = torch.get_num_threads()
     mode = sys.argv[1]
     workers = LoadWorkers(threads if mode == "workers" else 1)

@@ -1,7 +1,8 @@
-"""An idle engine core builds its bf16 products' oneDNN primitives ahead of the steps that
-run them (worker/product_warm_up.py): each distinct weight shape once per row bucket up to
-the step budget's, the most rows first, one product per call; then the heap a full step
-takes and the weights' huge pages (worker/cpu_memory.py), before the KV cache's pages."""
+"""An idle engine core packs the weights its load left unpacked (a layer per call), then builds
+its bf16 products' oneDNN primitives ahead of the steps that run them
+(worker/product_warm_up.py): each distinct weight shape once per row bucket up to the step
+budget's, the most rows first, one product per call; then the heap a full step takes and the
+weights' huge pages (worker/cpu_memory.py), before the KV cache's pages."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ from tokenserve.core.engine_core import EngineCore
 from tokenserve.core.engine_core_proc import PREFAULT_SLICE_SECONDS, EngineCoreProc
 from tokenserve.core.request import Request
 from tokenserve.engine.engine_args import EngineArgs
+from tokenserve.engine.llm_engine import LLMEngine
 from tokenserve.model.layers.linear import ReplicatedLinear
 from tokenserve.model.layers.quantization.unquantized import UnquantizedLinearMethod
+from tokenserve.model.registry import layers_to_pack
 from tokenserve.kernels.row_buckets import buckets_up_to
 from tokenserve.worker.product_warm_up import MAX_PRODUCTS, ProductWarmUp, warm_up_plan
 
@@ -49,7 +52,12 @@ def _shape(layer) -> tuple[int, int]:
 
 def test_an_idle_engine_core_builds_each_product_once_per_bucket(tiny_model_dirs):
     core = _core(tiny_model_dirs["llama"])
-    plan = warm_up_plan(_model(core), 100)
+    model = _model(core)
+    # The load left oneDNN's packing to the idle time: a layer per call comes first.
+    pending = len(layers_to_pack(model))
+    assert pending > 0
+    assert all(core.warm_up() for _ in range(pending)) and not layers_to_pack(model)
+    plan = warm_up_plan(model, 100)
     if not plan:
         pytest.skip("torch's oneDNN did not pack the bf16 weights here")
     shapes = {_shape(layer) for layer, _ in plan}
@@ -78,6 +86,16 @@ def test_an_idle_engine_core_builds_each_product_once_per_bucket(tiny_model_dirs
     core.add_request(Request("s", [5, 6], SamplingParams(max_tokens=2), eos_token_id=None))
     with pytest.raises(AssertionError, match="only while idle"):
         core.warm_up()
+
+
+def test_an_offline_engine_packs_its_weights_before_its_first_step(tiny_model_dirs):
+    # No idle loop offline (LLM): the engine is built packed, as the server's is once idle.
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=tiny_model_dirs["llama"], kv_cache_memory="8MiB", max_model_len=100))
+    [(model, left)] = engine.engine_core.collective_rpc(
+        lambda worker: (worker.model_runner.model, worker.model_runner.layers_to_pack))
+    assert not layers_to_pack(model) and left == []
+    assert any(getattr(module, "packed_weight", None) is not None for module in model.modules())
 
 
 def test_the_plan_leaves_out_rows_other_kernels_take():

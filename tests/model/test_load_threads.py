@@ -75,9 +75,9 @@ def test_a_gguf_model_loaded_by_the_workers_is_the_model_loaded_one_operation_at
     seen: list[tuple[int, int]] = []
     process = registry.process_weights_after_loading
 
-    def spy(model: torch.nn.Module, workers: load_threads.LoadWorkers) -> None:
+    def spy(model: torch.nn.Module, workers: load_threads.LoadWorkers, pack: bool) -> None:
         seen.append((workers.count, torch.get_num_threads()))
-        process(model, workers)
+        process(model, workers, pack)
 
     monkeypatch.setattr(registry, "process_weights_after_loading", spy)
     model_state(gguf)  # fills the cache: both loads below are hits

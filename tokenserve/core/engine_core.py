@@ -116,13 +116,18 @@ class EngineCore:
         assert not self.has_unfinished_requests(), "only while idle"
         return self.executor.prefault_kv_cache(max_seconds)
 
+    def pack_weights(self) -> None:
+        """Pack every weight the workers' loads left unpacked, now: for an engine without
+        idle time to do it in (the offline LLM), so that its first steps do not."""
+        self.executor.pack_weights()
+
     def warm_up(self) -> bool:
         """Between steps only, while nothing is to compute: one more piece of the workers'
-        warm-up, so that the first step of each size does not pay for it: the oneDNN
-        primitives for the bf16 products' row buckets (worker/product_warm_up.py), then the
-        heap memory a step of the budget's tokens allocates and the weights moved onto huge
-        pages (worker/cpu_memory.py, `HeapReserve`, `WeightHugePages`); whether any are
-        left."""
+        warm-up, so that the first step of each size does not pay for it: oneDNN's packing
+        of the weights the load left unpacked, the oneDNN primitives for the bf16 products'
+        row buckets (worker/product_warm_up.py), then the heap memory a step of the budget's
+        tokens allocates and the weights moved onto huge pages (worker/cpu_memory.py,
+        `HeapReserve`, `WeightHugePages`); whether any are left."""
         assert not self.has_unfinished_requests(), "only while idle"
         return self.executor.warm_up()
 

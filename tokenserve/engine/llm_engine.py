@@ -36,6 +36,8 @@ class LLMEngine:
         self.processor = Processor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCore(config, load_tokenizer=lambda: self.tokenizer)
+        # No idle time to pack in, as a server has: ready here means packed.
+        self.engine_core.pack_weights()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:

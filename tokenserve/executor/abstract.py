@@ -81,6 +81,10 @@ class Executor(ABC):
         max_seconds (between steps only); whether any worker has pages left."""
         return any(self.collective_rpc("prefault_kv_cache", args=(max_seconds,)))
 
+    def pack_weights(self) -> None:
+        """Pack every weight each worker's load left unpacked, now (oneDNN's form)."""
+        self.collective_rpc("pack_weights")
+
     def warm_up(self) -> bool:
         """One more piece of each worker's warm-up (its bf16 product primitives, then the
         heap a full step's activations take) ahead of the steps that need it (between steps

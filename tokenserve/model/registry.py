@@ -51,19 +51,32 @@ def build_model(
 
 
 def process_weights_after_loading(
-    model: torch.nn.Module, workers: LoadWorkers | None = None
+    model: torch.nn.Module, workers: LoadWorkers | None = None, pack: bool = True
 ) -> None:
-    """Each layer's loaded weights into the form its quantization method reads (packed for
-    oneDNN, GGUF blocks joined); once, after loading, on the model's device. `workers`:
-    the load's threads, a layer each at a time (default: this thread)."""
+    """Each layer's loaded weights into the form its quantization method reads (GGUF blocks
+    joined, packed for oneDNN: with pack=False, left to `layers_to_pack`); once, after
+    loading, on the model's device. `workers`: the load's threads, a layer each at a time
+    (default: this thread)."""
     workers = workers or LoadWorkers(1)
-    layers = [module for module in model.modules()
-              if getattr(module, "quant_method", None) is not None]
+    layers = _quantized_layers(model)
     # The largest first (a tied head's table), so that no worker is left with it at the end.
     layers.sort(key=lambda layer: getattr(layer, "weight", torch.empty(0)).numel(), reverse=True)
     for layer in layers:
-        workers.submit(layer.quant_method.process_weights_after_loading, layer)
+        workers.submit(layer.quant_method.process_weights_after_loading, layer, pack)
     workers.wait()
+
+
+def layers_to_pack(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers whose packing process_weights_after_loading(pack=False) left: each packs
+    with `layer.quant_method.pack_weight(layer)`, or itself at its first product that reads
+    the packed form."""
+    return [layer for layer in _quantized_layers(model)
+            if getattr(layer, "packing_pending", False)]
+
+
+def _quantized_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [module for module in model.modules()
+            if getattr(module, "quant_method", None) is not None]
 
 
 def get_model(
@@ -72,9 +85,12 @@ def get_model(
     kernel_config: KernelConfig,
     device: torch.device,
     parallel: ModelParallel | None = None,
+    pack_weights: bool = True,
 ) -> torch.nn.Module:
     """The model built, its weights loaded (GGUF blocks too, for a method that keeps them),
-    moved to `device` and processed: ready to run."""
+    moved to `device` and processed: ready to run. pack_weights=False leaves oneDNN's
+    packing to `layers_to_pack` (an engine's idle time) or to each layer's first product
+    that reads it: the same products, off the start."""
     torch.manual_seed(model_config.seed)
     model = build_model(model_config, attention, kernel_config, parallel)
     # A small model's copies and packing on the cores' worker threads (load_threads.py).
@@ -84,6 +100,6 @@ def get_model(
             model.load_weights(iterate_model_weights(model_config.files, WeightDtypes.of(model)))
         workers.wait()
         model = model.to(device).eval()
-        process_weights_after_loading(model, workers)
+        process_weights_after_loading(model, workers, pack=pack_weights)
     logger.info("Linear layers: %s.", model.linear_method)
     return model

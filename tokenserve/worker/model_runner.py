@@ -33,7 +33,7 @@ from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.messages.scheduler_output import SchedulerOutput
 from tokenserve.model.layers.quantization.gguf import QuantizedWeight
 from tokenserve.model.precision import activation_dtype
-from tokenserve.model.registry import get_model
+from tokenserve.model.registry import get_model, layers_to_pack
 from tokenserve.sample.logits_processors import GrammarMask
 from tokenserve.sample.logprobs import LogprobsLists, LogprobsTensors, compute_logprobs
 from tokenserve.sample.rejection_sampler import RejectionSampler
@@ -100,6 +100,7 @@ class ModelRunner:
         # One per layer, in the attention backend's layout.
         self.kv_caches: list[torch.Tensor] = []
         self.kv_prefault: KVCachePrefault | None = None  # a CPU cache's, once allocated
+        self.layers_to_pack: list[torch.nn.Module] = []  # left by the load, for warm_up
         self.product_warm_up: ProductWarmUp | None = None  # made on first use
         self.heap_reserve: HeapReserve | None = None  # on CPU, made with it
         self.weight_pages: WeightHugePages | None = None  # made once the heap is reserved
@@ -117,10 +118,13 @@ class ModelRunner:
             self.kv_connector = create_worker_connector(config.kv_transfer_config)
 
     def load_model(self) -> None:
+        # oneDNN's packing waits for idle time (warm_up) or a layer's first product that
+        # reads it: a start's first requests multiply by other forms, or pack as they go.
         self.model = get_model(
             self.config.model_config, self.attention, self.config.kernel_config, self.device,
-            self.parallel,
+            self.parallel, pack_weights=False,
         )
+        self.layers_to_pack = layers_to_pack(self.model)
         if self.config.lora_config is not None:
             model_config = self.config.model_config
             self.lora_manager = LoRAModelManager(
@@ -160,14 +164,31 @@ class ModelRunner:
         time."""
         return self.kv_prefault is not None and self.kv_prefault.step(max_seconds)
 
+    def pack_weights(self) -> None:
+        """Pack every weight the load left unpacked (warm_up does it a layer per call)."""
+        while self._pack_one_weight():
+            pass
+
+    def _pack_one_weight(self) -> bool:
+        """Pack one more layer's weight the load left unpacked; whether there was one."""
+        while self.layers_to_pack:
+            layer = self.layers_to_pack.pop()
+            if layer.packing_pending:  # else a product packed it already
+                layer.quant_method.pack_weight(layer)
+                return True
+        return False
+
     def warm_up(self) -> bool:
         """One more piece of what the first steps of each size would otherwise pay for:
-        the oneDNN primitives the model's bf16 products will run at, one product per call, for
+        oneDNN's packing of the weights no product has packed yet, a layer per call; the
+        oneDNN primitives the model's bf16 products will run at, one product per call, for
         every row bucket up to the step budget's (worker/product_warm_up.py); then, on CPU,
         the heap memory a step of the budget's tokens allocates, a piece per call, and the
         model's weights moved onto huge pages, one per call (worker/cpu_memory.py;
         --no-weight-huge-pages: not). Whether any are left. For the engine core's idle time,
         on the thread that runs the steps."""
+        if self._pack_one_weight():
+            return True
         budget = self.config.scheduler_config.max_num_batched_tokens
         if self.product_warm_up is None:
             self.product_warm_up = ProductWarmUp(self.model, budget)

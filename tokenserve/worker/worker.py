@@ -49,6 +49,9 @@ class Worker:
     def prefault_kv_cache(self, max_seconds: float) -> bool:
         return self.model_runner.prefault_kv_cache(max_seconds)
 
+    def pack_weights(self) -> None:
+        self.model_runner.pack_weights()
+
     def warm_up(self) -> bool:
         return self.model_runner.warm_up()
 

@@ -1,5 +1,5 @@
 """The quantization methods (model/layers/quantization/): dense weights prepacked for oneDNN
-(the dense copy freed), and a GGUF model's blocks kept beside them, whose products of few
+(the dense copy freed; at load, or by the first product that reads the packed form), and a GGUF model's blocks kept beside them, whose products of few
 rows equal the dense product on gguf's dequantized weights, routed by rows to the few-row
 kernel, the many-row kernel, then oneDNN; the method chosen from the model's format."""
 
@@ -35,6 +35,48 @@ def test_unquantized_method_packs_for_onednn_and_frees_the_dense_weight():
     assert dense.packed_weight is None and torch.equal(dense.weight, weight)
     assert packed.packed_weight is not None and packed.weight.numel() == 0
     torch.testing.assert_close(packed(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weight_dtype", [None, torch.bfloat16])
+def test_a_packing_left_for_later_is_done_by_the_first_product_that_reads_it(weight_dtype):
+    # get_model(pack_weights=False): the same products as packed at load, packed later.
+    generator = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(48, 64, generator=generator), torch.randn(9, 64, generator=generator)
+    now, later = (
+        ReplicatedLinear(64, 48, quant_method=UnquantizedLinearMethod(weight_dtype=weight_dtype))
+        for _ in range(2)
+    )
+    for layer, pack in ((now, True), (later, False)):
+        layer.weight.weight_loader(layer.weight, weight)
+        layer.quant_method.process_weights_after_loading(layer, pack=pack)
+    # (oneDNN packs no bf16 weight on a CPU without native bf16: both stay dense there.)
+    packs = now.packed_weight is not None
+    assert not now.packing_pending
+    assert later.packed_weight is None and later.packing_pending
+    # The operator before hands the input the packed weight will read.
+    assert later.input_dtype(9) == now.input_dtype(9)
+    assert torch.equal(later(x), now(x))
+    assert (later.packed_weight is not None) == packs and not later.packing_pending
+    assert later.weight.numel() == now.weight.numel()  # the dense copy freed, as at load
+    packed = later.packed_weight
+    later.quant_method.pack_weight(later)  # once only
+    assert later.packed_weight is packed
+
+
+def test_a_gguf_layer_left_to_pack_multiplies_few_rows_by_its_blocks_and_packs_for_many():
+    blocks, reference = random_quantized("Q4_1", 32, 96)
+    method = GGUFLinearMethod(max_rows=4, gemm_max_rows=16, use_onednn=True)
+    layer = ReplicatedLinear(96, 32, quant_method=method)
+    layer.weight.weight_loader(layer.weight, reference)
+    layer.weight.weight_loader(layer.weight, blocks)
+    method.process_weights_after_loading(layer, pack=False)
+    assert layer.blocks is not None and layer.packing_pending
+    generator = torch.Generator().manual_seed(2)
+    few, many = torch.randn(3, 96, generator=generator), torch.randn(40, 96, generator=generator)
+    for x in (few, many):
+        expected = (x.double() @ reference.double().T).float()
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
+        assert layer.packing_pending == (x is few)
 
 
 @pytest.mark.parametrize("use_onednn", [True, False])

@@ -31,8 +31,13 @@ class QuantizationMethod(ABC):
         which only a method that reads that form keeps."""
         copy_rows(layer.weight, loaded_weight, rows)
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Turn the loaded weight into the form `apply` reads (once, after loading)."""
+    def process_weights_after_loading(self, layer: nn.Module, pack: bool = True) -> None:
+        """Turn the loaded weight into the form `apply` reads (once, after loading). With
+        pack=False a method may leave a repacking that only some products read (oneDNN's
+        layout) to `pack_weight`, which `apply` then calls itself before the first of them."""
+
+    def pack_weight(self, layer: nn.Module) -> None:
+        """What process_weights_after_loading(pack=False) left, done (once; a no-op after)."""
 
     def input_dtype(self, layer: nn.Module, rows: int) -> torch.dtype | None:
         """What `apply` reads for a product of `rows` rows where that differs from the

@@ -301,7 +301,7 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
             raise ValueError(f"GGUF blocks of {loaded_weight.shape[0]} rows for {count} rows.")
         layer.gguf_parts[first] = loaded_weight
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: nn.Module, pack: bool = True) -> None:
         if layer.gguf_parts:
             layer.blocks = self._join(layer.gguf_parts, tuple(layer.weight.shape))
             layer.gguf_parts = {}
@@ -313,7 +313,7 @@ class GGUFLinearMethod(UnquantizedLinearMethod):
                 f"blocks the AMX kernel takes ({', '.join(QUANTIZED_KINDS)}, whole 16-row "
                 "panels); its products would go to oneDNN, whose sums depend on the batch."
             )
-        super().process_weights_after_loading(layer)
+        super().process_weights_after_loading(layer, pack)
 
     def _join(
         self, parts: dict[int, QuantizedWeight], shape: tuple[int, ...]

@@ -63,10 +63,17 @@ class UnquantizedLinearMethod(QuantizationMethod):
             requires_grad=False,
         )
         layer.packed_weight = None  # oneDNN's form, once processed
+        layer.packing_pending = False  # loaded, and its packing left for later (pack_weight)
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if not self.use_onednn or layer.packed_weight is not None:
+    def process_weights_after_loading(self, layer: nn.Module, pack: bool = True) -> None:
+        layer.packing_pending = self.use_onednn and layer.packed_weight is None
+        if pack:
+            self.pack_weight(layer)
+
+    def pack_weight(self, layer: nn.Module) -> None:
+        if not getattr(layer, "packing_pending", False):
             return
+        layer.packing_pending = False
         # A tied head's weight is the (activation-dtype) embedding table: packed in the
         # products' dtype all the same.
         packed = pack_for_onednn(layer.weight, self.weight_dtype)
@@ -79,9 +86,14 @@ class UnquantizedLinearMethod(QuantizationMethod):
 
     def input_dtype(self, layer: nn.Module, rows: int) -> torch.dtype | None:
         """bf16 for bf16 products: the operator before hands its result in bf16, no cast.
-        (A tied head left unpacked multiplies by the float32 table: None.)"""
-        weight = layer.weight if layer.packed_weight is None else layer.packed_weight
-        return self.weight_dtype if weight.dtype == self.weight_dtype else None
+        (A tied head left unpacked multiplies by the float32 table: None.) A weight still to
+        be packed answers as packed, which its first product here makes it."""
+        if getattr(layer, "packing_pending", False):
+            dtype = self.weight_dtype or layer.weight.dtype
+        else:
+            weight = layer.weight if layer.packed_weight is None else layer.packed_weight
+            dtype = weight.dtype
+        return self.weight_dtype if dtype == self.weight_dtype else None
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -89,6 +101,8 @@ class UnquantizedLinearMethod(QuantizationMethod):
         """x · Wᵀ (+ bias). Float32 x on bf16 weights: the result comes back float32; bf16 x
         (handed by the operator before): the result stays bf16 (float32 with a bias, which
         is added in float32)."""
+        if getattr(layer, "packing_pending", False):
+            self.pack_weight(layer)  # the first product that reads oneDNN's form
         weight = layer.weight if layer.packed_weight is None else layer.packed_weight
         if weight.dtype != x.dtype or x.dtype == self.weight_dtype:
             # bf16 products: round x, accumulate in float32 (oneDNN, MKL), and add the bias
