@@ -1,5 +1,6 @@
-"""`tokenserve bench startup`: the log marks it reads, its summary, and one real start of the
-tiny model through the command line (no timing asserts: only the order of the phases)."""
+"""`tokenserve bench startup`: the log marks it reads, its summary, the server's environment,
+and one real start of the tiny model through the command line (no timing asserts: only the
+order of the phases)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from tokenserve.benchmarks.startup import (
     StartupRun,
     format_report,
     log_marks,
+    server_environment,
     summarize,
 )
 from tokenserve.entrypoints import cli
@@ -47,6 +49,12 @@ def test_summary_takes_medians_and_sums_memory():
     assert summary["rss_total_bytes"] == 700  # median of 400, 700, 700
     report = format_report(summary, cold=False)
     assert "3 warm run(s)" in report and "3.10" in report
+
+
+def test_the_server_writes_its_bytecode_and_uses_the_cache_directory_given():
+    env = server_environment(
+        {"PATH": "/bin", "PYTHONDONTWRITEBYTECODE": "1", "TOKENSERVE_CACHE_DIR": "/old"}, "/new")
+    assert env == {"PATH": "/bin", "TOKENSERVE_CACHE_DIR": "/new"}
 
 
 def test_bench_startup_on_a_real_server(tiny_model_dirs: dict[str, str], tmp_path: Path):

@@ -11,7 +11,9 @@ whole answer) are seen by the client. After the answer, the resident memory of t
 process and the engine-core process (psutil). `--cold` empties tokenserve's cache
 directory (converted tokenizers, built kernels, expanded weights) before each run and
 builds the kernels again as `scripts/install.sh` does (timed apart): the "right after a
-fresh install" figure. How the figures read: docs/STARTUP.md.
+fresh install" figure. The server writes and reads its modules' bytecode, as an installed
+package does, whatever PYTHONDONTWRITEBYTECODE says here. How the figures read:
+docs/STARTUP.md.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -157,7 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.num_runs < 1:
         raise ValueError(f"--num-runs must be at least 1, got {args.num_runs}.")
     cache_dir = os.path.expanduser(args.cache_dir) if args.cache_dir else cache_root()
-    env = {**os.environ, CACHE_DIR_ENV: cache_dir}
+    env = server_environment(os.environ, cache_dir)
     runs = []
     for index in range(args.num_runs):
         install_s = _fresh_install(cache_dir, env) if args.cold else None
@@ -174,6 +177,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with open(args.output_json, "w") as file:
             json.dump(report, file, indent=2)
     return report
+
+
+def server_environment(environ: Mapping[str, str], cache_dir: str) -> dict[str, str]:
+    """The server's environment: this one with `cache_dir` as its cache directory, and its
+    modules' bytecode written and read as an installed package's is (without
+    PYTHONDONTWRITEBYTECODE, which some containers set: every start would compile
+    tokenserve's modules again)."""
+    env = {name: value for name, value in environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
+    env[CACHE_DIR_ENV] = cache_dir
+    return env
 
 
 def _fresh_install(cache_dir: str, env: dict[str, str]) -> float:
