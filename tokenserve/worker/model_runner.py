@@ -124,7 +124,8 @@ class ModelRunner:
             self.config.model_config, self.attention, self.config.kernel_config, self.device,
             self.parallel, pack_weights=False,
         )
-        self.layers_to_pack = layers_to_pack(self.model)
+        # Popped from the end: in the model's order, the largest piece (the head) last.
+        self.layers_to_pack = layers_to_pack(self.model)[::-1]
         if self.config.lora_config is not None:
             model_config = self.config.model_config
             self.lora_manager = LoRAModelManager(
