@@ -6,6 +6,7 @@ model loaded one operation at a time."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,6 +66,29 @@ def test_a_failed_operation_fails_the_wait_after_the_others_ran(two_threads):
             workers.wait()
         assert sorted(done) == list(range(8))
         workers.wait()  # nothing left to report
+
+
+def test_the_submitting_loop_waits_while_each_worker_has_its_share_queued(two_threads):
+    # The tensors a queued copy reads stay in memory until it runs: the queue is bounded.
+    release = threading.Event()
+    limit = 2 * load_threads.QUEUED_PER_WORKER
+    submitted: list[int] = []
+
+    def submit_all(workers: load_threads.LoadWorkers) -> None:
+        for index in range(limit + 4):
+            workers.submit(release.wait)
+            submitted.append(index)
+
+    with load_threads.load_threads(torch.nn.Linear(4, 4)) as workers:
+        submitter = threading.Thread(target=submit_all, args=(workers,))
+        submitter.start()
+        submitter.join(timeout=1.0)
+        # Blocked until the gated operations run, however long that takes.
+        assert submitter.is_alive() and len(submitted) <= limit
+        release.set()
+        submitter.join()
+        workers.wait()
+    assert submitted == list(range(limit + 4))
 
 
 def test_a_gguf_model_loaded_by_the_workers_is_the_model_loaded_one_operation_at_a_time(

@@ -22,6 +22,7 @@ are not reused: after the load glibc's `malloc_trim` hands the arenas' free memo
 from __future__ import annotations
 
 import ctypes
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -30,6 +31,9 @@ import torch
 
 # Up to this many bytes of parameters a model loads on one torch thread per operation.
 ONE_THREAD_MAX_BYTES = 2 << 30
+# Operations queued per worker at most: the tensors a queued copy reads stay in memory until
+# it runs (a fresh expansion's, for one), so the loop that submits them waits beyond this.
+QUEUED_PER_WORKER = 4
 
 
 def parameter_bytes(model: torch.nn.Module) -> int:
@@ -39,32 +43,41 @@ def parameter_bytes(model: torch.nn.Module) -> int:
 
 
 class LoadWorkers:
-    """Runs a load's operations on `count` threads (in the caller's thread for one);
-    `wait` returns once all submitted have run, raising the first one's error."""
+    """Runs a load's operations on `count` threads (in the caller's thread for one), at most
+    QUEUED_PER_WORKER per worker queued (`submit` waits for the oldest beyond); `wait`
+    returns once all submitted have run, raising the first failed one's error."""
 
     def __init__(self, count: int) -> None:
         self.count = count
         self._executor = ThreadPoolExecutor(count, "model-load") if count > 1 else None
-        self._pending: list[Future] = []
+        self._pending: deque[Future] = deque()
+        self._error: BaseException | None = None
 
     def submit(self, operation: Callable[..., object], *args: object) -> None:
         if self._executor is None:
             operation(*args)
-        else:
-            self._pending.append(self._executor.submit(operation, *args))
+            return
+        if len(self._pending) >= self.count * QUEUED_PER_WORKER:
+            self._settle(self._pending.popleft())
+        self._pending.append(self._executor.submit(operation, *args))
 
     def wait(self) -> None:
-        pending, self._pending = self._pending, []
-        errors = [future.exception() for future in pending]  # each waits for its operation
-        first = next((error for error in errors if error is not None), None)
-        if first is not None:
-            raise first
+        while self._pending:
+            self._settle(self._pending.popleft())
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def _settle(self, future: Future) -> None:
+        error = future.exception()  # waits for the operation
+        if error is not None and self._error is None:
+            self._error = error
 
     def close(self) -> None:
         """Let what is running finish (a failed load's other copies too); start no more."""
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
-        self._pending = []
+        self._pending.clear()
 
 
 @contextmanager
