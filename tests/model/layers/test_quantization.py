@@ -63,6 +63,20 @@ def test_a_packing_left_for_later_is_done_by_the_first_product_that_reads_it(wei
     assert later.packed_weight is packed
 
 
+def test_a_packing_that_changes_the_weights_dtype_is_not_left_for_later():
+    # A bf16 model's tied head: the float32 embedding table is its weight, packed in bf16,
+    # which changes what its products read: packed at load whatever pack says.
+    method = UnquantizedLinearMethod(weight_dtype=torch.bfloat16)
+    head = ReplicatedLinear(64, 48, quant_method=method)
+    head.weight = torch.nn.Parameter(torch.randn(48, 64), requires_grad=False)
+    head.keep_dense_weight = True
+    method.process_weights_after_loading(head, pack=False)
+    assert not head.packing_pending
+    reads = head.input_dtype(9)
+    head(torch.randn(9, 64, dtype=reads or torch.float32))
+    assert head.input_dtype(9) == reads
+
+
 def test_a_gguf_layer_left_to_pack_multiplies_few_rows_by_its_blocks_and_packs_for_many():
     blocks, reference = random_quantized("Q4_1", 32, 96)
     method = GGUFLinearMethod(max_rows=4, gemm_max_rows=16, use_onednn=True)

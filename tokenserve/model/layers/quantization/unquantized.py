@@ -67,7 +67,9 @@ class UnquantizedLinearMethod(QuantizationMethod):
 
     def process_weights_after_loading(self, layer: nn.Module, pack: bool = True) -> None:
         layer.packing_pending = self.use_onednn and layer.packed_weight is None
-        if pack:
+        # Packing that changes the weight's dtype (a tied head's float32 table, packed in bf16)
+        # changes what its products read (`input_dtype`): that one is done now.
+        if pack or layer.weight.dtype != (self.weight_dtype or layer.weight.dtype):
             self.pack_weight(layer)
 
     def pack_weight(self, layer: nn.Module) -> None:
@@ -87,13 +89,9 @@ class UnquantizedLinearMethod(QuantizationMethod):
     def input_dtype(self, layer: nn.Module, rows: int) -> torch.dtype | None:
         """bf16 for bf16 products: the operator before hands its result in bf16, no cast.
         (A tied head left unpacked multiplies by the float32 table: None.) A weight still to
-        be packed answers as packed, which its first product here makes it."""
-        if getattr(layer, "packing_pending", False):
-            dtype = self.weight_dtype or layer.weight.dtype
-        else:
-            weight = layer.weight if layer.packed_weight is None else layer.packed_weight
-            dtype = weight.dtype
-        return self.weight_dtype if dtype == self.weight_dtype else None
+        be packed is in the dtype its packing keeps."""
+        weight = layer.weight if layer.packed_weight is None else layer.packed_weight
+        return self.weight_dtype if weight.dtype == self.weight_dtype else None
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
