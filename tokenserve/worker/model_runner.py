@@ -32,6 +32,7 @@ from tokenserve.lora.manager import LoRAModelManager
 from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.messages.scheduler_output import SchedulerOutput
 from tokenserve.model.layers.quantization.gguf import QuantizedWeight
+from tokenserve.model.load_threads import return_free_memory
 from tokenserve.model.precision import activation_dtype
 from tokenserve.model.registry import get_model, layers_to_pack
 from tokenserve.sample.logits_processors import GrammarMask
@@ -189,6 +190,10 @@ class ModelRunner:
         --no-weight-huge-pages: not). Whether any are left. For the engine core's idle time,
         on the thread that runs the steps."""
         if self._pack_one_weight():
+            if not self.layers_to_pack:
+                # The dense weights the packing freed, back to the system before the heap
+                # reserve below takes what a step's activations need.
+                return_free_memory()
             return True
         budget = self.config.scheduler_config.max_num_batched_tokens
         if self.product_warm_up is None:
