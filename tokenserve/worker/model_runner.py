@@ -171,12 +171,18 @@ class ModelRunner:
         while self._pack_one_weight():
             pass
 
-    def _pack_one_weight(self) -> bool:
-        """Pack one more layer's weight the load left unpacked; whether there was one."""
+    def _pack_one_weight(self, threads: int | None = None) -> bool:
+        """Pack one more layer's weight the load left unpacked, on `threads` torch threads
+        (default: torch's); whether there was one."""
         while self.layers_to_pack:
             layer = self.layers_to_pack.pop()
             if layer.packing_pending:  # else a product packed it already
-                layer.quant_method.pack_weight(layer)
+                previous = torch.get_num_threads()
+                torch.set_num_threads(threads or previous)
+                try:
+                    layer.quant_method.pack_weight(layer)
+                finally:
+                    torch.set_num_threads(previous)
                 return True
         return False
 
@@ -189,7 +195,7 @@ class ModelRunner:
         model's weights moved onto huge pages, one per call (worker/cpu_memory.py;
         --no-weight-huge-pages: not). Whether any are left. For the engine core's idle time,
         on the thread that runs the steps."""
-        if self._pack_one_weight():
+        if self._pack_one_weight(threads=1):
             if not self.layers_to_pack:
                 # The dense weights the packing freed, back to the system before the heap
                 # reserve below takes what a step's activations need.
