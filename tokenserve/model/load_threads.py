@@ -13,10 +13,10 @@ and the other takes the next. A large model keeps the pool, one operation at a t
 each operation's work outweighs the barrier. Threads change no result: every operation is a
 copy, a cast or a reorder of its own tensors.
 
-A load frees memory (the dense weights once packed), and the workers' allocations (packed
-weights, joined blocks) come from their own malloc arenas, so the holes left in the main one
-are not reused: after the load glibc's `malloc_trim` hands the arenas' free memory back
-(~400 MB of RSS on the default model, in ~40 ms).
+A load that packs frees memory (the dense weights once packed), and the workers'
+allocations (packed weights, joined blocks) come from their own malloc arenas, so the holes
+left in the main one are not reused: after the load glibc's `malloc_trim` hands the arenas'
+free memory back (~400 MB of RSS on the default model, in ~40 ms, when it packs at load).
 """
 
 from __future__ import annotations
@@ -85,17 +85,26 @@ def load_threads(model: torch.nn.Module) -> Iterator[LoadWorkers]:
     """The workers a load of `model` runs its operations on: as many as torch has threads,
     each operation on one torch thread, for a small model; one, on torch's pool, for a large
     one. Torch gets its thread count back afterwards."""
-    previous = torch.get_num_threads()
+    threads = torch.get_num_threads()
     small = parameter_bytes(model) <= ONE_THREAD_MAX_BYTES
-    workers = LoadWorkers(previous if small else 1)
-    if small:
-        torch.set_num_threads(1)
-    try:
-        yield workers
-    finally:
-        workers.close()
-        torch.set_num_threads(previous)
+    workers = LoadWorkers(threads if small else 1)
+    with torch_threads(1 if small else threads):
+        try:
+            yield workers
+        finally:
+            workers.close()
     return_free_memory()
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run the block on `count` torch threads, then give torch its count back."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def return_free_memory() -> None:

@@ -32,7 +32,7 @@ from tokenserve.lora.manager import LoRAModelManager
 from tokenserve.messages.model_runner_output import ModelRunnerOutput
 from tokenserve.messages.scheduler_output import SchedulerOutput
 from tokenserve.model.layers.quantization.gguf import QuantizedWeight
-from tokenserve.model.load_threads import return_free_memory
+from tokenserve.model.load_threads import return_free_memory, torch_threads
 from tokenserve.model.precision import activation_dtype
 from tokenserve.model.registry import get_model, layers_to_pack
 from tokenserve.sample.logits_processors import GrammarMask
@@ -171,18 +171,12 @@ class ModelRunner:
         while self._pack_one_weight():
             pass
 
-    def _pack_one_weight(self, threads: int | None = None) -> bool:
-        """Pack one more layer's weight the load left unpacked, on `threads` torch threads
-        (default: torch's); whether there was one."""
+    def _pack_one_weight(self) -> bool:
+        """Pack one more layer's weight the load left unpacked; whether there was one."""
         while self.layers_to_pack:
             layer = self.layers_to_pack.pop()
             if layer.packing_pending:  # else a product packed it already
-                previous = torch.get_num_threads()
-                torch.set_num_threads(threads or previous)
-                try:
-                    layer.quant_method.pack_weight(layer)
-                finally:
-                    torch.set_num_threads(previous)
+                layer.quant_method.pack_weight(layer)
                 return True
         return False
 
@@ -195,12 +189,16 @@ class ModelRunner:
         model's weights moved onto huge pages, one per call (worker/cpu_memory.py;
         --no-weight-huge-pages: not). Whether any are left. For the engine core's idle time,
         on the thread that runs the steps."""
-        if self._pack_one_weight(threads=1):
-            if not self.layers_to_pack:
-                # The dense weights the packing freed, back to the system before the heap
-                # reserve below takes what a step's activations need.
-                return_free_memory()
-            return True
+        if self.layers_to_pack:
+            # On one thread: the API process, answering the first requests, keeps a core.
+            with torch_threads(1):
+                packed = self._pack_one_weight()
+            if packed:
+                if not self.layers_to_pack:
+                    # The dense weights the packing freed, back to the system before the
+                    # heap reserve below takes what a step's activations need.
+                    return_free_memory()
+                return True
         budget = self.config.scheduler_config.max_num_batched_tokens
         if self.product_warm_up is None:
             self.product_warm_up = ProductWarmUp(self.model, budget)
