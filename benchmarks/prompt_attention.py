@@ -1,16 +1,23 @@
 """The prompt-attention kernel (kernels/csrc/prompt_attention.c) against the SDPA path it
 replaces, on the prompt-chunk shapes of W1, W3 and W4 and short chunks, for each
-instruction-set level the CPU runs with native bf16 (kernels/cpu_isa.py; lower levels keep SDPA).
+instruction-set level the CPU runs with native bf16 (kernels/cpu_isa.py; lower levels keep SDPA
+for bf16 chunks), or with `--kv-cache-dtype float32` for every level the CPU runs (the
+kernel's float32 path, what a float32 model takes: `--dtype auto` on a CPU without native
+bf16).
 
 Both run through the CPU attention backend (attention/torch_sdpa.py) on a bf16 cache, as
-`--dtype auto` serves the default model (`--kv-cache-dtype`: an 8-bit float one, as `fp8`
-and `fp8_e5m2` hold it): one layer's forward() over a step of prompt chunks
+`--dtype auto` serves the default model where the CPU has native bf16 (`--kv-cache-dtype`:
+an 8-bit float one, as `fp8` and `fp8_e5m2` hold it; float32, with float32 attention):
+one layer's forward() over a step of prompt chunks
 (the K/V writes included, the same for both), with the kernel, then with the backend's
 SDPA path (per chunk: the context gathered from the paged cache, a causal mask offset by
 the cached tokens, PyTorch's bf16 flash kernel). Shapes default to the default model's (9
 query heads, 3 kv heads, head size 64). Figures: the fastest of `--repeats` wall-clock
 times (kernel and SDPA taking turns), and GFLOP/s of useful work (4 · heads · head size
-per query-key pair that the causal mask lets through).
+per query-key pair that the causal mask lets through). With a shared prefix of at least
+1,024 positions the SDPA column runs cascade attention over it, as the backend plans it; the
+kernel column always the kernel (on a float32 cache the backend itself leaves such a step to
+the cascade: attention/torch_sdpa.py, `prompt_kernel_takes`).
 
 `--shared-prefix N`: the chunks' first N context positions (whole blocks) are the same
 blocks in every table, as prefix caching hands W3's requests their common prefix (the
@@ -22,13 +29,14 @@ one process, which this machine's drift from one run to the next would swamp.
 usage: python benchmarks/prompt_attention.py [--shapes w1 short w3-first w3-continue
        w3-tails w3-cached w4 w2]
        [--scale 1.0] [--block-size 16] [--cpu-isa avx512_bf16 amx] [--repeats 7]
-       [--shared-prefix 0] [--other-csrc DIR] [--kv-cache-dtype bfloat16]
+       [--shared-prefix 0] [--other-csrc DIR] [--kv-cache-dtype bfloat16|float32|...]
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import time
 
 import torch
@@ -102,9 +110,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=9)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
-    bf16_levels = [level for level in cpu_isa.supported_levels() if cpu_isa.native_bf16(level)]
-    parser.add_argument("--cpu-isa", nargs="+", default=bf16_levels,
-                        help="Levels to run (default: every one with native bf16 here).")
+    parser.add_argument("--cpu-isa", nargs="+", default=None,
+                        help="Levels to run (default: every one with native bf16 here; with "
+                             "a float32 cache every one).")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="Context positions (whole blocks) every chunk reads from the same "
@@ -113,9 +121,13 @@ def main() -> None:
                         help="Another tree's tokenserve/kernels/csrc: its kernel runs too, "
                              "taking turns with this one's (column `other`).")
     parser.add_argument("--kv-cache-dtype", default="bfloat16",
-                        choices=["bfloat16", "float8_e4m3fn", "float8_e5m2"])
+                        choices=["bfloat16", "float8_e4m3fn", "float8_e5m2", "float32"])
     args = parser.parse_args()
     cache_dtype = getattr(torch, args.kv_cache_dtype)
+    float32 = cache_dtype == torch.float32
+    if args.cpu_isa is None:
+        args.cpu_isa = [level for level in cpu_isa.supported_levels()
+                        if float32 or cpu_isa.native_bf16(level)]
     levels = [cpu_isa.resolve(level) for level in args.cpu_isa]
     print(f"{args.heads} heads / {args.kv_heads} kv heads x {args.head_dim}, block size "
           f"{args.block_size}, {args.kv_cache_dtype} cache, {torch.get_num_threads()} threads")
@@ -124,10 +136,10 @@ def main() -> None:
         return
     for level in levels:
         build.select_isa(level)
-        backend = TorchSDPABackend(device=torch.device("cpu"), native_bf16=True)
+        backend = TorchSDPABackend(device=torch.device("cpu"), native_bf16=not float32)
         # The kernel column is the kernel's path for the level, whether or not the backend
         # takes that path on this CPU (torch_sdpa.prompt_kernel_paths).
-        backend.prompt_paths = ("avx512_bf16", "amx")
+        backend.prompt_paths = ("avx512_bf16", "amx", "float32")
         if backend.prompt_ops is None:
             raise SystemExit("The C kernels are unavailable (see the warning above).")
         builds = {"kernel": backend.prompt_ops, "sdpa": None}
@@ -142,12 +154,15 @@ def main() -> None:
             kv_cache = torch.randn(backend.kv_cache_shape(
                 num_blocks, args.block_size, args.kv_heads, args.head_dim)).to(cache_dtype)
             metadata = backend.build_metadata(common)
+            # The kernel's columns without the cascades (which it skips on its bf16 paths).
+            without_cascades = dataclasses.replace(metadata, cascades=[])
             best = dict.fromkeys(builds, float("inf"))
             for _ in range(args.repeats):
                 for path, ops in builds.items():
                     backend.prompt_ops = ops
+                    step = metadata if ops is None else without_cascades
                     begin = time.perf_counter()
-                    backend.forward(*tensors, kv_cache, metadata, args.head_dim**-0.5)
+                    backend.forward(*tensors, kv_cache, step, args.head_dim**-0.5)
                     best[path] = min(best[path], time.perf_counter() - begin)
             backend.prompt_ops = builds["kernel"]
             flops = _useful_flops(chunks, args.heads, args.head_dim)

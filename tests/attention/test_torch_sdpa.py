@@ -241,8 +241,43 @@ def test_chunks_on_a_shared_prefix_go_to_the_prompt_kernel_where_it_runs(monkeyp
 
 def test_the_vdpbf16ps_prompt_path_is_taken_only_where_the_cpu_has_no_amx():
     """On an AMX CPU SDPA's GEMMs run on AMX tiles and beat the kernel's vdpbf16ps path (what
-    a lower --cpu-isa selects there); on an AVX512_BF16 CPU without AMX the kernel wins."""
+    a lower --cpu-isa selects there); on an AVX512_BF16 CPU without AMX the kernel wins. The
+    float32 path is taken everywhere."""
     zen4 = frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
     sapphire_rapids = zen4 | {"amx_bf16", "amx_tile"}
-    assert prompt_kernel_paths(zen4) == ("amx", "avx512_bf16")
-    assert prompt_kernel_paths(sapphire_rapids) == ("amx",)
+    assert prompt_kernel_paths(zen4) == ("amx", "avx512_bf16", "float32")
+    assert prompt_kernel_paths(sapphire_rapids) == ("amx", "float32")
+
+
+@pytest.mark.parametrize("cascade", [False, True])
+def test_float32_chunks_go_to_the_prompt_kernel_on_every_level(monkeypatch, cascade):
+    """Over a float32 cache the prompt-attention kernel's float32 path takes all of a step's
+    chunks on every level the kernels build for (first chunks and chunks continuing a
+    context alike, those sharing a cached prefix too: no cascade runs), and the fused layer
+    stack is told so; without the kernels, SDPA and the cascade. Float32 attention either
+    way."""
+    query_lens, seq_lens = [20, 5, 7, 1], [20, 53, 55, 40]
+    tables = [[4, 8], [1, 2, 3, 10], [1, 2, 3, 11], [5, 6, 7]]
+    common, tensors, generator = _step(query_lens, seq_lens, tables)
+    backend = TorchSDPABackend(native_bf16=False,
+                               cascade_min_prefix_tokens=32 if cascade else 1024)
+    kv_cache = _cache(backend, torch.float32, generator)
+    kernel_calls, cascade_calls = [], []
+    if backend.prompt_ops is not None:
+        attend = backend.prompt_ops.attend
+        monkeypatch.setattr(backend.prompt_ops, "attend",
+                            lambda *args: kernel_calls.append(1) or attend(*args))
+    cascaded = TorchSDPABackend._attend_cascade
+    monkeypatch.setattr(TorchSDPABackend, "_attend_cascade",
+                        lambda *args: cascade_calls.append(1) or cascaded(*args))
+    metadata = backend.build_metadata(common)
+    assert bool(metadata.cascades) == cascade
+    built = backend.prompt_ops is not None
+    if built:
+        assert backend.prompt_ops.path(torch.float32, HEADS, KV_HEADS, DIM) == "float32"
+    assert backend.prompt_kernel_takes(HEADS, kv_cache[0]) == built
+    output = backend.forward(*tensors, kv_cache, metadata, SCALE)
+    assert kernel_calls == ([1] if built else [])
+    assert cascade_calls == ([1] if cascade and not built else [])
+    torch.testing.assert_close(output, _reference(common, tensors, kv_cache), rtol=1e-4,
+                               atol=1e-5)

@@ -1,8 +1,9 @@
 """benchmarks/prompt_attention.py: the prompt-attention kernel against the SDPA path.
 
 Timings depend on the host, so only their shape is checked: every level with native bf16
-the host runs and every shape reported, each figure a finite, non-negative number; a host
-without native bf16 says that prompt chunks keep SDPA.
+the host runs (with a float32 cache every level it runs) and every shape reported, each
+figure a finite, non-negative number; a host without native bf16 says that bf16 prompt
+chunks keep SDPA.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "prompt_attention.
 NUMBER = r"([-+\d.eE]+|inf|nan)"
 
 
-@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e4m3fn", "float32"])
 def test_prompt_attention_benchmark_reports_every_level_and_shape(cache_dtype):
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--scale", "0.05", "--repeats", "1",
@@ -33,7 +34,8 @@ def test_prompt_attention_benchmark_reports_every_level_and_shape(cache_dtype):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(
         f"9 heads / 3 kv heads x 64, block size 16, {cache_dtype} cache, ")
-    levels = [level for level in cpu_isa.supported_levels() if cpu_isa.native_bf16(level)]
+    levels = [level for level in cpu_isa.supported_levels()
+              if cache_dtype == "float32" or cpu_isa.native_bf16(level)]
     if not levels:
         assert "prompt chunks keep SDPA" in result.stdout
         return
@@ -75,17 +77,19 @@ def test_a_shared_prefix_is_the_same_blocks_in_every_chunks_table():
     assert new_blocks <= set(own)
 
 
-def test_another_trees_kernels_run_beside_these(tmp_path):
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float32"])
+def test_another_trees_kernels_run_beside_these(tmp_path, cache_dtype):
     """--other-csrc: a second build (here a copy of this tree's csrc/) takes turns with this
     one's and gets its own column and ratio."""
-    levels = [level for level in cpu_isa.supported_levels() if cpu_isa.native_bf16(level)]
+    levels = [level for level in cpu_isa.supported_levels()
+              if cache_dtype == "float32" or cpu_isa.native_bf16(level)]
     if not levels:
-        pytest.skip("no level with native bf16: prompt chunks keep SDPA")
+        pytest.skip("no level with native bf16: bf16 prompt chunks keep SDPA")
     other = tmp_path / "csrc"
     shutil.copytree(SCRIPT.parents[1] / "tokenserve" / "kernels" / "csrc", other)
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--scale", "0.05", "--repeats", "1", "--shapes", "w1",
-         "--cpu-isa", levels[-1], "--other-csrc", str(other)],
+         "--cpu-isa", levels[-1], "--other-csrc", str(other), "--kv-cache-dtype", cache_dtype],
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert result.returncode == 0, result.stderr

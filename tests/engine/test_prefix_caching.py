@@ -69,9 +69,11 @@ def test_prefix_caching_disabled_reports_no_hits(tiny_model_dirs):
 
 
 def test_chunks_on_a_cached_prefix_take_cascade_attention(tiny_model_dirs, monkeypatch):
-    """Requests arriving together on a cached 1,024-token prefix: their chunks attend to it
-    in one call (cascade attention), with the greedy tokens and logprobs of attending chunk
-    by chunk (--disable-cascade-attn)."""
+    """Requests arriving together on a cached 1,024-token prefix: where SDPA attends prompt
+    chunks, their chunks attend to it in one call (cascade attention), with the greedy tokens
+    and logprobs of attending chunk by chunk (--disable-cascade-attn). The prompt kernel's
+    paths are turned off here: this float32 model's chunks would take its float32 path, which
+    attends every chunk over its whole context (no cascade; tests/attention)."""
     from tokenserve.attention.torch_sdpa import TorchSDPABackend
 
     calls = []
@@ -89,6 +91,10 @@ def test_chunks_on_a_cached_prefix_take_cascade_attention(tiny_model_dirs, monke
     results = {}
     for disable in (False, True):
         llm = LLM(tiny_model_dirs["llama"], kv_cache_memory="64MiB", disable_cascade_attn=disable)
+        (runner,) = llm.llm_engine.collective_rpc(lambda worker: worker.model_runner)
+        for module in runner.model.modules():
+            if isinstance(getattr(module, "backend", None), TorchSDPABackend):
+                module.backend.prompt_paths = ()
         run_one(llm, "prefix", prefix + [5])  # caches the prefix's blocks
         calls.clear()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

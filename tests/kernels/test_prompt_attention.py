@@ -3,9 +3,9 @@ out in float64 torch, for every instruction-set level the host has (conftest.py)
 chunks and chunks continuing a cached context in one call, query lengths 1..300 (and the
 default model's W1 and W4 steps), contexts
 on and off block edges, head sizes the AMX path takes (64, 96, 128) and one only the
-vdpbf16ps path takes (40), query-head groups 1, 3 and 4, float32, bf16 and 8-bit float
-caches (E4M3, E5M2: on both bf16 paths widened to bf16 as key tiles are read, for head
-sizes of 32s; elsewhere the decode kernel per row); rows
+vdpbf16ps path takes (40), query-head groups 1, 3 and 4, float32 (the float32 path on
+every level), bf16 and 8-bit float caches (E4M3, E5M2: on both bf16 paths widened to bf16
+as key tiles are read, for head sizes of 32s; elsewhere the decode kernel per row); rows
 outside the chunks untouched; a chunk's rows the same alone and among others; bad tables
 refused."""
 
@@ -106,6 +106,8 @@ def test_prompt_attention_matches_float64_attention(kernel, cpu_isa_level, case,
     else:
         assert native == (cache_dtype == torch.bfloat16 and cpu_isa.native_bf16(cpu_isa_level))
     amx = native and amx_shapes
+    if cache_dtype == torch.float32:
+        assert kernel.path(cache_dtype, num_heads, num_kv_heads, head_dim) == "float32"
     if native and not amx:
         assert kernel.path(cache_dtype, num_heads, num_kv_heads, head_dim) == "avx512_bf16"
     assert (kernel.path(cache_dtype, num_heads, num_kv_heads, head_dim) == "amx") == amx
@@ -128,13 +130,15 @@ def test_prompt_attention_matches_float64_attention(kernel, cpu_isa_level, case,
                                    atol=2e-6)
 
 
-def test_a_running_maximum_that_keeps_moving(kernel, cpu_isa_level):
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+def test_a_running_maximum_that_keeps_moving(kernel, cpu_isa_level, cache_dtype):
     """Scores that grow along the context (the running maximum moves a little at many key
-    tiles: the bf16 paths, AMX and `vdpbf16ps`, then keep a stale maximum, with
-    probabilities above 1) and jump at two keys (by far more: it moves), sharp enough that
-    most weights underflow: still float64 attention within the bf16 bound."""
+    tiles: the bf16 paths, AMX and `vdpbf16ps`, and the float32 path then keep a stale
+    maximum, with probabilities above 1) and jump at two keys (by far more: it moves), sharp
+    enough that most weights underflow: still float64 attention within the bf16 bound (a
+    float32 cache: within float32 sums)."""
     chunks = [(70, 400), (33, 33), (1, 260)]
-    query, key_cache, value_cache, batch = _step(9, 3, 64, 16, chunks, torch.bfloat16)
+    query, key_cache, value_cache, batch = _step(9, 3, 64, 16, chunks, cache_dtype)
     block_size = key_cache.shape[2]
     for (_, _, seq_len), table in zip(batch.chunks.tolist(), batch.block_tables):
         positions = torch.arange(seq_len)
@@ -142,32 +146,34 @@ def test_a_running_maximum_that_keeps_moving(kernel, cpu_isa_level):
         ramp[seq_len // 3] = ramp[-3] = 8.0  # jumps, also in the masked diagonal tiles
         blocks, offsets = table[positions // block_size], positions % block_size
         key_cache[blocks, :, offsets] = (key_cache[blocks, :, offsets].float()
-                                         * ramp[:, None, None]).to(torch.bfloat16)
+                                         * ramp[:, None, None]).to(cache_dtype)
     out = torch.full_like(query, float("nan"))
     kernel.attend(out, query, key_cache, value_cache, batch, 0.125)
-    native = kernel.native(torch.bfloat16, 9, 3, 64)
+    native = kernel.native(cache_dtype, 9, 3, 64)
     expected = _reference(query, key_cache, value_cache, batch, 0.125, bf16_queries=native)
     inside = ~expected.isnan()
     atol = 2**-8 * value_cache.float().abs().max().item() if native else 2e-5
     torch.testing.assert_close(out[inside].double(), expected[inside], rtol=0, atol=atol)
 
 
-def test_a_score_past_float32s_exponent_range_moves_the_maximum(kernel, cpu_isa_level):
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+def test_a_score_past_float32s_exponent_range_moves_the_maximum(kernel, cpu_isa_level,
+                                                                 cache_dtype):
     """One key mid-context 300 times longer than the rest: its scores pass the running
     maximum by far more than e^88 (float32's largest exponential) for the queries that
     point its way. The maximum must move there, else the exponentials overflow; float64
     attention within the bf16 bound."""
     chunks = [(70, 400), (1, 260)]
-    query, key_cache, value_cache, batch = _step(9, 3, 64, 16, chunks, torch.bfloat16)
+    query, key_cache, value_cache, batch = _step(9, 3, 64, 16, chunks, cache_dtype)
     block_size = key_cache.shape[2]
     for (_, _, seq_len), table in zip(batch.chunks.tolist(), batch.block_tables):
         far = seq_len // 2
         block, offset = table[far // block_size], far % block_size
         key_cache[block, :, offset] = (key_cache[block, :, offset].float() * 300).to(
-            torch.bfloat16)
+            cache_dtype)
     out = torch.full_like(query, float("nan"))
     kernel.attend(out, query, key_cache, value_cache, batch, 0.125)
-    native = kernel.native(torch.bfloat16, 9, 3, 64)
+    native = kernel.native(cache_dtype, 9, 3, 64)
     expected = _reference(query, key_cache, value_cache, batch, 0.125, bf16_queries=native)
     inside = ~expected.isnan()
     assert out[inside].isfinite().all()
@@ -192,11 +198,12 @@ def test_a_chunk_alone_equals_the_chunk_among_others(kernel, cache_dtype):
         assert torch.equal(alone[start:end], together[start:end])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("chunks", [[(256, 2048)], [(192, 1500), (64, 64), (1, 40)]])
-def test_the_output_does_not_depend_on_the_thread_count(kernel, chunks):
+def test_the_output_does_not_depend_on_the_thread_count(kernel, chunks, cache_dtype):
     """Items are cut by the thread count (a chunk of more than one thread's share of the work
     into a multiple of it): the rows are bit-identical on 1, 2 and 3 threads."""
-    query, key_cache, value_cache, batch = _step(9, 3, 64, 16, chunks, torch.bfloat16, gap=0)
+    query, key_cache, value_cache, batch = _step(9, 3, 64, 16, chunks, cache_dtype, gap=0)
     threads = torch.get_num_threads()
     outs = []
     try:

@@ -1,5 +1,6 @@
-"""Paged attention on CPU: C kernels for prompt chunks attending in bf16 and for decode
-rows, PyTorch's scaled_dot_product_attention for the other prompt chunks.
+"""Paged attention on CPU: C kernels for prompt chunks attending in bf16 or over a float32
+cache and for decode rows, PyTorch's scaled_dot_product_attention for the other prompt
+chunks.
 
 Prompt chunks that attend in bf16 (see the last paragraph) go, where the prompt-attention
 kernel (kernels/prompt_attention.py) runs them on a path faster than SDPA on this CPU
@@ -11,16 +12,19 @@ step's keys and values are written, it reads each chunk's queries in place from 
 QKV tensor and its context from the blocks (no gather, no mask, no casts), causal aligned
 bottom-right, with the numerics of PyTorch's bf16 flash kernel
 (docs/PERFORMANCE_CPU.md). Its chunk table (`PromptChunks`) is built once per step in
-`build_metadata`. Elsewhere (float32 prompt attention, no native bf16, the vdpbf16ps path
-on an AMX CPU forced to a lower --cpu-isa, the kernels off) each
+`build_metadata`. Over a float32 cache (a float32 model: `--dtype auto` on a CPU without
+native bf16) the kernel's float32 path takes them the same way, in float32, on every level
+(docs/PERFORMANCE_CPU.md, "The float32 path"). Elsewhere (a bf16 or 8-bit float cache
+under float32 attention, the vdpbf16ps path on an AMX CPU forced to a lower --cpu-isa, the
+kernels off) each
 prompt chunk gets its own SDPA call (4-D, so PyTorch takes its flash kernel, GQA
 included). A chunk with nothing cached before it attends over its own new keys and values
 directly; a chunk that continues a context gathers that context once per layer and uses a
 causal mask offset by the tokens already cached. Several tokens of a running request (a
-multi-token step) are such a continuing chunk. On that path, chunks that continue contexts sharing at
-least CASCADE_MIN_PREFIX_TOKENS cached tokens take cascade attention (attention/cascade.py),
-from where it pays (benchmarks/cascade_attention.py, docs/benchmarks/cpu-hot-path.md);
-`--disable-cascade-attn` turns it off.
+multi-token step) are such a continuing chunk. On that path, chunks that continue contexts
+sharing at least CASCADE_MIN_PREFIX_TOKENS cached tokens take cascade attention
+(attention/cascade.py), from where it pays (benchmarks/cascade_attention.py,
+docs/benchmarks/cpu-hot-path.md); `--disable-cascade-attn` turns it off.
 
 Decode rows (one query token) of all requests go to the paged-decode C kernel
 (kernels/paged_attention.py), which reads each query in place from the fused QKV tensor
@@ -90,9 +94,11 @@ def prompt_kernel_paths(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     docs/PERFORMANCE_CPU.md). AMX tiles: 1.2-1.5x on W3/W4 chunks. The vdpbf16ps path only
     on a CPU without AMX, where SDPA's GEMMs have none either: 2.2-3.7x there (AMD EPYC,
     Zen 4); on an AMX CPU it ran at 0.4-0.9x of SDPA, whose GEMMs there are oneDNN's AMX
-    ones whatever --cpu-isa selects."""
+    ones whatever --cpu-isa selects. The float32 path everywhere: 1.1-2x SDPA's float32
+    flash kernel on an AVX2 CPU (AMD EPYC, Zen 3), not measured on AVX-512."""
     flags = cpu_isa.cpu_flags() if flags is None else flags
-    return ("amx",) if "amx_bf16" in flags else ("amx", "avx512_bf16")
+    bf16 = ("amx",) if "amx_bf16" in flags else ("amx", "avx512_bf16")
+    return (*bf16, "float32")
 
 
 @dataclass
@@ -294,15 +300,17 @@ class TorchSDPABackend(AttentionBackend):
 
     def prompt_kernel_takes(self, num_heads: int, key_cache: torch.Tensor) -> bool:
         """Whether the prompt-attention kernel takes the chunks of float32 queries of
-        num_heads heads over key_cache ([blocks, kv_heads, block_size, head_dim]): where they
-        attend in bf16 and the kernel's path is one of `prompt_paths`
-        (prompt_kernel_paths())."""
-        return (
-            self.prompt_ops is not None
-            and self.prompt_dtype(torch.float32, key_cache.dtype) == torch.bfloat16
-            and self.prompt_ops.path(key_cache.dtype, num_heads, key_cache.shape[1],
-                                     key_cache.shape[3]) in self.prompt_paths
-        )
+        num_heads heads over key_cache ([blocks, kv_heads, block_size, head_dim]): where the
+        kernel's path is one of `prompt_paths` (prompt_kernel_paths()) and, on its bf16
+        paths, the chunks attend in bf16."""
+        if self.prompt_ops is None:
+            return False
+        path = self.prompt_ops.path(key_cache.dtype, num_heads, key_cache.shape[1],
+                                    key_cache.shape[3])
+        if path not in self.prompt_paths:
+            return False
+        return path == "float32" or (
+            self.prompt_dtype(torch.float32, key_cache.dtype) == torch.bfloat16)
 
     def _padded_decode(
         self, common: CommonAttentionMetadata, decode_reqs: list[int], seq_lens: list[int]

@@ -18,8 +18,9 @@ from tokenserve.kernels.tensor_checks import (
     ptr,
 )
 
-# ts_prompt_attention_path's answers.
-PATHS = ("float32", "avx512_bf16", "amx")
+# ts_prompt_attention_path's answers: the decode kernel per query row, the bf16 paths, the
+# float32 tiles.
+PATHS = ("rows", "avx512_bf16", "amx", "float32")
 
 
 class PromptChunks:
@@ -86,15 +87,17 @@ class PromptAttentionOps:
     def path(self, cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
              head_dim: int) -> str:
         """The kernel's path for these shapes: "amx" (AMX tiles) or "avx512_bf16"
-        (vdpbf16ps), both with the numerics of PyTorch's bf16 flash kernel; else "float32"
-        (the decode kernel per query row: correct, slower)."""
+        (vdpbf16ps), both with the numerics of PyTorch's bf16 flash kernel; "float32" (a
+        float32 cache: tiles of queries in float32 on every level); else "rows" (the decode
+        kernel per query row: correct, slower)."""
         code = self._path(CACHE_MODES.get(cache_dtype, 0), num_heads, num_kv_heads, head_dim)
         return PATHS[code]
 
     def native(self, cache_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                head_dim: int) -> bool:
         """Whether these shapes take a bf16 path (queries and probabilities rounded to bf16)."""
-        return self.path(cache_dtype, num_heads, num_kv_heads, head_dim) != "float32"
+        return self.path(cache_dtype, num_heads, num_kv_heads, head_dim) in ("avx512_bf16",
+                                                                             "amx")
 
     def attend(
         self,

@@ -10,7 +10,7 @@ to the next in C; one call per layer cost ~5-8 us of Python and ctypes a layer, 
 one-row step and ~1 % of a 4-row one) when
 - its attention runs on the CPU attention backend's C kernels: its decode rows on the paged
   decode kernel, its prompt chunks (if any) all on the prompt-attention kernel, as they are
-  where they attend in bf16 (`TorchSDPABackend.prompt_kernel_takes`);
+  where they attend in bf16 or over a float32 cache (`TorchSDPABackend.prompt_kernel_takes`);
 - it has at most as many rows as the GGUF block kernels take (192 by default; for a
   bfloat16 model `bf16_quantized_max_rows`: 1024 on amx, where its products take the AMX
   block kernel, 128 on avx512_bf16, through the vdpbf16ps block kernel, 16 elsewhere);

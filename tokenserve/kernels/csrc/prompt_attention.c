@@ -34,10 +34,12 @@
  * out, on the vdpbf16ps path into the scratch the scores then read (widen_keys); the
  * numerics are the bf16 cache's.
  *
- * Elsewhere (a float32 cache, a level without native bf16, an 8-bit float cache of another
- * head size, more than 96 heads per group) each query row is one call of the decode kernel
- * (paged_attention.c's decode_item) over its causal prefix: float32 arithmetic, correct,
- * and slower than the bf16 paths.
+ * A float32 cache takes the float32 path on every level (up to 48 heads per group, head
+ * sizes up to 256): the same items and lanes, in float32 with FMAs (see "The float32
+ * path" below). Elsewhere (a bf16 or 8-bit float cache on a level without native bf16, an
+ * 8-bit float cache of another head size, more than 96 heads per group) each query row is
+ * one call of the decode kernel (paged_attention.c's decode_item) over its causal prefix:
+ * float32 arithmetic, correct, and slower.
  *
  * Layouts: out, query [tokens, num_heads, head_dim] float32, rows strided, heads
  * contiguous; caches [num_blocks, num_kv_heads, block_size, head_dim]; chunks
@@ -88,28 +90,12 @@ static int by_work_descending(const void *a, const void *b) {
     return (wa < wb) - (wa > wb);
 }
 
-#if PROMPT_BF16
-#include "avx512.h"
+/* What a cache row past the context reads as: zeros (of any element size). */
+static const float zero_row[MAX_DIM] __attribute__((aligned(64)));
 
-/* The cache row of context position `pos` (bf16), or a row of zeros past the context. */
-static const uint16_t zero_row[MAX_DIM] __attribute__((aligned(64)));
-
-/* Elements d .. d + 31 of a cache row as bf16: a bf16 row's own; an 8-bit float row's
- * (kv: KV_FP8_E4M3 or KV_FP8_E5M2) widened (fp8.h) and rounded to bf16, exactly: every
- * 8-bit float is a bf16. */
-static inline __attribute__((always_inline)) __m512i kv_row_bf16(const void *row, int64_t d,
-                                                                 int kv) {
-    if (!KV_FP8(kv)) return _mm512_loadu_si512((const uint16_t *)row + d);
-    vwf k[2];
-    fp8_widen_chunk((const uint8_t *)row + d, kv == KV_FP8_E5M2, k);
-    const __m512 unit = _mm512_set1_ps(KV_UNIT(kv));
-    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps((__m512)k[1], unit),
-                                        _mm512_mul_ps((__m512)k[0], unit));
-}
-
-/* The cache rows of context positions k0 .. k0 + n (elements of `element` bytes: bf16, or
- * 8-bit floats): rows past the context are a row of zeros. One division per call, not per
- * row (block_size is not a constant). */
+/* The cache rows of context positions k0 .. k0 + n (elements of `element` bytes: float32,
+ * bf16 or 8-bit floats): rows past the context are a row of zeros. One division per call,
+ * not per row (block_size is not a constant). */
 static inline void tile_rows(const void **rows, int n, const void *cache,
                              const int64_t *table, int64_t k0, int64_t seq_len,
                              int64_t block_stride, int64_t block_size, int64_t kv_offset,
@@ -127,6 +113,245 @@ static inline void tile_rows(const void **rows, int n, const void *cache,
             ++block;
         }
     }
+}
+
+/* ---- The float32 path: a float32 cache, on every level ----
+ *
+ * Lanes are queries, as on the vdpbf16ps path, VW of them to a vector (8 on AVX2, 16 on
+ * AVX-512): an item's queries (up to F32_MAX_QUERIES: rows x the group's heads) are laid
+ * out once, transposed and multiplied by the scale and log2(e) (qt[d][v] lane i: element
+ * d of query VW·v + i), and each key element is broadcast from the cache in place. Per key
+ * tile (KT keys): the scores of F32_SCORE_KEYS keys x up to three query vectors at a time,
+ * summed over the head's elements in registers; the online softmax lane-wise in powers of
+ * two (the running maximum moves lazily, as on the bf16 paths); then o[d][v] += p[k][v] ·
+ * v[k][d] for F32_DIMS elements x up to three query vectors at a time, each value element
+ * broadcast from the cache in place. Float32 arithmetic throughout: the results differ from
+ * attention in float64 by the order of the sums and the exponential's ~1e-7 only. */
+#define F32_MAX_QUERIES 48
+#define F32_QV ((F32_MAX_QUERIES + VW - 1) / VW) /* query vectors per item */
+#define F32_SCORE_KEYS 4
+#define F32_DIMS 4
+
+typedef struct {
+    float qt[MAX_DIM * F32_QV * VW]; /* [d][v][lane] */
+    float s[KT * F32_QV * VW];       /* [key][v][lane]: scores, then probabilities */
+    float o[MAX_DIM * F32_QV * VW];  /* [d][v][lane] */
+    vwf max[F32_QV], sum[F32_QV], alpha[F32_QV];
+    vwi limit[F32_QV];
+    const void *keys[KT], *values[KT];
+} F32Scratch;
+
+#define F32_AT(array, row, v) ((array) + ((row) * F32_QV + (v)) * VW)
+
+/* Scores of keys[0 .. KT) against query vectors v0 .. v0 + NQ. */
+static inline __attribute__((always_inline)) void score_tile_f32(
+    float *s, const float *qt, const void *const *keys, int64_t head_dim, int v0,
+    const int NQ) {
+    for (int j0 = 0; j0 < KT; j0 += F32_SCORE_KEYS) {
+        vwf acc[F32_SCORE_KEYS][3];
+        const float *k[F32_SCORE_KEYS];
+        for (int j = 0; j < F32_SCORE_KEYS; ++j) {
+            k[j] = (const float *)keys[j0 + j];
+            for (int v = 0; v < NQ; ++v) acc[j][v] = splatw(0.0f);
+        }
+        for (int64_t d = 0; d < head_dim; ++d) {
+            vwf q[3];
+            for (int v = 0; v < NQ; ++v) q[v] = loadw(F32_AT(qt, d, v0 + v));
+            for (int j = 0; j < F32_SCORE_KEYS; ++j) {
+                const vwf x = splatw(k[j][d]);
+                for (int v = 0; v < NQ; ++v) acc[j][v] = fmaw(q[v], x, acc[j][v]);
+            }
+        }
+        for (int j = 0; j < F32_SCORE_KEYS; ++j)
+            for (int v = 0; v < NQ; ++v) storew(F32_AT(s, j0 + j, v0 + v), acc[j][v]);
+    }
+}
+
+static void score_f32(float *s, const float *qt, const void *const *keys, int64_t head_dim,
+                      int nq) {
+    for (int v0 = 0; v0 < nq; v0 += 3) {
+        switch (nq - v0) {
+        case 1: score_tile_f32(s, qt, keys, head_dim, v0, 1); break;
+        case 2: score_tile_f32(s, qt, keys, head_dim, v0, 2); break;
+        default: score_tile_f32(s, qt, keys, head_dim, v0, 3); break;
+        }
+    }
+}
+
+/* o[d][v] = o[d][v] · alpha[v] (with RESCALE) + sum over the tile's keys of p[k][v] ·
+ * value k's element d, for elements first .. first + ND and query vectors v0 .. v0 + NQ. */
+static inline __attribute__((always_inline)) void weigh_tile_f32(
+    float *o, const vwf *alpha, const float *p, const void *const *values, int64_t first,
+    int v0, const int ND, const int NQ, const int RESCALE) {
+    vwf acc[F32_DIMS][3];
+    for (int d = 0; d < ND; ++d)
+        for (int v = 0; v < NQ; ++v) {
+            acc[d][v] = loadw(F32_AT(o, first + d, v0 + v));
+            if (RESCALE) acc[d][v] *= alpha[v0 + v];
+        }
+    for (int k = 0; k < KT; ++k) {
+        const float *x = (const float *)values[k] + first;
+        vwf pk[3];
+        for (int v = 0; v < NQ; ++v) pk[v] = loadw(F32_AT(p, k, v0 + v));
+        for (int d = 0; d < ND; ++d) {
+            const vwf xd = splatw(x[d]);
+            for (int v = 0; v < NQ; ++v) acc[d][v] = fmaw(pk[v], xd, acc[d][v]);
+        }
+    }
+    for (int d = 0; d < ND; ++d)
+        for (int v = 0; v < NQ; ++v) storew(F32_AT(o, first + d, v0 + v), acc[d][v]);
+}
+
+static inline __attribute__((always_inline)) void weigh_dims_f32(
+    float *o, const vwf *alpha, const float *p, const void *const *values, int64_t head_dim,
+    int v0, const int NQ, const int RESCALE) {
+    int64_t d = 0;
+    for (; d + F32_DIMS <= head_dim; d += F32_DIMS)
+        weigh_tile_f32(o, alpha, p, values, d, v0, F32_DIMS, NQ, RESCALE);
+    for (; d < head_dim; ++d) weigh_tile_f32(o, alpha, p, values, d, v0, 1, NQ, RESCALE);
+}
+
+static void weigh_f32(float *o, const vwf *alpha, const float *p, const void *const *values,
+                      int64_t head_dim, int nq, int rescale) {
+    for (int v0 = 0; v0 < nq; v0 += 3) {
+        switch ((nq - v0 < 3 ? nq - v0 : 3) * 2 + rescale) {
+        case 2: weigh_dims_f32(o, alpha, p, values, head_dim, v0, 1, 0); break;
+        case 3: weigh_dims_f32(o, alpha, p, values, head_dim, v0, 1, 1); break;
+        case 4: weigh_dims_f32(o, alpha, p, values, head_dim, v0, 2, 0); break;
+        case 5: weigh_dims_f32(o, alpha, p, values, head_dim, v0, 2, 1); break;
+        case 6: weigh_dims_f32(o, alpha, p, values, head_dim, v0, 3, 0); break;
+        default: weigh_dims_f32(o, alpha, p, values, head_dim, v0, 3, 1); break;
+        }
+    }
+}
+
+static inline int any_lane(vwi mask) {
+    int32_t lanes[VW];
+    memcpy(lanes, &mask, sizeof lanes);
+    int any = 0;
+    for (int i = 0; i < VW; ++i) any |= lanes[i];
+    return any != 0;
+}
+
+/* The online softmax of one key tile's scores for query vector v (in log2 units: the
+ * queries carry scale · log2(e)), in place: the scores become the probabilities 2^(s -
+ * max), relative to the lane's running maximum, which moves lazily as on the bf16 path
+ * (softmax_tile; LAZY_MAX here in log2 units). MASKED: a tile reaching past the first row's
+ * causal limit. Returns whether a lane moved. */
+static inline __attribute__((always_inline)) int softmax_tile_f32_n(F32Scratch *w, int v,
+                                                                    int64_t k0,
+                                                                    const int MASKED) {
+    vwi keep[KT];
+    vwf top = splatw(-INFINITY);
+    for (int j = 0; j < KT; ++j) {
+        const vwf x = loadw(F32_AT(w->s, j, v));
+        if (MASKED) {
+            keep[j] = (vwi){0} + (int32_t)(k0 + j) <= w->limit[v];
+            top = selectw(keep[j] & (x > top), x, top);
+        } else {
+            top = selectw(x > top, x, top);
+        }
+    }
+    const vwi moved = top > w->max[v] + splatw(LAZY_MAX);
+    vwf sum = w->sum[v];
+    const int any = any_lane(moved);
+    if (any) {
+        const vwf now = selectw(moved, top, w->max[v]);
+        /* 2^(old - now): ~0 where old is -inf (sum and output still 0), 1 where unmoved */
+        w->alpha[v] = exp2w(w->max[v] - now);
+        w->max[v] = now;
+        sum *= w->alpha[v];
+    } else {
+        w->alpha[v] = splatw(1.0f);
+    }
+    for (int j = 0; j < KT; ++j) {
+        float *x = F32_AT(w->s, j, v);
+        vwf p = exp2w(loadw(x) - w->max[v]);
+        if (MASKED) p = selectw(keep[j], p, splatw(0.0f));
+        sum += p;
+        storew(x, p);
+    }
+    w->sum[v] = sum;
+    return any;
+}
+
+static int softmax_tile_f32(F32Scratch *w, int v, int64_t k0, int masked) {
+    return masked ? softmax_tile_f32_n(w, v, k0, 1) : softmax_tile_f32_n(w, v, k0, 0);
+}
+
+/* One item on the float32 path: `count` rows of a chunk from chunk row `first_row`, the
+ * query heads of kv head h (see ts_prompt_attention). */
+static void prompt_item_f32(float *out, int64_t out_stride, const float *query,
+                            int64_t query_stride, const void *key_cache,
+                            const void *value_cache, const int64_t *table, int64_t start,
+                            int64_t q_len, int64_t seq_len, int64_t first_row, int64_t count,
+                            int64_t h, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t block_size, float scale,
+                            F32Scratch *w) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t queries = count * group, context = seq_len - q_len;
+    const int nq = (int)((queries + VW - 1) / VW);
+    const int64_t block_stride = num_kv_heads * block_size * head_dim;
+    const int64_t kv_offset = h * block_size * head_dim;
+    const float *q0 = query + (start + first_row) * query_stride + h * group * head_dim;
+    const float scale_l2 = scale * 1.44269504088896341f; /* scores in log2 units */
+    /* Query m: row m / group, head m % group; lanes past the item's queries are zero and
+     * take the last row's causal limit. */
+    for (int64_t m = 0; m < (int64_t)nq * VW; ++m) {
+        const float *q = q0 + (m / group) * query_stride + (m % group) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d)
+            F32_AT(w->qt, d, m / VW)[m % VW] = m < queries ? q[d] * scale_l2 : 0.0f;
+    }
+    for (int v = 0; v < nq; ++v) {
+        int32_t limit[VW];
+        for (int i = 0; i < VW; ++i) {
+            const int64_t m = (int64_t)VW * v + i;
+            limit[i] = (int32_t)(context + first_row + (m < queries ? m / group : count - 1));
+        }
+        memcpy(&w->limit[v], limit, sizeof limit);
+        w->max[v] = splatw(-INFINITY);
+        w->sum[v] = splatw(0.0f);
+        for (int64_t d = 0; d < head_dim; ++d) storew(F32_AT(w->o, d, v), splatw(0.0f));
+    }
+    const int64_t last = context + first_row + count - 1; /* the last key any row sees */
+    for (int64_t k0 = 0; k0 <= last; k0 += KT) {
+        tile_rows(w->keys, KT, key_cache, table, k0, seq_len, block_stride, block_size,
+                  kv_offset, head_dim, sizeof(float));
+        score_f32(w->s, w->qt, w->keys, head_dim, nq);
+        tile_rows(w->values, KT, value_cache, table, k0, seq_len, block_stride, block_size,
+                  kv_offset, head_dim, sizeof(float));
+        const int masked = k0 + KT - 1 > context + first_row;
+        int rescale = 0;
+        for (int v = 0; v < nq; ++v) rescale |= softmax_tile_f32(w, v, k0, masked);
+        weigh_f32(w->o, w->alpha, w->s, w->values, head_dim, nq, rescale);
+    }
+    for (int v = 0; v < nq; ++v) {
+        float inverse[VW];
+        const vwf one_over = splatw(1.0f) / w->sum[v];
+        memcpy(inverse, &one_over, sizeof inverse);
+        for (int i = 0; i < VW && (int64_t)VW * v + i < queries; ++i) {
+            const int64_t m = (int64_t)VW * v + i;
+            float *o = out + (start + first_row + m / group) * out_stride + (m % group) * head_dim
+                       + h * group * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) o[d] = F32_AT(w->o, d, v)[i] * inverse[i];
+        }
+    }
+}
+
+#if PROMPT_BF16
+#include "avx512.h"
+
+/* Elements d .. d + 31 of a cache row as bf16: a bf16 row's own; an 8-bit float row's
+ * (kv: KV_FP8_E4M3 or KV_FP8_E5M2) widened (fp8.h) and rounded to bf16, exactly: every
+ * 8-bit float is a bf16. */
+static inline __attribute__((always_inline)) __m512i kv_row_bf16(const void *row, int64_t d,
+                                                                 int kv) {
+    if (!KV_FP8(kv)) return _mm512_loadu_si512((const uint16_t *)row + d);
+    vwf k[2];
+    fp8_widen_chunk((const uint8_t *)row + d, kv == KV_FP8_E5M2, k);
+    const __m512 unit = _mm512_set1_ps(KV_UNIT(kv));
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps((__m512)k[1], unit),
+                                        _mm512_mul_ps((__m512)k[0], unit));
 }
 
 /* A key tile's rows of 8-bit floats (kv) widened to bf16 rows of head_dim (a multiple of 32)
@@ -466,11 +691,13 @@ static int64_t chunk_item_rows(int amx, int64_t group, const int64_t *chunk, dou
                                   threads));
 }
 
-/* The path ts_prompt_attention takes for these shapes: 2 AMX tiles, 1 vdpbf16ps, 0 the
- * float32 one (per query row). */
+/* The path ts_prompt_attention takes for these shapes: 2 AMX tiles, 1 vdpbf16ps, 3 the
+ * float32 one (a float32 cache), 0 the decode kernel per query row. */
 int ts_prompt_attention_path(int64_t kv, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim) {
-    if (!ts_prompt_attention_native(kv, num_heads, num_kv_heads, head_dim)) return 0;
+    if (!ts_prompt_attention_native(kv, num_heads, num_kv_heads, head_dim))
+        return kv == KV_F32 && num_heads / num_kv_heads <= F32_MAX_QUERIES &&
+                       head_dim <= MAX_DIM ? 3 : 0;
 #if PROMPT_AMX
     if (head_dim % 32 == 0 && amx_permitted()) return 2;
 #endif
@@ -482,7 +709,7 @@ typedef struct {
     PromptItem *items; /* the items with the most keys first, or NULL with none */
     int64_t num_items, max_rows, max_seq_len, group, head_dim;
     int64_t max_queries; /* AMX: queries of the largest item, padded as its scratch holds them */
-    int amx, native;
+    int amx, native, f32;
 } PromptPlan;
 
 /* Chunks behind a shared prefix, on the AMX path: consecutive chunks of one item each
@@ -565,7 +792,8 @@ static int prompt_plan(PromptPlan *plan, const int64_t *chunks, int64_t num_chun
                        int64_t head_dim, int64_t kv) {
     const int64_t group = num_heads / num_kv_heads;
     const int path = ts_prompt_attention_path(kv, num_heads, num_kv_heads, head_dim);
-    *plan = (PromptPlan){NULL, 0, 1, 0, group, head_dim, 0, 0, path != 0};
+    *plan = (PromptPlan){NULL, 0, 1, 0, group, head_dim, 0, 0, path == 1 || path == 2,
+                         path == 3};
 #if PROMPT_AMX
     plan->amx = path == 2;
 #endif
@@ -576,8 +804,9 @@ static int prompt_plan(PromptPlan *plan, const int64_t *chunks, int64_t num_chun
     int64_t num_items = 0;
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t q_len = chunks[3 * c + 1] - chunks[3 * c];
-        const int64_t tile = chunk_item_rows(plan->amx, group, chunks + 3 * c, total_work,
-                                             num_kv_heads, threads);
+        const int64_t tile = plan->f32 ? F32_MAX_QUERIES / group
+                                       : chunk_item_rows(plan->amx, group, chunks + 3 * c,
+                                                         total_work, num_kv_heads, threads);
         num_items += (q_len + tile - 1) / tile;
         if (chunks[3 * c + 2] > plan->max_seq_len) plan->max_seq_len = chunks[3 * c + 2];
         if (tile > plan->max_rows) plan->max_rows = tile;
@@ -588,8 +817,9 @@ static int prompt_plan(PromptPlan *plan, const int64_t *chunks, int64_t num_chun
     int64_t n = 0;
     for (int64_t c = 0; c < num_chunks; ++c) {
         const int64_t q_len = chunks[3 * c + 1] - chunks[3 * c];
-        const int64_t tile = chunk_item_rows(plan->amx, group, chunks + 3 * c, total_work,
-                                             num_kv_heads, threads);
+        const int64_t tile = plan->f32 ? F32_MAX_QUERIES / group
+                                       : chunk_item_rows(plan->amx, group, chunks + 3 * c,
+                                                         total_work, num_kv_heads, threads);
         for (int64_t r = 0; r < q_len; r += tile) {
             const int64_t rows = q_len - r < tile ? q_len - r : tile;
             /* work: rows times the keys the last of them sees */
@@ -617,6 +847,7 @@ static void *prompt_scratch(const PromptPlan *plan) {
 #if PROMPT_BF16
     if (plan->native) return aligned_alloc(64, sizeof(Bf16Scratch));
 #endif
+    if (plan->f32) return aligned_alloc(64, (sizeof(F32Scratch) + 63) / 64 * 64);
     return malloc(sizeof(float) * (size_t)(plan->group * plan->max_seq_len));
 }
 
@@ -635,6 +866,7 @@ static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int6
                          int64_t block_size, float scale, int64_t kv) {
     const int amx = plan->amx, native = plan->native, cache = BF16_PATHS_KV(kv);
     (void)amx, (void)native, (void)cache;
+    const int f32 = plan->f32;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < plan->num_items * num_kv_heads; ++i) {
         const PromptItem *item = plan->items + i / num_kv_heads;
@@ -675,6 +907,12 @@ static void prompt_items(const PromptPlan *plan, void *scratch, float *out, int6
             continue;
         }
 #endif
+        if (f32) {
+            prompt_item_f32(out, out_stride, query, query_stride, key_cache, value_cache, table,
+                            start, q_len, seq_len, item->first_row, item->rows, h, num_heads,
+                            num_kv_heads, head_dim, block_size, scale, (F32Scratch *)scratch);
+            continue;
+        }
         for (int64_t r = item->first_row; r < item->first_row + item->rows; ++r) {
             const int64_t row = start + r;
             decode_item(out + row * out_stride, query + row * query_stride, key_cache,
