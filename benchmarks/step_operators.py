@@ -1,6 +1,7 @@
 """The operators outside attention in an engine step: per-step time of the RMSNorms, SwiGLU,
 rotary, the embedding, the products (the oneDNN call alone and the linear method around
-it), attention, and what is left of the model's forward.
+it; the logits' product, after the model's forward, apart as "logits"), attention, and what
+is left of the model's forward.
 
 Measures CPU time of the calling thread (`time.thread_time`), not wall-clock: run it with
 `OMP_NUM_THREADS=1` and the figures are what a step costs, whatever else the machine runs
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import time
+from collections.abc import Callable
 
 from tokenserve import SamplingParams
 from tokenserve.benchmarks.datasets import random_token_prompts
@@ -45,13 +47,22 @@ def main() -> None:
     clock = time.perf_counter if args.wall else time.thread_time
     totals: dict[str, float] = collections.defaultdict(float)
 
-    def timed(function, label: str):
+    # The logits' product runs after the forward (compute_logits): timed as "logits", so
+    # that "linear" and "oneDNN product" hold the forward's projections alone.
+    in_logits = [False]
+
+    def timed(function, label: str | Callable[[], str | None]):
+        """`function` timed under `label` (or the label it returns at each call; None: not
+        timed)."""
         def wrapper(*call_args, **kwargs):
+            name = label if isinstance(label, str) else label()
+            if name is None:
+                return function(*call_args, **kwargs)
             started = clock()
             try:
                 return function(*call_args, **kwargs)
             finally:
-                totals[label] += clock() - started
+                totals[name] += clock() - started
 
         return wrapper
 
@@ -61,7 +72,7 @@ def main() -> None:
     RotaryEmbedding.forward_qkv = timed(RotaryEmbedding.forward_qkv, "rotary")
     VocabParallelEmbedding.forward = timed(VocabParallelEmbedding.forward, "embedding")
     UnquantizedLinearMethod._product = staticmethod(
-        timed(UnquantizedLinearMethod._product, "oneDNN product")
+        timed(UnquantizedLinearMethod._product, lambda: None if in_logits[0] else "oneDNN product")
     )
 
     engine = LLMEngine.from_engine_args(engine_args_from(args))
@@ -70,7 +81,19 @@ def main() -> None:
     freeze_startup_heap()
     (runner,) = engine.engine_core.collective_rpc(lambda worker: worker.model_runner)
     method = runner.model.linear_method
-    method.apply = timed(method.apply, "linear")
+
+    def logits(function):
+        def wrapper(*call_args, **kwargs):
+            in_logits[0] = True
+            try:
+                return function(*call_args, **kwargs)
+            finally:
+                in_logits[0] = False
+
+        return wrapper
+
+    runner.model.compute_logits = logits(runner.model.compute_logits)
+    method.apply = timed(method.apply, lambda: "logits" if in_logits[0] else "linear")
     runner.attention.forward = timed(runner.attention.forward, "attention")
     runner.model.forward = timed(runner.model.forward, "model_forward")
 
@@ -102,7 +125,7 @@ def main() -> None:
     rest = per_step("model_forward") - sum(per_step(label) for label in inside)
     print(f"  {'rest of the forward':22s} {rest:8.1f} ms")
     print(f"  {'linear minus oneDNN':22s} {per_step('linear') - per_step('oneDNN product'):8.1f} ms"
-          "  (casts, padding, the logits' GGUF kernel)")
+          "  (casts, padding, the GGUF block kernels)")
 
 
 if __name__ == "__main__":

@@ -28,11 +28,13 @@ def test_step_operators_times_each_operator_inside_the_forward(tiny_model_dirs, 
              re.findall(r"^  (\S.*?)\s+(-?[\d.]+) ms", result.stdout, re.MULTILINE)}
     operators = ("linear", "attention", "rms_norm", "silu_and_mul", "rotary", "embedding",
                  "oneDNN product")
-    for name in (*operators, "model_forward", "rest of the forward", "linear minus oneDNN"):
+    for name in (*operators, "logits", "model_forward", "rest of the forward",
+                 "linear minus oneDNN"):
         assert name in parts, result.stdout
     # Each operator ran (a label is printed only once its operator was called in the timed
-    # steps), inside the forward pass; the product inside the linear method. A tiny model's
-    # embedding can take under 0.05 ms of CPU, printed as 0.0: presence, not size, says it ran.
+    # steps), inside the forward pass; the product inside the linear method; the logits'
+    # product after the forward, apart. A tiny model's embedding can take under 0.05 ms of
+    # CPU, printed as 0.0: presence, not size, says it ran.
     for name in operators:
         assert 0 <= parts[name] <= parts["model_forward"], (name, result.stdout)
     assert parts["oneDNN product"] <= parts["linear"]
