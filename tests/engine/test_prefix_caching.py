@@ -92,9 +92,7 @@ def test_chunks_on_a_cached_prefix_take_cascade_attention(tiny_model_dirs, monke
     for disable in (False, True):
         llm = LLM(tiny_model_dirs["llama"], kv_cache_memory="64MiB", disable_cascade_attn=disable)
         (runner,) = llm.llm_engine.collective_rpc(lambda worker: worker.model_runner)
-        for module in runner.model.modules():
-            if isinstance(getattr(module, "backend", None), TorchSDPABackend):
-                module.backend.prompt_paths = ()
+        runner.attention.prompt_paths = ()  # the backend every layer attends with
         run_one(llm, "prefix", prefix + [5])  # caches the prefix's blocks
         calls.clear()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
