@@ -4,6 +4,7 @@ a damaged or partial entry is never served."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 from pathlib import Path
@@ -14,9 +15,13 @@ import pytest
 import torch
 from gguf.quants import quantize
 
+from tokenserve.attention.selector import get_attention_backend
 from tokenserve.cache_dir import CACHE_DIR_ENV
+from tokenserve.config import KernelConfig
+from tokenserve.engine.engine_args import EngineArgs
 from tokenserve.model import gguf_loader, weight_cache
 from tokenserve.model.layers.quantization.gguf import QuantizedWeight
+from tokenserve.model.registry import get_model
 from tokenserve.model.loader import (
     LoadedModelFiles,
     iterate_model_weights,
@@ -193,3 +198,64 @@ def test_an_unwritable_cache_still_loads(
     monkeypatch.setenv(CACHE_DIR_ENV, str(blocker))
     assert_identical(list(iterate_model_weights(files)), fresh_expansion(files))
     assert os.path.isfile(blocker)
+
+
+def mapped_file(address: int) -> str | None:
+    """The file mapped at `address` in this process (None: memory no file backs)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(bound, 16) for bound in fields[0].split("-"))
+            if start <= address < end:
+                path = fields[5].strip() if len(fields) > 5 else ""
+                return path if path.startswith("/") else None
+    raise AssertionError(f"nothing mapped at {address:#x}")
+
+
+def loaded_model(gguf: str) -> torch.nn.Module:
+    """The float32 model get_model loads from the GGUF file (its weights as the cache gives
+    them), unpacked."""
+    model_config = EngineArgs(model=gguf, dtype="float32").create_engine_config().model_config
+    backend = get_attention_backend(torch.device("cpu"), model_config.torch_dtype)
+    return get_model(model_config, backend, KernelConfig(), torch.device("cpu"),
+                     pack_weights=False)
+
+
+def test_a_model_from_its_entry_keeps_the_mapping_as_its_parameters(
+    tmp_path: Path, cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    gguf = write_quantized_gguf(tmp_path / "tiny-q4_1.gguf")
+    miss = dict(loaded_model(gguf).named_parameters())  # expands and writes the entry
+    [entry] = entries(cache_dir)
+    written = entry.read_bytes()
+    forbid_expansion(monkeypatch)
+    hit = dict(loaded_model(gguf).named_parameters())
+    assert any(".qkv_proj." in name for name in hit) and any(".gate_up_proj." in name for name in hit)
+    # Every parameter, the merged ones' parts side by side, lies in a mapping of the entry.
+    assert {mapped_file(param.data_ptr()) for param in hit.values()} == {str(entry)}
+    assert {mapped_file(param.data_ptr()) for param in miss.values()} == {None}
+    assert hit.keys() == miss.keys()
+    for name, param in miss.items():
+        assert hit[name].dtype == param.dtype and torch.equal(hit[name], param), name
+    # The mapping is private: a parameter written leaves the entry as it was written.
+    for param in hit.values():
+        param.data.add_(1.0)
+    assert entry.read_bytes() == written
+    again = dict(loaded_model(gguf).named_parameters())
+    for name, param in miss.items():
+        assert torch.equal(again[name], param), name
+    # Each parameter's mapping is its own: one let go (a dense weight freed once packed)
+    # unmaps it, and the GGUF blocks, joined into fresh memory, leave none behind.
+    del hit
+    gc.collect()
+    mapped = mappings_of(entry)
+    assert mapped == len(again)
+    again["model.layers.0.self_attn.qkv_proj.weight"].data = torch.empty(0)
+    gc.collect()
+    assert mappings_of(entry) == mapped - 1
+
+
+def mappings_of(path: Path) -> int:
+    """How many mappings of the file at `path` this process has."""
+    with open("/proc/self/maps") as maps:
+        return sum(line.rstrip().endswith(str(path)) for line in maps)

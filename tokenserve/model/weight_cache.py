@@ -4,7 +4,9 @@ Expanding a GGUF file (gguf's numpy dequantization, the q/k row order undone, th
 Q8_0 blocks repacked) takes most of a model load on CPU, and gives the same tensors every
 time. The first load writes what it yields into one file under `weights/` of the cache
 directory (`cache_dir.py`); later loads map that file (private, copy-on-write) and yield
-views of it. Each dense weight is stored in the dtype of the parameter it fills
+views of it, which the parameters keep as their memory instead of copies
+(layers/weight_loading.py): a merged parameter's parts (a layer's q, k and v) are written
+side by side for that. Each dense weight is stored in the dtype of the parameter it fills
 (`WeightDtypes`: bfloat16 for a bf16 model's projections), so a bf16 entry is smaller and
 loading it copies instead of casting; the copy into a bf16 parameter rounds the same way
 either way. An entry is keyed by the GGUF file's identity (size, mtime, SHA-256 of its
@@ -38,6 +40,7 @@ import torch
 
 from tokenserve.cache_dir import cache_root
 from tokenserve.model.layers.quantization.gguf import QuantizedWeight
+from tokenserve.model.layers.weight_loading import mark_aliasable
 from tokenserve.model.weight_cache_pruning import mark_used, prune
 
 logger = logging.getLogger(__name__)
@@ -45,6 +48,9 @@ logger = logging.getLogger(__name__)
 MAGIC = b"TSWCACH2"
 _TRAILER = struct.Struct("<Q8s")  # index length, magic
 _ALIGNMENT = 64
+# The order of the arrays in an entry, part of its key: 2, a merged parameter's parts side
+# by side (`_packed_together`).
+_LAYOUT = 2
 # What the entries hold: the parameters' float dtypes and the blocks' uint8 / int8 ones.
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "uint8": torch.uint8, "int8": torch.int8}
@@ -118,7 +124,7 @@ def cached_gguf_weights(
     entry = entry_path(path, header_size, dtypes)
     if os.path.exists(entry):
         try:
-            weights = read_entry(entry)
+            weights = read_entry(entry, dtypes.packed)
         except (CorruptCacheEntry, OSError) as error:
             logger.warning("Rebuilding the weight cache entry %s: %s", entry, error)
             _remove(entry)
@@ -127,7 +133,7 @@ def cached_gguf_weights(
             mark_used(entry)
             yield from weights
             return
-    yield from _expand_and_write(_stored(expand(), dtypes), entry)
+    yield from _expand_and_write(_packed_together(_stored(expand(), dtypes), dtypes.packed), entry)
 
 
 def _stored(weights: Iterable[Weight], dtypes: WeightDtypes) -> Iterator[Weight]:
@@ -139,6 +145,31 @@ def _stored(weights: Iterable[Weight], dtypes: WeightDtypes) -> Iterator[Weight]
             if dtype != torch.float32:
                 weight = weight.to(dtype)
         yield name, weight
+
+
+def _packed_together(weights: Iterable[Weight], packed: dict[str, str]) -> Iterator[Weight]:
+    """The weights with the dense parts of each merged parameter (a layer's q, k and v) one
+    after another, in the order `packed` lists the parts (the merged parameter's rows), so
+    that the entry holds them in one run of memory the parameter can keep as its own
+    (layers/weight_loading.py). A part waits for the rest of its parameter; the expansion
+    yields a layer's weights together, so little waits at once."""
+    parts_of: dict[str, list[str]] = {}
+    for part, merged in packed.items():
+        parts_of.setdefault(merged, []).append(part)
+    waiting: dict[str, dict[str, Weight]] = {}  # merged name -> part -> weight
+    for name, weight in weights:
+        key, part = _merged_name(name, packed)
+        if part is None or not isinstance(weight, torch.Tensor):
+            yield name, weight
+            continue
+        merged = packed[part]
+        group = waiting.setdefault(key, {})
+        group[part] = (name, weight)
+        if len(group) == len(parts_of[merged]):
+            yield from (group[part] for part in parts_of[merged])
+            del waiting[key]
+    for group in waiting.values():  # a checkpoint without every part: as they came
+        yield from group.values()
 
 
 def entry_path(path: str, header_size: int, dtypes: WeightDtypes | None = None) -> str:
@@ -156,54 +187,110 @@ def entry_path(path: str, header_size: int, dtypes: WeightDtypes | None = None) 
 
 
 def code_version() -> str:
-    """A digest of what decides the expanded tensors: the sources that expand them and the
-    versions of gguf and numpy, which dequantize."""
+    """A digest of what decides the expanded tensors and their layout: the sources that
+    expand them, the versions of gguf and numpy, which dequantize, and the entry's order."""
     from importlib.metadata import version
 
-    digest = hashlib.sha256(f"{MAGIC!r}|{version('gguf')}|{np.__version__}".encode())
+    digest = hashlib.sha256(
+        f"{MAGIC!r}|{_LAYOUT}|{version('gguf')}|{np.__version__}".encode())
     for source in _EXPANSION_SOURCES:
         with open(os.path.join(os.path.dirname(__file__), source), "rb") as file:
             digest.update(file.read())
     return digest.hexdigest()[:16]
 
 
-def read_entry(entry: str) -> list[Weight]:
-    """Every weight of a cache entry, as views of its private mapping; CorruptCacheEntry if
-    any array does not match its checksum or the layout does not hold together."""
+def read_entry(entry: str, packed: dict[str, str] | None = None) -> list[Weight]:
+    """Every weight of a cache entry, as views of private mappings of it; CorruptCacheEntry
+    if any array does not match its checksum or the layout does not hold together. Each
+    parameter's dense weights (a merged one's parts together, as `packed` names them: a
+    checkpoint name's part -> its merged parameter's part) are views of a mapping of their
+    own, which the parameter may keep as its memory (layers/weight_loading.py) and which
+    goes when the parameter lets go of it (a dense weight freed once packed); the other
+    forms (GGUF blocks, which the load joins into fresh memory) of one more mapping."""
     with open(entry, "rb") as file:
         try:
-            buffer = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+            whole_file = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
         except ValueError:
             raise CorruptCacheEntry("empty file") from None
-    size = len(buffer)
-    if size < _TRAILER.size:
-        raise CorruptCacheEntry("shorter than its trailer")
-    index_size, magic = _TRAILER.unpack_from(buffer, size - _TRAILER.size)
-    index_start = size - _TRAILER.size - index_size
-    if magic != MAGIC or index_start < 0:
-        raise CorruptCacheEntry("no trailer (an older format, or truncated)")
-    try:
-        index = json.loads(bytes(buffer[index_start : size - _TRAILER.size]))
-        weights = [_weight(item, buffer, index_start) for item in index["weights"]]
-    except (KeyError, TypeError, ValueError) as error:
-        raise CorruptCacheEntry(f"unreadable index or data: {error}") from error
-    return weights
+        size = len(whole_file)
+        if size < _TRAILER.size:
+            raise CorruptCacheEntry("shorter than its trailer")
+        index_size, magic = _TRAILER.unpack_from(whole_file, size - _TRAILER.size)
+        index_start = size - _TRAILER.size - index_size
+        if magic != MAGIC or index_start < 0:
+            raise CorruptCacheEntry("no trailer (an older format, or truncated)")
+        try:
+            items = json.loads(bytes(whole_file[index_start : size - _TRAILER.size]))["weights"]
+            mappings = _dense_mappings(file, items, packed or {}, index_start)
+            other = _Mapping(whole_file, 0)
+            return [_weight(item, mappings.get(position, other), index_start)
+                    for position, item in enumerate(items)]
+        except (KeyError, TypeError, ValueError) as error:
+            raise CorruptCacheEntry(f"unreadable index or data: {error}") from error
 
 
-def _weight(item: dict[str, Any], buffer: mmap.mmap, data_end: int) -> Weight:
-    arrays = [_array(spec, buffer, data_end) for spec in item["arrays"]]
+class _Mapping:
+    """A private mapping of part of an entry, from file offset `start`, and a uint8 tensor
+    over all of it: the arrays in it are views of that one tensor, so that arrays written
+    one after another lie one after another in one storage (a merged parameter's parts)."""
+
+    def __init__(self, buffer: mmap.mmap, start: int) -> None:
+        self.buffer, self.start = buffer, start
+        self.tensor = torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def _dense_mappings(file: BinaryIO, items: list[dict[str, Any]], packed: dict[str, str],
+                    data_end: int) -> dict[int, _Mapping]:
+    """A mapping per parameter's dense weights (by the position of each in `items`), over
+    the span of their arrays."""
+    groups: dict[str, list[int]] = {}
+    for position, item in enumerate(items):
+        if item["form"] == _DENSE:
+            groups.setdefault(_merged_name(item["name"], packed)[0], []).append(position)
+    mappings = {}
+    for positions in groups.values():
+        spans = [(int(spec["offset"]), int(spec["nbytes"]))
+                 for position in positions for spec in items[position]["arrays"]]
+        for offset, nbytes in spans:
+            if offset < 0 or offset % _ALIGNMENT or nbytes < 0 or offset + nbytes > data_end:
+                raise CorruptCacheEntry(f"an array at {offset} (+{nbytes}) outside the data")
+        start = min(offset for offset, _ in spans) // mmap.ALLOCATIONGRANULARITY * (
+            mmap.ALLOCATIONGRANULARITY)
+        end = max(offset + nbytes for offset, nbytes in spans)
+        if end == start:
+            continue  # empty arrays: nothing to map
+        mapping = _Mapping(mmap.mmap(file.fileno(), end - start, access=mmap.ACCESS_COPY,
+                                     offset=start), start)
+        mappings.update((position, mapping) for position in positions)
+    return mappings
+
+
+def _merged_name(name: str, packed: dict[str, str]) -> tuple[str, str | None]:
+    """The name of the parameter a checkpoint weight goes into, and the weight's part of it
+    (None: the whole)."""
+    for part, merged in packed.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{merged}."), part
+    return name, None
+
+
+def _weight(item: dict[str, Any], mapping: _Mapping, data_end: int) -> Weight:
+    arrays = [_array(spec, mapping, data_end) for spec in item["arrays"]]
     if item["form"] == _DENSE:
         [tensor] = arrays
-        return item["name"], tensor
+        # A parameter may keep the mapping's memory (layers/weight_loading.py): the mapping
+        # is private, and an entry is replaced by a rename, never rewritten.
+        return item["name"], mark_aliasable(tensor)
     qs, scales = arrays
     return item["name"], QuantizedWeight(item["form"], qs, scales)
 
 
-def _array(spec: dict[str, Any], buffer: mmap.mmap, data_end: int) -> torch.Tensor:
+def _array(spec: dict[str, Any], mapping: _Mapping, data_end: int) -> torch.Tensor:
     offset, nbytes = int(spec["offset"]), int(spec["nbytes"])
     if offset < 0 or offset % _ALIGNMENT or offset + nbytes > data_end:
         raise CorruptCacheEntry(f"an array at {offset} (+{nbytes}) outside the data")
-    data = np.frombuffer(buffer, np.uint8, nbytes, offset)
+    position = offset - mapping.start
+    data = np.frombuffer(mapping.buffer, np.uint8, nbytes, position)
     if checksum(data) != spec["checksum"]:
         raise CorruptCacheEntry(f"the array at {offset} does not match its checksum")
     dtype = _DTYPES[spec["dtype"]]
@@ -213,7 +300,7 @@ def _array(spec: dict[str, Any], buffer: mmap.mmap, data_end: int) -> torch.Tens
         raise CorruptCacheEntry(f"the array at {offset} does not fill its shape {shape}")
     if count == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=offset).view(shape)
+    return mapping.tensor.narrow(0, position, nbytes).view(dtype).view(shape)
 
 
 def checksum(data: np.ndarray) -> int:
