@@ -331,3 +331,24 @@ def test_a_regime_models_allowance_keeps_the_step_under_target(target_ms):
         beyond = StepShape(shape.num_tokens, shape.attention_pairs, shape.num_decode_tokens)
         beyond.add(0, n + 1)
         assert model.predict_ms(beyond) > target_ms or shape.num_tokens + n in (10, 192)
+
+
+def test_a_fit_drops_at_most_a_quarter_of_its_samples():
+    """Where half the steps fit the model exactly and half are noisy, the trimming against
+    the median residual would drop most of the noisy half (21 of 41 kept): the fit keeps
+    three quarters, dropping the farthest first."""
+    rng = random.Random(13)
+    samples = []
+    for index in range(40):
+        shape = StepShape()
+        for _ in range(rng.randint(0, 32)):
+            shape.add(rng.randint(0, 2000), 1, decode=True)
+        if rng.random() < 0.5 or shape.num_tokens == 0:
+            shape.add(rng.randint(0, 1000), rng.randint(1, 1024))
+        noise = 1.0 if index % 2 else rng.uniform(0.8, 1.2)
+        samples.append((shape, synthetic_seconds(shape) * noise))
+    samples.append((samples[0][0], synthetic_seconds(samples[0][0]) * 50))  # a pause
+    model = StepCostModel.fit(samples)
+    assert model.num_samples == 31  # ceil(41 * 0.75), the pause among those dropped:
+    paused = samples[0][0]
+    assert model.predict_ms(paused) == pytest.approx(synthetic_seconds(paused) * 1e3, rel=0.2)

@@ -63,6 +63,8 @@ LEVEL_SHIFT_DISCOUNT = 0.5
 # Typical residual never below this fraction of the prediction, nor below MIN_SCALE_MS.
 MIN_RELATIVE_SCALE = 0.05
 MIN_SCALE_MS = 0.01
+# The share of its samples a fit at once (`StepCostModel.fit`) may drop as outliers at most.
+MAX_TRIMMED = 0.25
 # Keeps the normal equations solvable when the steps seen so far all look alike
 # (relative to each feature's own weight, so small features are not biased).
 RIDGE = 1e-6
@@ -222,11 +224,15 @@ class StepCostModel:
             **kwargs: Any) -> Self:
         """A model fitted at once to (shape, seconds) samples: non-negative least squares,
         then again without the samples beyond `trim` times the median residual (a
-        calibration's noise: GC pauses, a neighbour's burst). No forgetting, no level shifts:
-        those are for learning online."""
+        calibration's noise: GC pauses, a neighbour's burst), but never without more than
+        MAX_TRIMMED of them (where the steps that fit best fit exactly, a few regimes' terms
+        for a few steps, their median is no measure of the others' noise; those with the
+        largest residuals go first). No forgetting, no level shifts: those are for learning
+        online."""
         model = cls(warmup_steps=0, forgetting=1.0, **kwargs)
         kept = [(shape, seconds * 1e3) for shape, seconds in samples
                 if shape.num_tokens > 0 and math.isfinite(seconds) and seconds >= 0]
+        least = math.ceil(len(kept) * (1 - MAX_TRIMMED))
         for _ in range(2):
             features = np.array([model.features(shape) for shape, _ in kept]).reshape(
                 -1, model.num_features)
@@ -236,7 +242,9 @@ class StepCostModel:
             model.coefficients = model._solve()
             residuals = np.abs(features @ model.coefficients - times)
             limit = trim * max(float(np.median(residuals)) if len(kept) else 0.0, MIN_SCALE_MS)
-            kept = [sample for sample, residual in zip(kept, residuals) if residual <= limit]
+            count = max(int((residuals <= limit).sum()), least)
+            best = np.sort(np.argsort(residuals, kind="stable")[:count])
+            kept = [kept[index] for index in best]
         model.num_samples = len(kept)
         return model
 
