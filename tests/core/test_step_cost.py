@@ -57,16 +57,23 @@ def test_fits_a_linear_cost_exactly():
         assert model.predict_ms(shape) == pytest.approx(synthetic_seconds(shape) * 1e3, rel=1e-3)
 
 
+def rows_and_chunk(rng: random.Random) -> StepShape:
+    """A step of up to 32 decode rows and, half the time (always without rows), a prompt
+    chunk."""
+    shape = StepShape()
+    for _ in range(rng.randint(0, 32)):
+        shape.add(rng.randint(0, 2000), 1, decode=True)
+    if rng.random() < 0.5 or shape.num_tokens == 0:
+        shape.add(rng.randint(0, 1000), rng.randint(1, 1024))
+    return shape
+
+
 def test_learns_a_cheaper_decode_row_apart():
     """Decode rows flagged as such get their own per-token cost (the simulator's case)."""
     rng = random.Random(7)
     model = StepCostModel()
     for _ in range(100):
-        shape = StepShape()
-        for _ in range(rng.randint(0, 32)):
-            shape.add(rng.randint(0, 2000), 1, decode=True)
-        if rng.random() < 0.5 or shape.num_tokens == 0:
-            shape.add(rng.randint(0, 1000), rng.randint(1, 1024))
+        shape = rows_and_chunk(rng)
         prompt_tokens = shape.num_tokens - shape.num_decode_tokens
         step_ms = 2.0 + 5.0 * prompt_tokens / 1e3 + 3.0 * shape.attention_pairs / 1e6
         model.record(shape, (step_ms + 0.5 * shape.num_decode_tokens / 1e3) / 1e3)
@@ -80,11 +87,7 @@ def test_fit_at_once_ignores_outliers():
     rng = random.Random(8)
     samples = []
     for index in range(200):
-        shape = StepShape()
-        for _ in range(rng.randint(0, 32)):
-            shape.add(rng.randint(0, 2000), 1, decode=True)
-        if rng.random() < 0.5 or shape.num_tokens == 0:
-            shape.add(rng.randint(0, 1000), rng.randint(1, 1024))
+        shape = rows_and_chunk(rng)
         seconds = synthetic_seconds(shape) * rng.uniform(0.98, 1.02)
         samples.append((shape, seconds * (20 if index % 25 == 0 else 1)))  # a pause now and then
     model = StepCostModel.fit(samples)
@@ -340,11 +343,7 @@ def test_a_fit_drops_at_most_a_quarter_of_its_samples():
     rng = random.Random(13)
     samples = []
     for index in range(40):
-        shape = StepShape()
-        for _ in range(rng.randint(0, 32)):
-            shape.add(rng.randint(0, 2000), 1, decode=True)
-        if rng.random() < 0.5 or shape.num_tokens == 0:
-            shape.add(rng.randint(0, 1000), rng.randint(1, 1024))
+        shape = rows_and_chunk(rng)
         noise = 1.0 if index % 2 else rng.uniform(0.8, 1.2)
         samples.append((shape, synthetic_seconds(shape) * noise))
     samples.append((samples[0][0], synthetic_seconds(samples[0][0]) * 50))  # a pause
