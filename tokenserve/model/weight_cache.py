@@ -87,12 +87,7 @@ class WeightDtypes:
 
     def dtype_for(self, name: str) -> torch.dtype:
         """The dtype the checkpoint's dense weight `name` is stored in."""
-        name = _any_layer(name)
-        for part, merged in self.packed.items():
-            if f".{part}." in name:
-                name = name.replace(f".{part}.", f".{merged}.")
-                break
-        return self.params.get(name, torch.float32)
+        return self.params.get(_merged_name(_any_layer(name), self.packed)[0], torch.float32)
 
     def key(self) -> str:
         """What the entry's key says of these dtypes ("" when nothing is converted)."""
