@@ -42,21 +42,23 @@ class _Load:
 
     def __init__(self, submit: Callable[..., None]) -> None:
         self.submit = submit
-        # id(param) -> (param, its marked pieces, whether a row of it came unmarked)
-        self.held: dict[int, tuple[torch.Tensor, list[_Piece], list[bool]]] = {}
+        # id(param) -> (param, its marked pieces)
+        self.held: dict[int, tuple[torch.Tensor, list[_Piece]]] = {}
+        # id(param) of each parameter a row of which came unmarked (copied at once)
+        self.copied: set[int] = set()
 
     def copy(self, param: torch.Tensor, destination: torch.Tensor, first: int,
              loaded_weight: torch.Tensor) -> None:
-        _, pieces, copied = self.held.setdefault(id(param), (param, [], [False]))
         if getattr(loaded_weight, _ALIASABLE, False):
-            pieces.append((first, destination, loaded_weight))
+            self.held.setdefault(id(param), (param, []))[1].append(
+                (first, destination, loaded_weight))
         else:
-            copied[0] = True
+            self.copied.add(id(param))
             self.submit(destination.copy_, loaded_weight)
 
     def finish(self) -> None:
-        for param, pieces, copied in self.held.values():
-            view = None if copied[0] else _view_over(param, pieces)
+        for key, (param, pieces) in self.held.items():
+            view = None if key in self.copied else _view_over(param, pieces)
             if view is not None:
                 param.data = view
                 continue
