@@ -150,6 +150,8 @@ class CacheConfig:
 DEFAULT_LOOKAHEAD_TOKENS = 256
 # The orders in which a step's prompt chunks are granted (SchedulerConfig.prefill_order).
 PREFILL_ORDERS = ("shortest", "arrival")
+# The share of a step's prompt tokens held for the oldest prompt under "shortest".
+DEFAULT_OLDEST_PROMPT_SHARE = 0.5
 
 
 @dataclass
@@ -170,6 +172,10 @@ class SchedulerConfig:
     # ("shortest"), or to running prompts and then the waiting queue ("arrival"). The
     # priority policy always takes "arrival" (in priority order).
     prefill_order: str = "shortest"
+    # Under "shortest": the share of each step's prompt tokens (what its decode rows leave)
+    # held for the prompt that arrived first, so short prompts arriving one after another
+    # cannot hold a long one back indefinitely; 0: none held.
+    oldest_prompt_share: float = DEFAULT_OLDEST_PROMPT_SHARE
     # Admit a request only if the running requests and it fit the KV pool over their next
     # this many tokens of growth (core/kv_lookahead.py); 0: admit whenever the prompt fits.
     admission_lookahead_tokens: int = DEFAULT_LOOKAHEAD_TOKENS

@@ -69,16 +69,18 @@ def run_step(scheduler: Scheduler, step_index: int) -> None:
     caching=st.booleans(),
     lookahead=st.sampled_from([0, 4, 256]),
     long_prefill=st.sampled_from([0, 1, 5]),
+    share=st.sampled_from([0, 0.5, 1]),
 )
 def test_random_workloads_keep_block_pool_invariants(
     actions, num_blocks, budget, max_num_seqs, policy, prefill_order, caching, lookahead,
-    long_prefill,
+    long_prefill, share,
 ):
     max_model_len = 32  # 8 blocks: every request fits alone in the smallest cache
     scheduler = Scheduler(
         SchedulerConfig(
             budget, max_num_seqs, max_model_len, True, policy, prefill_order=prefill_order,
             admission_lookahead_tokens=lookahead, long_prefill_token_threshold=long_prefill,
+            oldest_prompt_share=share,
         ),
         CacheConfig(BLOCK_SIZE, num_blocks, caching, "sha256"),
     )
@@ -136,13 +138,14 @@ def crowded_workloads(draw):
     prefill_order=st.sampled_from(["shortest", "arrival"]),
     caching=st.booleans(),
     lookahead=st.sampled_from([0, 4, 256]),
+    share=st.sampled_from([0, 0.5, 1]),
 )
 def test_under_kv_pressure_every_request_finishes_and_blocks_stay_consistent(
-    workload, num_blocks, budget, max_num_seqs, policy, prefill_order, caching, lookahead
+    workload, num_blocks, budget, max_num_seqs, policy, prefill_order, caching, lookahead, share
 ):
     scheduler = Scheduler(
         SchedulerConfig(budget, max_num_seqs, 32, True, policy, prefill_order=prefill_order,
-                        admission_lookahead_tokens=lookahead),
+                        admission_lookahead_tokens=lookahead, oldest_prompt_share=share),
         CacheConfig(BLOCK_SIZE, num_blocks, caching, "sha256"),
     )
     pending = list(enumerate(workload))

@@ -23,10 +23,12 @@ def make_scheduler(
     prefill_order: str = "shortest",
     chunked: bool = True,
     caching: bool = True,
+    oldest_prompt_share: float = 0.5,
 ) -> Scheduler:
     # These tests drive preemption, which admission lookahead (test_kv_lookahead.py) avoids.
     config = SchedulerConfig(budget, max_num_seqs, num_blocks * block_size, chunked, policy,
-                             admission_lookahead_tokens=0)
+                             admission_lookahead_tokens=0,
+                             oldest_prompt_share=oldest_prompt_share)
     config.prefill_order = prefill_order
     return Scheduler(config, CacheConfig(block_size, num_blocks, caching, "sha256"))
 
@@ -125,6 +127,56 @@ def test_shorter_prompts_go_first_and_ties_keep_arrival_order():
     assert output.num_scheduled_tokens == {"short": 5, "short-too": 5, "mid": 20, "long": 30}
 
 
+@pytest.mark.parametrize(
+    "share, expected",
+    [
+        (0.5, {"long": 10, "short": 9}),  # ceil(0.5 * 19) held for "long"
+        (0.25, {"long": 5, "short": 10, "short-too": 4}),
+        (0, {"short": 10, "short-too": 9}),  # shortest first alone
+    ],
+)
+def test_the_oldest_prompt_is_held_its_share_of_the_prompt_tokens(share, expected):
+    scheduler = make_scheduler(budget=20, oldest_prompt_share=share)
+    add(scheduler, "long", 200, max_tokens=1)
+    add(scheduler, "decoder", 2, max_tokens=100, first_token=900)
+    assert step(scheduler).num_scheduled_tokens == {"decoder": 2, "long": 18}
+    add(scheduler, "short", 10, first_token=1000)
+    add(scheduler, "short-too", 10, first_token=1100)
+    # One decode row, then 19 prompt tokens: the shorter prompts first, from what the share
+    # held for the oldest prompt leaves them.
+    assert step(scheduler).num_scheduled_tokens == {"decoder": 1, **expected}
+    drain(scheduler)
+
+
+@pytest.mark.parametrize("share", [0.5, 0])
+def test_short_prompts_arriving_every_step_do_not_hold_the_oldest_back(share):
+    scheduler = make_scheduler(budget=20, oldest_prompt_share=share)
+    long = add(scheduler, "long", 100, max_tokens=1)
+    step(scheduler)  # alone, it takes the whole budget
+    for i in range(30):
+        add(scheduler, f"short{i}", 20, max_tokens=1, first_token=1000 + 20 * i)
+        step(scheduler)
+        if long.status == RequestStatus.FINISHED_LENGTH_CAPPED:
+            break
+    if share:
+        # 10 tokens a step for six steps; then its last 20 tie with the new short prompt and
+        # go first, as the older.
+        assert i == 6
+    else:
+        assert long.num_computed_tokens == 20  # every step went to the short prompts
+    drain(scheduler)
+
+
+def test_the_oldest_prompt_first_in_order_takes_the_rest_of_the_budget_as_before():
+    # Prompts of one length: the oldest comes first anyway, and nothing is held back.
+    for share in (0, 0.5):
+        scheduler = make_scheduler(budget=30, oldest_prompt_share=share)
+        for i in range(3):
+            add(scheduler, f"r{i}", 12, first_token=100 * i)
+        assert step(scheduler).num_scheduled_tokens == {"r0": 12, "r1": 12, "r2": 6}
+        drain(scheduler)
+
+
 def test_a_preempted_request_keeps_its_place_ahead_of_fresh_prompts_of_its_length():
     scheduler = make_scheduler(budget=64, num_blocks=4)
     add(scheduler, "a", 8, max_tokens=6)  # 2 blocks
@@ -147,8 +199,10 @@ def test_a_preempted_request_does_not_go_ahead_of_the_running_prompt_it_gave_way
     # beside the blocks of "prompt" (mid-prompt, starved by the decode row), so it preempts
     # itself. Admitted again ahead of "prompt", it would decode, run out of blocks and
     # preempt itself again, forever; behind it, "prompt" finishes and frees its blocks.
-    # (No prefix caching: a cache hit would make the recompute too cheap to show it.)
-    scheduler = make_scheduler(budget=1, num_blocks=8, caching=False)
+    # (No prefix caching: a cache hit would make the recompute too cheap to show it. No
+    # share held for the oldest prompt: with the whole budget of 1 held for "prompt",
+    # "decoder" would not be admitted before it finished, and nothing would be preempted.)
+    scheduler = make_scheduler(budget=1, num_blocks=8, caching=False, oldest_prompt_share=0)
     add(scheduler, "first", 5, max_tokens=1)
     add(scheduler, "prompt", 7, max_tokens=1, first_token=100)
     for _ in range(10):

@@ -24,6 +24,9 @@ def test_memory_sizes_parse():
         (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
         (dict(scheduling_policy="lifo"), "scheduling_policy"),
         (dict(prefill_order="longest"), "prefill_order must be 'shortest' or 'arrival'"),
+        (dict(oldest_prompt_share=1.5), "oldest_prompt_share must be between 0 and 1"),
+        (dict(oldest_prompt_share=-0.1), "oldest_prompt_share"),
+        (dict(oldest_prompt_share="half"), "oldest_prompt_share"),
         (dict(max_model_len=4096), "exceeds what the model supports"),
         # 4 blocks of 16 tokens cannot hold a 1000-token sequence: refused at start.
         (dict(num_kv_blocks=4, max_model_len=1000), "does not fit in the KV cache"),
@@ -86,9 +89,10 @@ def test_prefill_order_flag_reaches_the_scheduler_config(tiny_model_dirs):
     [
         ("--admission-lookahead-tokens", "admission_lookahead_tokens", 256, (0, 64)),
         ("--long-prefill-token-threshold", "long_prefill_token_threshold", 0, (128, 64)),
+        ("--oldest-prompt-share", "oldest_prompt_share", 0.5, (0.25, 0.0)),
     ],
 )
-def test_token_count_flags_reach_the_scheduler_config(
+def test_scheduler_flags_reach_the_scheduler_config(
     tiny_model_dirs, flag, field, default, values
 ):
     from tokenserve.engine.cli_args import engine_args_from

@@ -10,7 +10,9 @@ composed in two passes:
    `max_num_seqs` leaves room for), fewest remaining prompt tokens first, ties by
    arrival, preempted requests right after the running prompts
    (`prefill_order="shortest"`, under the fcfs policy); or running prompts first, then
-   the queue (`prefill_order="arrival"`, and always under the priority policy). A
+   the queue (`prefill_order="arrival"`, and always under the priority policy). Shortest
+   first holds `oldest_prompt_share` of the prompt tokens for the running prompt that
+   arrived first, so short prompts that keep arriving cannot hold a long one back. A
    prompt longer than what is left is split across steps (chunked prefill); a waiting
    request is admitted after its longest cached prefix.
 A waiting request is admitted only if the blocks the running requests and it are projected
@@ -35,6 +37,7 @@ After the step, each sampled request takes its new tokens one by one up to its f
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -393,8 +396,11 @@ class Scheduler:
         and the admission window's waiting requests, in `order_for_prefill` (shortest
         remaining prompt first under the fcfs policy, unless `prefill_order="arrival"`)."""
         running = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        shortest_first = self.config.policy == "fcfs" and self.config.prefill_order == "shortest"
-        return order_for_prefill(running, self._admission_window(plan), shortest_first)
+        return order_for_prefill(running, self._admission_window(plan), self._shortest_first)
+
+    @property
+    def _shortest_first(self) -> bool:
+        return self.config.policy == "fcfs" and self.config.prefill_order == "shortest"
 
     def _schedule_prompt_chunks(
         self, plan: StepPlan, prefill_budget: PrefillBudget, prompts: list[Request]
@@ -409,17 +415,45 @@ class Scheduler:
         the first waiting request that cannot be admitted.
         """
         admitting = True
-        for request in prompts:
-            if plan.token_budget == 0:
-                break
-            if request.status == RequestStatus.RUNNING:
-                if not self._schedule_prompt_chunk(request, plan, prefill_budget):
-                    if request.status == RequestStatus.PREEMPTED:
-                        return  # it had to preempt itself: no block is left
-                    admitting = False
-            elif admitting and not plan.preempted:
-                # A waiting request (a running one preempted this step leaves admission closed).
-                admitting = self._admit(request, plan, prefill_budget)
+        oldest, reserved = self._oldest_prompt_reserve(plan, prompts)
+        plan.token_budget -= reserved
+        try:
+            for request in prompts:
+                if request is oldest:
+                    plan.token_budget += reserved  # its share, and what the others left
+                    reserved = 0
+                if plan.token_budget == 0:
+                    if reserved == 0:
+                        break
+                    continue  # the oldest prompt's share is still to come
+                if request.status == RequestStatus.RUNNING:
+                    if not self._schedule_prompt_chunk(request, plan, prefill_budget):
+                        if request.status == RequestStatus.PREEMPTED:
+                            return  # it had to preempt itself: no block is left
+                        admitting = False
+                elif admitting and not plan.preempted:
+                    # A waiting request (a running one preempted this step leaves admission
+                    # closed).
+                    admitting = self._admit(request, plan, prefill_budget)
+        finally:
+            plan.token_budget += reserved
+
+    def _oldest_prompt_reserve(
+        self, plan: StepPlan, prompts: list[Request]
+    ) -> tuple[Request | None, int]:
+        """The running prompt that arrived first, and the tokens of the step's budget held for
+        it while the prompts ordered before it are granted theirs: `oldest_prompt_share` of
+        what the decode rows left (at most what its prompt has left). Shortest first alone
+        lets a stream of short prompts hold a long one back for as long as they keep coming;
+        with the share it advances every step. Only an admitted prompt is held a share: a
+        waiting one might not be admitted, and the tokens held would go to nobody."""
+        share = self.config.oldest_prompt_share if self._shortest_first else 0
+        running = [r for r in prompts if r.status == RequestStatus.RUNNING]
+        if share == 0 or not running or prompts[0] is (oldest := min(running, key=_arrival)):
+            return None, 0
+        wanted = self._prompt_chunk(oldest.num_tokens - oldest.num_computed_tokens,
+                                    math.ceil(share * plan.token_budget))
+        return oldest, wanted
 
     def _admission_window(self, plan: StepPlan) -> list[Request]:
         """The waiting requests this step may admit, in queue order: as many as `max_num_seqs`
@@ -693,6 +727,10 @@ class Scheduler:
             lora_request=request.lora_request,
             mm_features=request.mm_features,
         )
+
+
+def _arrival(request: Request) -> float:
+    return request.arrival_time
 
 
 def _first_positions(logprobs: LogprobsLists, count: int) -> LogprobsLists:

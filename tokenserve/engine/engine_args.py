@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 from tokenserve.config import (
     DEFAULT_LOOKAHEAD_TOKENS,
+    DEFAULT_OLDEST_PROMPT_SHARE,
     DEFAULT_QUANTIZED_GEMM_MAX_ROWS,
     DEFAULT_QUANTIZED_MAX_ROWS,
     PREFILL_ORDERS,
@@ -117,6 +118,9 @@ class EngineArgs:
     # Which prompts get a step's tokens after its decode rows: "shortest" remaining
     # prompt first, or by "arrival" (fcfs policy only; priority order under "priority").
     prefill_order: str = "shortest"
+    # Under "shortest": the share of each step's prompt tokens held for the prompt that
+    # arrived first (a long prompt advances while short ones keep arriving); 0: none.
+    oldest_prompt_share: float = DEFAULT_OLDEST_PROMPT_SHARE
     # Admit a request only if the running requests and it fit the KV cache over their next
     # this many tokens of growth; 0: whenever its prompt fits (fewer preemptions vs. more
     # requests at once under KV pressure).
@@ -298,6 +302,7 @@ class EngineArgs:
             target_step_ms=self.target_step_ms,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             prefill_order=self.prefill_order,
+            oldest_prompt_share=self.oldest_prompt_share,
             admission_lookahead_tokens=self.admission_lookahead_tokens,
             max_num_encoder_input_tokens=self.max_num_encoder_input_tokens,
             encoder_cache_size=self.encoder_cache_size,
@@ -366,6 +371,9 @@ class EngineArgs:
             raise ValueError(
                 f"prefill_order must be 'shortest' or 'arrival', got {self.prefill_order!r}."
             )
+        share = self.oldest_prompt_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise ValueError(f"oldest_prompt_share must be between 0 and 1, got {share!r}.")
 
     def _resolve_kv_cache_dtype(self, model_dtype: str) -> str:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
