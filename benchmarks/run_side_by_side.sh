@@ -65,7 +65,8 @@
 #                                   at the start and at the end (0: not measured; ~10 s each)
 #   SESSIONS=""                     only these server sessions (names as in the logs: main,
 #                                   w2_lpt_N, prefix_cache_off, w4_mbt_256, w4_mbt_512,
-#                                   w4_mbt_2048, kv_2048), e.g. to run again one that failed;
+#                                   w4_mbt_2048, w5_unconstrained, kv_2048), e.g. to run
+#                                   again one that failed;
 #                                   empty: all
 #   VLLM_W5_ARGS="--block-size 32 --num-gpu-blocks-override 64 --max-model-len 2016"
 #                                   vLLM's 2,048-token KV cache for W5. vLLM 0.32's CPU
@@ -491,9 +492,8 @@ fi
 main_session() {
   has w2 && w2 "$1"
   has w3 && w3 "$1" on
-  has w5 && w5 "$1" unconstrained
 }
-if has w2 || has w3 || has w5; then
+if has w2 || has w3; then
   session main "--enable-prefix-caching" "--enable-prefix-caching" "" main_session
 fi
 # W2 at 2 req/s with each prompt spread over steps of at most N of its tokens while other
@@ -521,12 +521,24 @@ if has w4; then
 fi
 
 # ------------------------------------------------------------------------ W5
+# Each engine's run on its default cache right before the one on a 2,048-token cache: the
+# figure is their ratio, and runs half an hour apart would hold the machine's drift.
 # tokenserve: 16 blocks of 128 tokens = 2,048 tokens of KV cache, in blocks of the size the
 # unconstrained run has (the default), so that the two runs differ in the cache's size only.
 # llama-server splits its cache into fixed slots (2,048 tokens in 32 slots is 64 tokens a slot,
 # less than one prompt) and does not preempt: it has no run of this shape.
-has w5 && session kv_2048 "--num-kv-blocks 16 --block-size 128 --max-model-len 2048" \
-    "$VLLM_W5_ARGS" skip w5 constrained
+if has w5; then
+  ALL_ENGINES=("${ENGINE_LIST[@]}")
+  for engine in "${ALL_ENGINES[@]}"; do
+    [[ -z $engine || $engine == transformers ]] && continue
+    ENGINE_LIST=("$engine")
+    session w5_unconstrained "--enable-prefix-caching" "--enable-prefix-caching" skip \
+        w5 unconstrained
+    session kv_2048 "--num-kv-blocks 16 --block-size 128 --max-model-len 2048" \
+        "$VLLM_W5_ARGS" skip w5 constrained
+  done
+  ENGINE_LIST=("${ALL_ENGINES[@]}")
+fi
 
 first_touch end
 ceilings end

@@ -106,6 +106,25 @@ def test_w2_runs_a_session_for_each_long_prefill_threshold(tmp_path: Path):
     assert "--long-prefill-token-threshold" not in printed
 
 
+def test_w5_runs_each_engines_two_caches_back_to_back(tmp_path: Path):
+    # The figure is the ratio of the two runs: each engine's pair is not split by the others'.
+    printed, _ = dry_run(tmp_path, ENGINES="vllm,tokenserve,llamacpp", PHASES="w5")
+    lines = [c for c in printed.splitlines() if c.startswith("+ ") and (
+        (" serve " in c and "bench serve" not in c) or "llama-server" in c
+        or "constrained_" in c)]
+    names = [next(w for w in ("vllm-cpu-cli serve", "entrypoints.cli serve", "llama-server",
+                              "w5_unconstrained_", "w5_constrained_") if w in c) for c in lines]
+    assert names == [
+        "vllm-cpu-cli serve", "w5_unconstrained_", "vllm-cpu-cli serve", "w5_constrained_",
+        "entrypoints.cli serve", "w5_unconstrained_",
+        "entrypoints.cli serve", "w5_constrained_",
+    ]  # llama-server has no run of this shape
+    assert "w5_unconstrained_vllm.json" in lines[1] and "w5_constrained_vllm.json" in lines[3]
+    assert "--num-gpu-blocks-override 64" in lines[2]
+    assert "--num-kv-blocks 16 --block-size 128" in lines[6]
+    assert "--num-kv-blocks" not in lines[4]
+
+
 def test_vllm_bfloat16_runs_only_on_a_cpu_with_native_bf16(tmp_path: Path):
     printed, _ = dry_run(tmp_path, ENGINES="vllm,vllm_bf16", PHASES="w1")
     with open("/proc/cpuinfo") as file:
