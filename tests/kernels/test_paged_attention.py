@@ -76,10 +76,14 @@ def _reference(query, key_cache, value_cache, tables, seq_lens, scale, bf16_roun
         (6, 3, 112, 16, [18]),
         (2, 1, 144, 16, [9, 40]),
         (9, 3, 64, 15, [14, 15, 31, 47]),
+        # One row's three kv heads: on two or more threads (not a multiple of them) each
+        # context is split in two halves, merged by their log-sum-exps (DecodeSplit).
+        (9, 3, 64, 16, [300]),
+        (12, 3, 128, 8, [77]),
     ],
     ids=["gqa3-d64", "gqa5-d64", "gqa7-d64", "mha-d128", "gqa4-d128-b8", "gqa3-d96",
          "gqa3-d192", "gqa4-d256-b32", "mha-d40", "gqa5-d80", "gqa2-d48", "gqa2-d112",
-         "gqa2-d144", "gqa3-d64-b15"],
+         "gqa2-d144", "gqa3-d64-b15", "gqa3-d64-split", "gqa4-d128-b8-split"],
 )
 def test_paged_decode_matches_float64_attention(
     paged, cpu_isa_level, num_heads, num_kv_heads, head_dim, block_size, seq_lens, cache_dtype,
@@ -127,8 +131,9 @@ def test_paged_decode_matches_float64_attention(
                          ids=["float32", "bfloat16", "bfloat16-numerics", "fp8-e4m3",
                               "fp8-e4m3-numerics", "fp8-e5m2"])
 def test_paged_decode_row_alone_equals_row_among_many(paged, cache_dtype, bf16_numerics):
-    """A row's output is bit-identical whichever rows share the call and wherever its
-    blocks lie in the cache."""
+    """Without the split (as `--batch-invariant` runs it), a row's output is bit-identical
+    whichever rows share the call and wherever its blocks lie in the cache; with it, a row
+    alone may take its context in two halves (DecodeSplit), to within float32 rounding."""
     generator = torch.Generator().manual_seed(1)
     num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
     seq_lens = torch.tensor([50, 3, 200, 16, 97])
@@ -140,17 +145,19 @@ def test_paged_decode_row_alone_equals_row_among_many(paged, cache_dtype, bf16_n
     query = torch.randn(5, num_heads, head_dim, generator=generator)
     together = torch.empty_like(query)
     paged.decode(together, query, torch.arange(5), key_cache, value_cache, tables, seq_lens,
-                 0.125, bf16_numerics)
+                 0.125, bf16_numerics, split=False)
     for row in range(5):
         # The row's blocks copied to unused ones: another block table, the same context.
         used = tables[row, : -(-int(seq_lens[row]) // block_size)]
         moved = spare[: len(used)]
         key_cache[moved], value_cache[moved] = key_cache[used], value_cache[used]
-        alone = torch.empty(1, num_heads, head_dim)
-        paged.decode(alone, query[row : row + 1], torch.zeros(1, dtype=torch.int64),
-                     key_cache, value_cache, moved.view(1, -1).contiguous(),
-                     seq_lens[row : row + 1].contiguous(), 0.125, bf16_numerics)
+        alone, halves = torch.empty(1, num_heads, head_dim), torch.empty(1, num_heads, head_dim)
+        for out, split in ((alone, False), (halves, True)):
+            paged.decode(out, query[row : row + 1], torch.zeros(1, dtype=torch.int64),
+                         key_cache, value_cache, moved.view(1, -1).contiguous(),
+                         seq_lens[row : row + 1].contiguous(), 0.125, bf16_numerics, split=split)
         assert torch.equal(alone[0], together[row])
+        torch.testing.assert_close(halves[0], together[row], rtol=1e-5, atol=2e-6)
 
 
 def test_the_prefetch_plan_follows_the_cpu_vendor(monkeypatch: pytest.MonkeyPatch):

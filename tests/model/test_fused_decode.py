@@ -331,3 +331,33 @@ def test_prompt_chunks_and_decode_rows_behind_one_prefix_fuse_with_the_same_resu
     assert _generate_behind(llm, shared, prompts, fused=True, max_tokens=12) == expected
     # Fused steps with decode rows over the prefix and two or more chunks behind it.
     assert any(count >= 2 for count in mixed), mixed
+
+
+def test_a_lone_decode_row_splits_its_context_alike_fused_and_one_by_one(fused_calls):
+    # One request: a decode step's attention is its row's three kv heads, too few to share
+    # out evenly over CI's two cores, so the decode kernel takes each context in two halves
+    # merged by their log-sum-exps (csrc/paged_attention.c, DecodeSplit), in the fused layer
+    # and in the operators' kernel alike; without the split, the same tokens.
+    llm = LLM(kv_cache_memory="128MiB", enable_prefix_caching=False, block_size=16)
+    (backend,) = llm.llm_engine.collective_rpc(lambda worker: worker.model_runner.attention)
+    assert backend is _model(llm).model.layers[0].self_attn.attn.backend
+    prompt = random_token_prompts(1, 90, 49152, seed=5)[0]
+
+    def generate(fused: bool, split: bool):
+        _model(llm).model.layer_stack.enabled = fused
+        backend.split_decode = split
+        (output,) = llm.generate([{"prompt_token_ids": prompt}],
+                                 SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                logprobs=2), use_tqdm=False)
+        return (list(output.outputs[0].token_ids),
+                [sorted((k, v.logprob) for k, v in step.items())
+                 for step in output.outputs[0].logprobs])
+
+    fused = generate(fused=True, split=True)
+    assert 1 in fused_calls
+    assert generate(fused=False, split=True) == fused
+    whole_contexts = generate(fused=True, split=False)
+    assert whole_contexts[0] == fused[0]
+    for step, expected in zip(whole_contexts[1], fused[1], strict=True):
+        assert [k for k, _ in step] == [k for k, _ in expected]
+        assert [v for _, v in step] == pytest.approx([v for _, v in expected], abs=1e-4)

@@ -165,8 +165,13 @@ class TorchSDPABackend(AttentionBackend):
         device: torch.device | None = None,
         cascade_min_prefix_tokens: int = CASCADE_MIN_PREFIX_TOKENS,
         native_bf16: bool | None = None,
+        split_decode: bool = True,
     ) -> None:
         self.ops = paged_attention.load() if use_kernels else None
+        # Whether the decode kernel may attend to a few rows' contexts in two halves on the
+        # threads (csrc/paged_attention.c, DecodeSplit): not where a row's outputs must not
+        # depend on its batch (`--batch-invariant`).
+        self.split_decode = split_decode
         self.prompt_ops = prompt_attention.load() if use_kernels else None
         # The prompt kernel's paths taken (benchmarks/prompt_attention.py sets all of them).
         self.prompt_paths = prompt_kernel_paths()
@@ -413,10 +418,12 @@ class TorchSDPABackend(AttentionBackend):
             bf16 = self.bf16_decode(query.dtype, key_cache.dtype)
             if metadata.decode_batch.prefix_len and self.prompt_ops is not None:
                 self.prompt_ops.decode_shared_prefix(
-                    output, query, key_cache, value_cache, metadata.decode_batch, scale, bf16)
+                    output, query, key_cache, value_cache, metadata.decode_batch, scale, bf16,
+                    split=self.split_decode)
             else:
                 self.ops.decode_prepared(
-                    output, query, key_cache, value_cache, metadata.decode_batch, scale, bf16)
+                    output, query, key_cache, value_cache, metadata.decode_batch, scale, bf16,
+                    split=self.split_decode)
         elif metadata.padded_decode is not None:
             rows, padded = metadata.decode_rows, metadata.padded_decode
             # In the prompt chunks' dtype, as the C kernel's decode rows (bf16_decode).

@@ -41,6 +41,7 @@ class _Step(ctypes.Structure):
             "num_chunks", "chunk_table_stride", "prompt_kv", "decode_prefetch", "prefix_len",
             "prefix_rows")),
         *((name, ptr) for name in ("prefix_out", "prefix_lse", "suffix_lse")),
+        ("split_decode", i64),
     ]
 
 
@@ -114,12 +115,16 @@ class DecodeLayerOps:
         num_blocks: int,
         kv_mode: int,
         decode_prefetch: str | None = None,
+        split_decode: bool = True,
     ) -> tuple[_Step, tuple]:
         """The step's shared arguments: one position and cache slot per row of the step;
         its decode rows (the paged decode kernel's, in kv_mode, prefetching as
         decode_prefetch says: paged_attention.DECODE_PREFETCH, None for this CPU's plan) and
         its prompt chunks (the prompt-attention kernel's, over caches of num_blocks blocks),
-        either may be None, between them every row once.
+        either may be None, between them every row once. split_decode: when the decode
+        rows' attention items are few and do not share out evenly over the threads, each
+        row's context is attended to in two halves, merged by their log-sum-exps (the sums
+        then depend on the step's other rows: False where outputs must not).
         Returns the bound step and the tensors it points into (keep them alive for the
         step)."""
         rows = positions.shape[0]
@@ -164,6 +169,7 @@ class DecodeLayerOps:
             1 if kv_mode == 2 else kv_mode, prefetch_code(decode_prefetch), prefix_len,
             prefix_rows,
             *(None if buffer is None else buffer.data_ptr() for buffer in prefix),
+            int(split_decode),
         )
         return bound, (positions, slots, decode_rows, prompt_chunks, cos, sin, scratch, prefix)
 

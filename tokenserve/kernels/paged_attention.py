@@ -121,9 +121,11 @@ def shared_prefix_rows(block_tables: np.ndarray, seq_lens: list[int], block_size
 
 def decode_arguments(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, decode_rows: DecodeRows, scale: float,
-                     bf16_numerics: bool, prefetch: str | None) -> tuple:
+                     bf16_numerics: bool, prefetch: str | None, split: bool = True) -> tuple:
     """ts_paged_decode's arguments (those of ts_paged_decode_prefix but the prefix), the
-    tensors checked."""
+    tensors checked. split: few rows' contexts may be attended to in two halves on the
+    threads, merged (csrc/paged_attention.c, DecodeSplit); False where a row's sums must not
+    depend on the other rows."""
     check_caches(key_cache, value_cache)
     check_rows(out, query)
     _, num_heads, head_dim = query.shape
@@ -133,7 +135,7 @@ def decode_arguments(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Te
             decode_rows.block_tables.data_ptr(), decode_rows.block_tables.stride(0),
             decode_rows.seq_lens.data_ptr(), decode_rows.num_rows, num_heads, num_kv_heads,
             head_dim, block_size, scale, kv_mode(key_cache.dtype, bf16_numerics),
-            prefetch_code(prefetch))
+            prefetch_code(prefetch), int(split))
 
 
 class PagedAttentionOps:
@@ -143,7 +145,7 @@ class PagedAttentionOps:
         self._decode = library.ts_paged_decode
         self._decode.restype = ctypes.c_int
         self._decode.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr,
-                                 i64, i64, i64, i64, i64, ctypes.c_float, i64, i64]
+                                 i64, i64, i64, i64, i64, ctypes.c_float, i64, i64, i64]
         self._write_kv = library.ts_write_kv
         self._write_kv.restype = None
         self._write_kv.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64]
@@ -172,14 +174,16 @@ class PagedAttentionOps:
         scale: float,
         bf16_numerics: bool = False,
         prefetch: str | None = None,
+        split: bool = True,
     ) -> None:
         """Attend query rows `rows` of query [tokens, heads, dim] (a view into a fused QKV
         tensor is fine) over their contexts; write the same rows of out [tokens, heads, dim].
         The caches are float32, bfloat16 or float8; `bf16_numerics`: see kv_mode();
-        `prefetch`: a plan of DECODE_PREFETCH (None: this CPU's, decode_prefetch())."""
+        `prefetch`: a plan of DECODE_PREFETCH (None: this CPU's, decode_prefetch());
+        `split`: see decode_arguments."""
         self.decode_prepared(out, query, key_cache, value_cache,
                              DecodeRows(rows, block_tables, seq_lens), scale, bf16_numerics,
-                             prefetch)
+                             prefetch, split)
 
     def decode_prepared(
         self,
@@ -191,11 +195,13 @@ class PagedAttentionOps:
         scale: float,
         bf16_numerics: bool = False,
         prefetch: str | None = None,
+        split: bool = True,
     ) -> None:
         """decode() with the step's rows, block tables and lengths checked beforehand, once
         for all layers."""
         status = self._decode(*decode_arguments(out, query, key_cache, value_cache,
-                                                decode_rows, scale, bf16_numerics, prefetch))
+                                                decode_rows, scale, bf16_numerics, prefetch,
+                                                split))
         if status != 0:
             raise MemoryError("paged decode could not allocate its scratch buffers.")
 

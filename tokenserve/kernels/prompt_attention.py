@@ -78,7 +78,7 @@ class PromptAttentionOps:
         self._decode_prefix.restype = ctypes.c_int
         self._decode_prefix.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, i64, ptr, i64,
                                         i64, i64, i64, i64, ctypes.c_float, i64, i64, i64,
-                                        i64]
+                                        i64, i64]
         self._prefix_available = library.ts_decode_prefix_available
         self._prefix_available.restype = ctypes.c_int
         self._prefix_available.argtypes = [i64, i64, i64, i64, i64]
@@ -154,14 +154,15 @@ class PromptAttentionOps:
         scale: float,
         bf16_numerics: bool = False,
         prefetch: str | None = None,
+        split: bool = True,
     ) -> None:
         """PagedAttentionOps.decode_prepared for rows of which the first
         decode_rows.prefix_rows share their first decode_rows.prefix_len positions: that
         prefix attended to by those rows at once, the rest by each row, merged (where
-        shared_prefix_path says so; else whole contexts, as decode_prepared)."""
+        shared_prefix_path says so; else as decode_prepared, `split` as there)."""
         arguments = paged_attention.decode_arguments(out, query, key_cache, value_cache,
                                                      decode_rows, scale, bf16_numerics,
-                                                     prefetch)
+                                                     prefetch, split)
         if decode_rows.prefix_len % key_cache.shape[2] or (
             decode_rows.prefix_len and decode_rows.prefix_len >= decode_rows.sharing_context
         ):

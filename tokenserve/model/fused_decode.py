@@ -145,6 +145,7 @@ class FusedDecodeLayerStack(LayerStack):
             num_blocks=key_cache.shape[0],
             kv_mode=paged_attention.kv_mode(
                 key_cache.dtype, attn.backend.bf16_decode(torch.float32, key_cache.dtype)),
+            split_decode=attn.backend.split_decode,  # as the operators' decode kernel
         )
         residual = hidden_states
         # The layers in one C call; their outputs take turns between two buffers (the first

@@ -86,6 +86,7 @@ class ModelRunner:
             cascade=not model_config.disable_cascade_attn,
             use_c_kernels=not config.kernel_config.disable_c_kernels,
             weights_dtype=model_config.torch_dtype,
+            split_decode=not config.kernel_config.batch_invariant,
         )
         kernels = None if config.kernel_config.disable_c_kernels else layer_ops.load()
         self.sampler = Sampler(kernels.argmax_rows if kernels is not None else None)

@@ -76,6 +76,9 @@ typedef struct {
      * [prefix_rows, heads]. */
     int64_t prefix_len, prefix_rows;
     float *prefix_out, *prefix_lse, *suffix_lse;
+    /* 1: where decode_split_at says, each decode row's context in two halves (DecodeSplit);
+     * 0: never (a row's attention then does not depend on what else the step holds). */
+    int64_t split_decode;
 } ts_decode_step;
 
 static void add_bias(float *y, int64_t M, const ts_projection *w) {
@@ -205,6 +208,29 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
     const int64_t item_rows = prefix ? prefix_item_rows(prefix_rows, group, step->num_kv_heads,
                                                         omp_get_max_threads())
                                      : 0;
+    /* Few decode items on the threads: each row's context in two halves, the first halves'
+     * outputs and both halves' log-sum-exps here. */
+    DecodeSplit split = {prefix || !step->split_decode
+                             ? 0
+                             : decode_split_at(step->num_decode_rows, step->num_kv_heads,
+                                               step->seq_lens, step->block_size,
+                                               omp_get_max_threads()),
+                         NULL, q_size, NULL};
+    float *suffix_lse = step->suffix_lse;
+    float *split_scratch = NULL;
+    if (split.at > 0) {
+        const int64_t rows = step->num_decode_rows;
+        split_scratch =
+            (float *)malloc(sizeof(float) * (size_t)(rows * (q_size + 2 * step->num_heads)));
+        if (split_scratch == NULL) {
+            free(plan.items);
+            free(xp);
+            return -1;
+        }
+        split.out = split_scratch;
+        split.lse = split_scratch + rows * q_size;
+        suffix_lse = split.lse + rows * step->num_heads;
+    }
 #pragma omp parallel
     {
         _Alignas(64) float panel[PANEL_K * PANEL];
@@ -269,7 +295,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                      step->block_table_stride, step->seq_lens, step->num_decode_rows,
                      step->num_heads, step->num_kv_heads, D, step->block_size, step->scale,
                      scores, step->kv_mode, step->decode_prefetch, prefix, prefix_rows,
-                     step->suffix_lse);
+                     suffix_lse, split.at > 0 ? &split : NULL);
         if (plan.num_items)
             prompt_items(&plan, attn_scratch, step->attn, q_size, step->qkv, qkv_width,
                          layer->key_cache, layer->value_cache, step->chunks,
@@ -281,6 +307,9 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
             merge_attention(step->attn, q_size, step->decode_rows, step->prefix_out, q_size,
                             step->prefix_lse, step->suffix_lse, prefix_rows, step->num_heads,
                             D);
+        if (split.at > 0)
+            merge_attention(step->attn, q_size, step->decode_rows, split.out, q_size, split.lse,
+                            suffix_lse, step->num_decode_rows, step->num_heads, D);
         project(step->o, step->attn, M, &layer->o, panel, sums, xp, a, xr);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; ++r)
@@ -311,6 +340,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
     }
     free(xp);
     free(plan.items);
+    free(split_scratch);
     return failed ? -1 : 0;
 }
 

@@ -51,6 +51,7 @@
  *   seq_lens       [num_rows] int64, each >= 1
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -767,6 +768,45 @@ static inline void decode_item(float *o, const float *q, const void *key_cache,
 #define STREAM_NEXT_ITEM 0
 #define OWN_TOKENS_AHEAD 1
 
+/* The first halves of a decode step's items when each row's context is split in two
+ * (decode_items): positions [0, at) of every row (at a multiple of the block size, below
+ * every row's context), row r's output to out + r * out_stride and its heads' log-sum-exps
+ * to lse + r * num_heads. The second halves, [at, context), go where the items' outputs
+ * go, their log-sum-exps as with skip = at; merge_attention joins the two. Few items on
+ * many threads: one row's three kv heads on two threads leave one thread idle for a third
+ * of the attention, six halves do not. */
+typedef struct {
+    int64_t at;
+    float *out;
+    int64_t out_stride;
+    float *lse;
+} DecodeSplit;
+
+/* Where item `item` of decode_items attends: its row, kv head and positions [from, from +
+ * len); first_half for an item of a split's first halves. */
+typedef struct {
+    int64_t row, head, from, len;
+    int first_half;
+} ItemSpan;
+
+static inline ItemSpan item_span(int64_t item, int64_t num_rows, int64_t num_kv_heads,
+                                 const int64_t *seq_lens, int64_t skip, int64_t skip_rows,
+                                 const DecodeSplit *split) {
+    ItemSpan span = {0};
+    const int64_t per_half = num_rows * num_kv_heads;
+    span.first_half = split != NULL && item < per_half;
+    if (split != NULL && !span.first_half) item -= per_half;
+    span.row = item / num_kv_heads;
+    span.head = item % num_kv_heads;
+    if (span.first_half) {
+        span.len = split->at;
+        return span;
+    }
+    span.from = split != NULL ? split->at : span.row < skip_rows ? skip : 0;
+    span.len = seq_lens[span.row] - span.from;
+    return span;
+}
+
 /* A decode step's work items, (row, kv head) for each of num_rows rows, called by every
  * thread of a parallel region, *claimed 0 before it: the items as a dynamic schedule hands
  * them out, but each thread claims its next one ahead, to prefetch from it as `prefetch`
@@ -776,15 +816,18 @@ static inline void decode_item(float *o, const float *q, const void *key_cache,
  * not done. With skip > 0 (a multiple of block_size, below the contexts of rows 0 ..
  * skip_rows - 1) each of those rows attends to its context past the first `skip` positions
  * only, and writes its heads' log-sum-exps to lse + r * num_heads: the rest of the context
- * after a shared prefix (prompt_attention.c, "Decode rows over a shared prefix"). */
+ * after a shared prefix (prompt_attention.c, "Decode rows over a shared prefix"). With
+ * `split` (skip then 0) every item is two, its context's halves (DecodeSplit), the second
+ * halves' log-sum-exps to lse as with skip. */
 static void decode_items(int64_t *claimed, float *out, int64_t out_stride, const float *query,
                          int64_t query_stride, const int64_t *rows, const void *key_cache,
                          const void *value_cache, const int64_t *block_tables,
                          int64_t block_table_stride, const int64_t *seq_lens, int64_t num_rows,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, float scale, float *scores, int64_t kv_mode,
-                         int64_t prefetch, int64_t skip, int64_t skip_rows, float *lse) {
-    const int64_t num_items = num_rows * num_kv_heads;
+                         int64_t prefetch, int64_t skip, int64_t skip_rows, float *lse,
+                         const DecodeSplit *split) {
+    const int64_t num_items = num_rows * num_kv_heads * (split != NULL ? 2 : 1);
     const int stream = prefetch == STREAM_NEXT_ITEM;
     int64_t item, next;
 #pragma omp atomic capture
@@ -792,27 +835,31 @@ static void decode_items(int64_t *claimed, float *out, int64_t out_stride, const
 #pragma omp atomic capture
     next = (*claimed)++;
     for (int first = 1; item < num_items; first = 0) {
-        const int64_t row = item / num_kv_heads, at = rows ? rows[row] : row;
+        const ItemSpan span = item_span(item, num_rows, num_kv_heads, seq_lens, skip,
+                                        skip_rows, split);
         NextItem ahead = {0};
         if (next < num_items) {
-            const int64_t then_row = next / num_kv_heads;
-            const int64_t then_from = then_row < skip_rows ? skip : 0;
-            ahead = (NextItem){block_tables + then_row * block_table_stride +
-                                   then_from / block_size,
-                               seq_lens[then_row] - then_from,
-                               next % num_kv_heads * block_size * head_dim};
+            const ItemSpan then = item_span(next, num_rows, num_kv_heads, seq_lens, skip,
+                                            skip_rows, split);
+            ahead = (NextItem){block_tables + then.row * block_table_stride +
+                                   then.from / block_size,
+                               then.len, then.head * block_size * head_dim};
         }
         const NextItem *then = next < num_items ? &ahead : NULL;
         const int own = !stream ? OWN_NEAR : first ? OWN_FAR : OWN_NONE;
-        const int64_t from = row < skip_rows ? skip : 0;
+        const int64_t at = rows ? rows[span.row] : span.row;
+        float *o = span.first_half ? split->out + span.row * split->out_stride
+                                   : out + at * out_stride;
+        float *item_lse = span.first_half ? split->lse + span.row * num_heads
+                          : span.from > 0  ? lse + span.row * num_heads
+                                           : NULL;
         if (scores != NULL)
-            decode_item_then(out + at * out_stride, query + at * query_stride, key_cache,
-                             value_cache, block_tables + row * block_table_stride +
-                                              from / block_size,
-                             seq_lens[row] - from, item % num_kv_heads, num_heads,
-                             num_kv_heads, head_dim, block_size, scale, scores, kv_mode, own,
-                             stream ? then : NULL, stream ? NULL : then,
-                             from > 0 ? lse + row * num_heads : NULL);
+            decode_item_then(o, query + at * query_stride, key_cache, value_cache,
+                             block_tables + span.row * block_table_stride +
+                                 span.from / block_size,
+                             span.len, span.head, num_heads, num_kv_heads, head_dim,
+                             block_size, scale, scores, kv_mode, own, stream ? then : NULL,
+                             stream ? NULL : then, item_lse);
         item = next;
         if (item < num_items) {
 #pragma omp atomic capture
@@ -821,20 +868,74 @@ static void decode_items(int64_t *claimed, float *out, int64_t out_stride, const
     }
 }
 
+/* Row r's two halves into its output: o (the rest of its context's, normalized, at out +
+ * rows[r] * out_stride, replaced) and p (the first positions', a shared prefix's or a
+ * split's first half, at prefix_out + r * prefix_stride), weighed by their heads'
+ * log-sum-exps (suffix_lse, prefix_lse: num_heads per row). Shared
+ * out over the threads of the enclosing region (an orphaned `omp for`, ending in a
+ * barrier). */
+static void merge_attention(float *out, int64_t out_stride, const int64_t *rows,
+                            const float *prefix_out, int64_t prefix_stride,
+                            const float *prefix_lse, const float *suffix_lse, int64_t num_rows,
+                            int64_t num_heads, int64_t head_dim) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < num_rows; ++r) {
+        float *o = out + rows[r] * out_stride;
+        const float *p = prefix_out + r * prefix_stride;
+        for (int64_t n = 0; n < num_heads; ++n) {
+            const float a = prefix_lse[r * num_heads + n], b = suffix_lse[r * num_heads + n];
+            const float top = a > b ? a : b;
+            const float wa = expf(a - top), wb = expf(b - top), inv = 1.0f / (wa + wb);
+            const float ka = wa * inv, kb = wb * inv;
+            for (int64_t d = n * head_dim; d < (n + 1) * head_dim; ++d)
+                o[d] = ka * p[d] + kb * o[d];
+        }
+    }
+}
+
+/* Where decode_items splits the rows' contexts in two (DecodeSplit), or 0: only for items
+ * too few to share out evenly over the threads (fewer than four a thread, not a multiple of
+ * their number), at half the shortest context in whole blocks. */
+static int64_t decode_split_at(int64_t num_rows, int64_t num_kv_heads, const int64_t *seq_lens,
+                               int64_t block_size, int64_t threads) {
+    const int64_t items = num_rows * num_kv_heads;
+    if (threads < 2 || items == 0 || items % threads == 0 || items >= 4 * threads) return 0;
+    int64_t shortest = seq_lens[0];
+    for (int64_t r = 1; r < num_rows; ++r)
+        shortest = seq_lens[r] < shortest ? seq_lens[r] : shortest;
+    return shortest / 2 / block_size * block_size;
+}
+
 /* Returns 0, or -1 if a scratch buffer could not be allocated. Decode row r reads its
  * query at query + rows[r] * query_stride and writes out + rows[r] * out_stride (rows index
  * the step's flat token dimension; query may be a view into a fused QKV tensor). kv_mode:
- * the caches' mode (decode_item_then); prefetch: STREAM_NEXT_ITEM or OWN_TOKENS_AHEAD. */
+ * the caches' mode (decode_item_then); prefetch: STREAM_NEXT_ITEM or OWN_TOKENS_AHEAD.
+ * split_decode 1: where decode_split_at says, each row's context in two halves merged by
+ * their log-sum-exps (the threads kept busy; a row's sums then depend on the other rows of
+ * the step); 0: whole contexts. */
 int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t query_stride,
                     const int64_t *rows, const void *key_cache, const void *value_cache,
                     const int64_t *block_tables, int64_t block_table_stride,
                     const int64_t *seq_lens, int64_t num_rows, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-                    int64_t kv_mode, int64_t prefetch) {
-    const int64_t group = num_heads / num_kv_heads;
+                    int64_t kv_mode, int64_t prefetch, int64_t split_decode) {
+    const int64_t group = num_heads / num_kv_heads, width = num_heads * head_dim;
     int64_t max_seq_len = 0;
     for (int64_t r = 0; r < num_rows; ++r)
         max_seq_len = seq_lens[r] > max_seq_len ? seq_lens[r] : max_seq_len;
+    DecodeSplit split = {split_decode ? decode_split_at(num_rows, num_kv_heads, seq_lens,
+                                                        block_size, omp_get_max_threads())
+                                      : 0,
+                         NULL, width, NULL};
+    float *split_scratch = NULL;
+    if (split.at > 0) {
+        split_scratch =
+            (float *)malloc(sizeof(float) * (size_t)(num_rows * (width + 2 * num_heads)));
+        if (split_scratch == NULL) return -1;
+        split.out = split_scratch;
+        split.lse = split_scratch + num_rows * width;
+    }
+    float *suffix_lse = split.at > 0 ? split.lse + num_rows * num_heads : NULL;
     int failed = 0;
     int64_t claimed = 0; /* items handed out: each thread claims its next one ahead */
 #pragma omp parallel
@@ -848,9 +949,15 @@ int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t 
         decode_items(&claimed, out, out_stride, query, query_stride, rows, key_cache,
                      value_cache, block_tables, block_table_stride, seq_lens, num_rows,
                      num_heads, num_kv_heads, head_dim, block_size, scale, scores, kv_mode,
-                     prefetch, 0, 0, NULL);
+                     prefetch, 0, 0, suffix_lse, split.at > 0 ? &split : NULL);
+        if (split.at > 0) {
+#pragma omp barrier
+            merge_attention(out, out_stride, rows, split.out, width, split.lse, suffix_lse,
+                            num_rows, num_heads, head_dim);
+        }
         free(scores);
     }
+    free(split_scratch);
     return failed ? -1 : 0;
 }
 

@@ -996,30 +996,6 @@ static void prefix_items(float *out, int64_t out_stride, float *lse, const float
 }
 #endif
 
-/* Row r's two halves into its output: o (the rest of its context's, normalized, at out +
- * rows[r] * out_stride, replaced) and p (the prefix's, at prefix_out + r * prefix_stride),
- * weighed by their heads' log-sum-exps (suffix_lse, prefix_lse: num_heads per row). Shared
- * out over the threads of the enclosing region (an orphaned `omp for`, ending in a
- * barrier). */
-static void merge_attention(float *out, int64_t out_stride, const int64_t *rows,
-                            const float *prefix_out, int64_t prefix_stride,
-                            const float *prefix_lse, const float *suffix_lse, int64_t num_rows,
-                            int64_t num_heads, int64_t head_dim) {
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < num_rows; ++r) {
-        float *o = out + rows[r] * out_stride;
-        const float *p = prefix_out + r * prefix_stride;
-        for (int64_t n = 0; n < num_heads; ++n) {
-            const float a = prefix_lse[r * num_heads + n], b = suffix_lse[r * num_heads + n];
-            const float top = a > b ? a : b;
-            const float wa = expf(a - top), wb = expf(b - top), inv = 1.0f / (wa + wb);
-            const float ka = wa * inv, kb = wb * inv;
-            for (int64_t d = n * head_dim; d < (n + 1) * head_dim; ++d)
-                o[d] = ka * p[d] + kb * o[d];
-        }
-    }
-}
-
 /* ts_paged_decode (paged_attention.c) for rows whose first prefix_rows all start with the
  * same `prefix` positions (the same blocks in their tables, whole blocks, below each of
  * their contexts), on the shared-prefix path where ts_decode_prefix_available says it runs
@@ -1031,13 +1007,14 @@ int ts_paged_decode_prefix(float *out, int64_t out_stride, const float *query,
                            int64_t block_table_stride, const int64_t *seq_lens,
                            int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,
                            int64_t head_dim, int64_t block_size, float scale, int64_t kv_mode,
-                           int64_t prefetch, int64_t prefix, int64_t prefix_rows) {
+                           int64_t prefetch, int64_t split_decode, int64_t prefix,
+                           int64_t prefix_rows) {
     if (prefix <= 0 || prefix_rows <= 0 || prefix_rows > num_rows ||
         !ts_decode_prefix_available(kv_mode, num_heads, num_kv_heads, head_dim, block_size))
         return ts_paged_decode(out, out_stride, query, query_stride, rows, key_cache,
                                value_cache, block_tables, block_table_stride, seq_lens,
                                num_rows, num_heads, num_kv_heads, head_dim, block_size, scale,
-                               kv_mode, prefetch);
+                               kv_mode, prefetch, split_decode);
 #if PREFIX_AMX
     const int64_t group = num_heads / num_kv_heads, width = num_heads * head_dim;
     int64_t max_seq_len = 0;
@@ -1064,7 +1041,7 @@ int ts_paged_decode_prefix(float *out, int64_t out_stride, const float *query,
             decode_items(&claimed, out, out_stride, query, query_stride, rows, key_cache,
                          value_cache, block_tables, block_table_stride, seq_lens, num_rows,
                          num_heads, num_kv_heads, head_dim, block_size, scale, scores, kv_mode,
-                         prefetch, prefix, prefix_rows, lse + prefix_rows * num_heads);
+                         prefetch, prefix, prefix_rows, lse + prefix_rows * num_heads, NULL);
 #pragma omp barrier
             merge_attention(out, out_stride, rows, prefix_out, width, lse,
                             lse + prefix_rows * num_heads, prefix_rows, num_heads, head_dim);
