@@ -80,10 +80,13 @@ def _reference(query, key_cache, value_cache, tables, seq_lens, scale, bf16_roun
         # context is split in two halves, merged by their log-sum-exps (DecodeSplit).
         (9, 3, 64, 16, [300]),
         (12, 3, 128, 8, [77]),
+        # A head size only the plain loop takes (36) keeps no log-sum-exps: whole contexts.
+        (6, 3, 36, 16, [300]),
     ],
     ids=["gqa3-d64", "gqa5-d64", "gqa7-d64", "mha-d128", "gqa4-d128-b8", "gqa3-d96",
          "gqa3-d192", "gqa4-d256-b32", "mha-d40", "gqa5-d80", "gqa2-d48", "gqa2-d112",
-         "gqa2-d144", "gqa3-d64-b15", "gqa3-d64-split", "gqa4-d128-b8-split"],
+         "gqa2-d144", "gqa3-d64-b15", "gqa3-d64-split", "gqa4-d128-b8-split",
+         "gqa2-d36-unsplit"],
 )
 def test_paged_decode_matches_float64_attention(
     paged, cpu_isa_level, num_heads, num_kv_heads, head_dim, block_size, seq_lens, cache_dtype,

@@ -214,7 +214,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                              ? 0
                              : decode_split_at(step->num_decode_rows, step->num_kv_heads,
                                                step->seq_lens, step->block_size,
-                                               omp_get_max_threads()),
+                                               omp_get_max_threads(), step->kv_mode, D),
                          NULL, q_size, NULL};
     float *suffix_lse = step->suffix_lse;
     float *split_scratch = NULL;

@@ -871,7 +871,7 @@ static void decode_items(int64_t *claimed, float *out, int64_t out_stride, const
 /* Row r's two halves into its output: o (the rest of its context's, normalized, at out +
  * rows[r] * out_stride, replaced) and p (the first positions', a shared prefix's or a
  * split's first half, at prefix_out + r * prefix_stride), weighed by their heads'
- * log-sum-exps (suffix_lse, prefix_lse: num_heads per row). Shared
+ * log-sum-exps (suffix_lse, prefix_lse: num_heads per row); rows NULL: row r's own. Shared
  * out over the threads of the enclosing region (an orphaned `omp for`, ending in a
  * barrier). */
 static void merge_attention(float *out, int64_t out_stride, const int64_t *rows,
@@ -880,7 +880,7 @@ static void merge_attention(float *out, int64_t out_stride, const int64_t *rows,
                             int64_t num_heads, int64_t head_dim) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < num_rows; ++r) {
-        float *o = out + rows[r] * out_stride;
+        float *o = out + (rows ? rows[r] : r) * out_stride;
         const float *p = prefix_out + r * prefix_stride;
         for (int64_t n = 0; n < num_heads; ++n) {
             const float a = prefix_lse[r * num_heads + n], b = suffix_lse[r * num_heads + n];
@@ -893,13 +893,25 @@ static void merge_attention(float *out, int64_t out_stride, const int64_t *rows,
     }
 }
 
+/* Whether an item over a cache of this mode keeps its heads' log-sum-exps: attend_item does
+ * (head sizes it takes, attend_dims), the plain loop does not. KV_BF16_DP as the float32
+ * code's bf16 would take it, which the dot-product path's head sizes also fit. */
+static int decode_item_keeps_lse(int64_t kv_mode, int64_t head_dim) {
+    const int kv = kv_mode == KV_BF16_DP ? KV_BF16 : (int)kv_mode;
+    return head_dim == 64 || head_dim == 128 || (head_dim % CHUNK(kv) == 0 && head_dim <= 256);
+}
+
 /* Where decode_items splits the rows' contexts in two (DecodeSplit), or 0: only for items
  * too few to share out evenly over the threads (fewer than four a thread, not a multiple of
- * their number), at half the shortest context in whole blocks. */
+ * their number) that keep their log-sum-exps, at half the shortest context in whole
+ * blocks. */
 static int64_t decode_split_at(int64_t num_rows, int64_t num_kv_heads, const int64_t *seq_lens,
-                               int64_t block_size, int64_t threads) {
+                               int64_t block_size, int64_t threads, int64_t kv_mode,
+                               int64_t head_dim) {
     const int64_t items = num_rows * num_kv_heads;
-    if (threads < 2 || items == 0 || items % threads == 0 || items >= 4 * threads) return 0;
+    if (threads < 2 || items == 0 || items % threads == 0 || items >= 4 * threads ||
+        !decode_item_keeps_lse(kv_mode, head_dim))
+        return 0;
     int64_t shortest = seq_lens[0];
     for (int64_t r = 1; r < num_rows; ++r)
         shortest = seq_lens[r] < shortest ? seq_lens[r] : shortest;
@@ -924,7 +936,8 @@ int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t 
     for (int64_t r = 0; r < num_rows; ++r)
         max_seq_len = seq_lens[r] > max_seq_len ? seq_lens[r] : max_seq_len;
     DecodeSplit split = {split_decode ? decode_split_at(num_rows, num_kv_heads, seq_lens,
-                                                        block_size, omp_get_max_threads())
+                                                        block_size, omp_get_max_threads(),
+                                                        kv_mode, head_dim)
                                       : 0,
                          NULL, width, NULL};
     float *split_scratch = NULL;
