@@ -902,14 +902,14 @@ static int decode_item_keeps_lse(int64_t kv_mode, int64_t head_dim) {
 }
 
 /* Where decode_items splits the rows' contexts in two (DecodeSplit), or 0: only for items
- * too few to share out evenly over the threads (fewer than four a thread, not a multiple of
+ * too few to share out evenly over the threads (fewer than eight a thread, not a multiple of
  * their number) that keep their log-sum-exps, at half the shortest context in whole
  * blocks. */
 static int64_t decode_split_at(int64_t num_rows, int64_t num_kv_heads, const int64_t *seq_lens,
                                int64_t block_size, int64_t threads, int64_t kv_mode,
                                int64_t head_dim) {
     const int64_t items = num_rows * num_kv_heads;
-    if (threads < 2 || items == 0 || items % threads == 0 || items >= 4 * threads ||
+    if (threads < 2 || items == 0 || items % threads == 0 || items >= 8 * threads ||
         !decode_item_keeps_lse(kv_mode, head_dim))
         return 0;
     int64_t shortest = seq_lens[0];
