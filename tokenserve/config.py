@@ -173,8 +173,8 @@ class SchedulerConfig:
     # priority policy always takes "arrival" (in priority order).
     prefill_order: str = "shortest"
     # Under "shortest": the share of each step's prompt tokens (what its decode rows leave)
-    # held for the prompt that arrived first, so short prompts arriving one after another
-    # cannot hold a long one back indefinitely; 0: none held.
+    # held for the running prompt that arrived first, so short prompts arriving one after
+    # another cannot hold a long one back indefinitely; 0: none held.
     oldest_prompt_share: float = DEFAULT_OLDEST_PROMPT_SHARE
     # Admit a request only if the running requests and it fit the KV pool over their next
     # this many tokens of growth (core/kv_lookahead.py); 0: admit whenever the prompt fits.

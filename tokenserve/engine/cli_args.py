@@ -166,9 +166,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
     parser.add_argument("--oldest-prompt-share", type=float,
                         default=defaults.oldest_prompt_share,
                         help="Under --prefill-order shortest: the share of each step's prompt "
-                             "tokens (what its decode rows leave) held for the prompt that "
-                             "arrived first, so that short requests arriving one after another "
-                             "do not hold a long prompt back; 0: none held.")
+                             "tokens (what its decode rows leave) held for the running prompt "
+                             "that arrived first, so that short requests arriving one after "
+                             "another do not hold a long prompt back; 0: none held.")
     parser.add_argument("--admission-lookahead-tokens", type=int,
                         default=defaults.admission_lookahead_tokens,
                         help="Admit a request only if the running requests and it fit the KV "

@@ -118,8 +118,8 @@ class EngineArgs:
     # Which prompts get a step's tokens after its decode rows: "shortest" remaining
     # prompt first, or by "arrival" (fcfs policy only; priority order under "priority").
     prefill_order: str = "shortest"
-    # Under "shortest": the share of each step's prompt tokens held for the prompt that
-    # arrived first (a long prompt advances while short ones keep arriving); 0: none.
+    # Under "shortest": the share of each step's prompt tokens held for the running prompt
+    # that arrived first (a long prompt advances while short ones keep arriving); 0: none.
     oldest_prompt_share: float = DEFAULT_OLDEST_PROMPT_SHARE
     # Admit a request only if the running requests and it fit the KV cache over their next
     # this many tokens of growth; 0: whenever its prompt fits (fewer preemptions vs. more

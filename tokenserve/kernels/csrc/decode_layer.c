@@ -210,26 +210,18 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                                      : 0;
     /* Few decode items on the threads: each row's context in two halves, the first halves'
      * outputs and both halves' log-sum-exps here. */
-    DecodeSplit split = {prefix || !step->split_decode
-                             ? 0
-                             : decode_split_at(step->num_decode_rows, step->num_kv_heads,
-                                               step->seq_lens, step->block_size,
-                                               omp_get_max_threads(), step->kv_mode, D),
-                         NULL, q_size, NULL};
+    DecodeSplit split;
     float *suffix_lse = step->suffix_lse;
-    float *split_scratch = NULL;
-    if (split.at > 0) {
-        const int64_t rows = step->num_decode_rows;
-        split_scratch =
-            (float *)malloc(sizeof(float) * (size_t)(rows * (q_size + 2 * step->num_heads)));
-        if (split_scratch == NULL) {
-            free(plan.items);
-            free(xp);
-            return -1;
-        }
-        split.out = split_scratch;
-        split.lse = split_scratch + rows * q_size;
-        suffix_lse = split.lse + rows * step->num_heads;
+    if (decode_split_init(&split,
+                          prefix || !step->split_decode
+                              ? 0
+                              : decode_split_at(step->num_decode_rows, step->num_kv_heads,
+                                                step->seq_lens, step->block_size,
+                                                omp_get_max_threads(), step->kv_mode, D),
+                          step->num_decode_rows, step->num_heads, q_size, &suffix_lse)) {
+        free(plan.items);
+        free(xp);
+        return -1;
     }
 #pragma omp parallel
     {
@@ -340,7 +332,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
     }
     free(xp);
     free(plan.items);
-    free(split_scratch);
+    free(split.out);
     return failed ? -1 : 0;
 }
 

@@ -918,6 +918,22 @@ static int64_t decode_split_at(int64_t num_rows, int64_t num_kv_heads, const int
     return shortest / 2 / block_size * block_size;
 }
 
+/* *split at `at` (0: none) for num_rows rows, its buffers in one allocation starting at
+ * split->out (free() that): the first halves' outputs (width floats a row) and both halves'
+ * log-sum-exps, the second halves' at *second_lse (left alone without a split). Returns 0,
+ * or -1 if the buffers could not be allocated. */
+static int decode_split_init(DecodeSplit *split, int64_t at, int64_t num_rows,
+                             int64_t num_heads, int64_t width, float **second_lse) {
+    *split = (DecodeSplit){at, NULL, width, NULL};
+    if (at == 0) return 0;
+    float *buffer = (float *)malloc(sizeof(float) * (size_t)(num_rows * (width + 2 * num_heads)));
+    if (buffer == NULL) return -1;
+    split->out = buffer;
+    split->lse = buffer + num_rows * width;
+    *second_lse = split->lse + num_rows * num_heads;
+    return 0;
+}
+
 /* Returns 0, or -1 if a scratch buffer could not be allocated. Decode row r reads its
  * query at query + rows[r] * query_stride and writes out + rows[r] * out_stride (rows index
  * the step's flat token dimension; query may be a view into a fused QKV tensor). kv_mode:
@@ -935,20 +951,15 @@ int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t 
     int64_t max_seq_len = 0;
     for (int64_t r = 0; r < num_rows; ++r)
         max_seq_len = seq_lens[r] > max_seq_len ? seq_lens[r] : max_seq_len;
-    DecodeSplit split = {split_decode ? decode_split_at(num_rows, num_kv_heads, seq_lens,
-                                                        block_size, omp_get_max_threads(),
-                                                        kv_mode, head_dim)
-                                      : 0,
-                         NULL, width, NULL};
-    float *split_scratch = NULL;
-    if (split.at > 0) {
-        split_scratch =
-            (float *)malloc(sizeof(float) * (size_t)(num_rows * (width + 2 * num_heads)));
-        if (split_scratch == NULL) return -1;
-        split.out = split_scratch;
-        split.lse = split_scratch + num_rows * width;
-    }
-    float *suffix_lse = split.at > 0 ? split.lse + num_rows * num_heads : NULL;
+    DecodeSplit split;
+    float *suffix_lse = NULL;
+    if (decode_split_init(&split,
+                          split_decode ? decode_split_at(num_rows, num_kv_heads, seq_lens,
+                                                         block_size, omp_get_max_threads(),
+                                                         kv_mode, head_dim)
+                                       : 0,
+                          num_rows, num_heads, width, &suffix_lse))
+        return -1;
     int failed = 0;
     int64_t claimed = 0; /* items handed out: each thread claims its next one ahead */
 #pragma omp parallel
@@ -970,7 +981,7 @@ int ts_paged_decode(float *out, int64_t out_stride, const float *query, int64_t 
         }
         free(scores);
     }
-    free(split_scratch);
+    free(split.out);
     return failed ? -1 : 0;
 }
 
