@@ -125,8 +125,12 @@ static inline void tile_rows(const void **rows, int n, const void *cache,
  * summed over the head's elements in registers; the online softmax lane-wise in powers of
  * two (the running maximum moves lazily, as on the bf16 paths); then o[d][v] += p[k][v] ·
  * v[k][d] for F32_DIMS elements x up to three query vectors at a time, each value element
- * broadcast from the cache in place. Float32 arithmetic throughout: the results differ from
- * attention in float64 by the order of the sums and the exponential's ~1e-7 only. */
+ * broadcast from the cache in place. The three query (probability) vectors stay in
+ * registers through the elements (keys) they multiply (in_register: on AVX2 the twelve sums,
+ * three vectors and a broadcast take all 16; 1.15-1.27x faster on an AMD EPYC Zen 3 than
+ * their loads folded into each multiply-add). Float32 arithmetic throughout: the results
+ * differ from attention in float64 by the order of the sums and the exponential's ~1e-7
+ * only. */
 #define F32_MAX_QUERIES 48
 #define F32_QV ((F32_MAX_QUERIES + VW - 1) / VW) /* query vectors per item */
 #define F32_SCORE_KEYS 4
@@ -156,7 +160,10 @@ static inline __attribute__((always_inline)) void score_tile_f32(
         }
         for (int64_t d = 0; d < head_dim; ++d) {
             vwf q[3];
-            for (int v = 0; v < NQ; ++v) q[v] = loadw(F32_AT(qt, d, v0 + v));
+            for (int v = 0; v < NQ; ++v) {
+                q[v] = loadw(F32_AT(qt, d, v0 + v));
+                in_register(q[v]);
+            }
             for (int j = 0; j < F32_SCORE_KEYS; ++j) {
                 const vwf x = splatw(k[j][d]);
                 for (int v = 0; v < NQ; ++v) acc[j][v] = fmaw(q[v], x, acc[j][v]);
@@ -192,7 +199,10 @@ static inline __attribute__((always_inline)) void weigh_tile_f32(
     for (int k = 0; k < KT; ++k) {
         const float *x = (const float *)values[k] + first;
         vwf pk[3];
-        for (int v = 0; v < NQ; ++v) pk[v] = loadw(F32_AT(p, k, v0 + v));
+        for (int v = 0; v < NQ; ++v) {
+            pk[v] = loadw(F32_AT(p, k, v0 + v));
+            in_register(pk[v]);
+        }
         for (int d = 0; d < ND; ++d) {
             const vwf xd = splatw(x[d]);
             for (int v = 0; v < NQ; ++v) acc[d][v] = fmaw(pk[v], xd, acc[d][v]);
