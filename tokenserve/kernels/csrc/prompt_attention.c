@@ -127,10 +127,10 @@ static inline void tile_rows(const void **rows, int n, const void *cache,
  * v[k][d] for F32_DIMS elements x up to three query vectors at a time, each value element
  * broadcast from the cache in place. The three query (probability) vectors stay in
  * registers through the elements (keys) they multiply (in_register: on AVX2 the twelve sums,
- * three vectors and a broadcast take all 16; 1.15-1.27x faster on an AMD EPYC Zen 3 than
- * their loads folded into each multiply-add). Float32 arithmetic throughout: the results
- * differ from attention in float64 by the order of the sums and the exponential's ~1e-7
- * only. */
+ * three vectors and a broadcast take all 16; 1.13-1.36x faster on an AMD EPYC Zen 3 than
+ * their loads folded into each multiply-add, docs/PERFORMANCE_CPU.md, "Operands in
+ * registers"). Float32 arithmetic throughout: the results differ from attention in float64
+ * by the order of the sums and the exponential's ~1e-7 only. */
 #define F32_MAX_QUERIES 48
 #define F32_QV ((F32_MAX_QUERIES + VW - 1) / VW) /* query vectors per item */
 #define F32_SCORE_KEYS 4
