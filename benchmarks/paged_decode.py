@@ -13,6 +13,9 @@ A bfloat16 cache runs twice on a level with native bf16: read in float32 arithme
 with bf16 numerics ("bfloat16 dp": the dot-product path a bf16 model's decode rows take).
 `--prefetch` names how the threads keep memory busy (paged_attention.DECODE_PREFETCH; the
 engine takes the CPU's plan, `decode_prefetch()`); several plans take turns case by case.
+`--other-csrc DIR` builds another tree's kernel (its tokenserve/kernels/csrc) beside this
+one's and times it in turns with it, case by case ("other" after the level); the two
+builds' outputs are compared bit for bit.
 The bytes per second are also stated against what the machine reads at all: `torch.sum`
 over a 512 MiB float32 tensor on the same threads, fastest of `--repeats`, timed between
 the cases' turns.
@@ -20,17 +23,18 @@ the cases' turns.
 usage: python benchmarks/paged_decode.py [--rows 64] [--context 340] [--block-size 16]
        [--layers 30] [--kv-cache-dtype float32 bfloat16 float8_e4m3fn float8_e5m2]
        [--cpu-isa avx2 avx512 ...]
-       [--prefetch stream_next_item own_tokens_ahead] [--repeats 7]
+       [--prefetch stream_next_item own_tokens_ahead] [--repeats 7] [--other-csrc DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import time
 
 import torch
 
-from tokenserve.kernels import cpu_isa, paged_attention
+from tokenserve.kernels import build, cpu_isa, paged_attention
 
 # Bytes of the reference read (see the module docstring).
 READ_BYTES = 512 << 20
@@ -55,11 +59,17 @@ def main() -> None:
                         help="How the threads prefetch (default: this CPU's plan); several "
                              "take turns.")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--other-csrc", default=None,
+                        help="Another tree's tokenserve/kernels/csrc, timed in turns.")
     args = parser.parse_args()
     levels = [cpu_isa.resolve(level) for level in args.cpu_isa]
-    kernels = {level: paged_attention.load(level) for level in levels}
+    trees = ["", " other"] if args.other_csrc else [""]
+    kernels = {(level, ""): paged_attention.load(level) for level in levels}
     if any(ops is None for ops in kernels.values()):
         raise SystemExit("The C kernels are unavailable (see the warning above).")
+    for level in levels if args.other_csrc else []:
+        library = build.build("paged_attention", level, source_dir=args.other_csrc)
+        kernels[level, " other"] = paged_attention.PagedAttentionOps(ctypes.CDLL(library))
 
     blocks_per_row = -(-args.context // args.block_size)
     num_blocks = args.rows * blocks_per_row
@@ -87,15 +97,18 @@ def main() -> None:
     modes = [(dtype, False) for dtype in caches]
     if "bfloat16" in caches:
         modes.insert(modes.index(("bfloat16", False)) + 1, ("bfloat16", True))
-    cases = [(level, dtype, dp, order, plan) for level in levels for dtype, dp in modes
-             for order in tables for plan in args.prefetch
+    cases = [(level, dtype, dp, order, plan, tree) for level in levels for dtype, dp in modes
+             for order in tables for plan in args.prefetch for tree in trees
              if not dp or cpu_isa.native_bf16(level)]
+    outputs = {}
 
-    def step(case: tuple[str, str, bool, str, str]) -> None:
-        level, dtype, dp, order, plan = case
+    def step(case: tuple[str, str, bool, str, str, str]) -> None:
+        level, dtype, dp, order, plan, tree = case
         for key_cache, value_cache in caches[dtype]:
-            kernels[level].decode(out, query, rows, key_cache, value_cache, tables[order],
-                                  seq_lens, scale, bf16_numerics=dp, prefetch=plan)
+            kernels[level, tree].decode(out, query, rows, key_cache, value_cache,
+                                        tables[order], seq_lens, scale, bf16_numerics=dp,
+                                        prefetch=plan)
+        outputs[case] = out.clone()
 
     wall = dict.fromkeys(cases, float("inf"))
     cpu = dict.fromkeys(cases, float("inf"))
@@ -121,18 +134,23 @@ def main() -> None:
         f"{torch.get_num_threads()} threads; torch.sum reads {READ_BYTES >> 20} MiB at "
         f"{read_rate:.3g} GB/s"
     )
-    for level, dtype, dp, order, plan in cases:
+    for case in cases:
+        level, dtype, dp, order, plan, tree = case
         element = caches[dtype][0][0].element_size()
         kv_bytes = (2 * args.rows * args.context * args.kv_heads * args.head_dim * element
                     * args.layers)
-        seconds = wall[level, dtype, dp, order, plan]
+        seconds = wall[case]
         rate = kv_bytes / seconds / 1e9
         name = dtype + (" dp" if dp else "")
+        same = ""
+        if tree:
+            this = outputs[level, dtype, dp, order, plan, ""]
+            same = "  same bits" if torch.equal(outputs[case], this) else "  bits differ"
         # Microseconds and three significant digits: a tiny shape on a fast CPU is not 0.0.
         print(
-            f"  {level:11s} {name:11s} blocks {order:9s} {plan:16s} {seconds * 1e3:9.3f} ms "
-            f"per step  {rate:8.3g} GB/s ({rate / read_rate:4.2f} of the read rate)  "
-            f"cpu {cpu[level, dtype, dp, order, plan] * 1e3:9.3f} ms"
+            f"  {level + tree:17s} {name:11s} blocks {order:9s} {plan:16s} "
+            f"{seconds * 1e3:9.3f} ms per step  {rate:8.3g} GB/s ({rate / read_rate:4.2f} of the "
+            f"read rate)  cpu {cpu[case] * 1e3:9.3f} ms{same}"
         )
 
 

@@ -48,3 +48,22 @@ def test_paged_decode_times_both_block_orders():
     for *_, ms, rate, share, cpu_ms in timed:
         for value in (float(ms), float(rate), float(share), float(cpu_ms)):
             assert math.isfinite(value) and value >= 0, result.stdout
+
+
+def test_paged_decode_times_another_tree_in_turns():
+    """--other-csrc: each case again on another tree's build (here this tree's own sources),
+    "other" after the level, with its outputs compared bit for bit to this build's."""
+    csrc = Path(paged_attention.__file__).resolve().parent / "csrc"
+    level = cpu_isa.supported_levels()[0]
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--rows", "3", "--context", "40", "--block-size", "8",
+         "--layers", "2", "--repeats", "1", "--kv-cache-dtype", "float32", "--cpu-isa", level,
+         "--other-csrc", str(csrc)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()[1:]]
+    assert [row[:2] for row in rows] == [
+        [level, "float32"], [level, "other"], [level, "float32"], [level, "other"]
+    ], result.stdout
+    assert [" ".join(row[-2:]) for row in rows[1::2]] == ["same bits"] * 2, result.stdout

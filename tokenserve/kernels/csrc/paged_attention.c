@@ -81,6 +81,11 @@
 /* The next item's first LEAD tokens, which an item prefetches into L2 before its second
  * pass under the OWN_TOKENS_AHEAD plan (decode_items). */
 #define LEAD 32
+/* On AVX2 builds the STREAM_NEXT_ITEM plan's lines of the next item (NextStream): how many
+ * each tile of KEYS keys and one head issues in pass 1, and each value row of a pass in
+ * pass 2. */
+#define SCORE_LINES 10
+#define VALUE_LINES 2
 /* ONE_WIDENING(kv): an 8-bit float cache on AVX2 (see the top). */
 #define ONE_WIDENING(kv) (VW == 8 && KV_FP8(kv))
 #define SCORE_HEADS_MAX 3
@@ -126,16 +131,75 @@ static inline __attribute__((always_inline)) void kv_chunk(const void *cache, in
         k[0] = loadw((const float *)cache + row + c * VW);
 }
 
+/* The work item a thread does after this one, whose keys and values it prefetches while
+ * computing this one (decode_items): the block table, context length and kv head offset it
+ * reads with. */
+typedef struct {
+    const int64_t *table;
+    int64_t seq_len, kv_offset;
+} NextItem;
+
+/* The next item's keys, then its values, streamed into L2 from its first token a few cache
+ * lines at a time (stream_lines), as the current item goes: on AVX2 builds the
+ * STREAM_NEXT_ITEM plan's prefetches, spread over all of the item's work (SCORE_LINES a
+ * tile of keys and head, VALUE_LINES a value row and pass). prefetch_next instead issues a
+ * run's share of lines at once, every 16 tokens of the first passes only: bursts that wait
+ * on a core's few L1 miss buffers while the arithmetic between them leaves memory idle (on
+ * an AMD EPYC Zen 3 the kernel's time was that of reading its bytes plus that of its
+ * arithmetic, as if nothing overlapped; docs/PERFORMANCE_CPU.md, "Streaming the next item
+ * line by line"). */
+typedef struct {
+    const NextItem *next;
+    const char *keys, *values; /* the caches */
+    int64_t head_dim, block_stride, block_size, element;
+    const char *at; /* the next line */
+    int64_t left;   /* lines left of the run at `at` */
+    int64_t token;  /* the first token after that run */
+    int part;       /* 0: keys, 1: values, 2: all issued */
+} NextStream;
+
+/* The stream's next run of lines: the rest of the block that holds `token`, in the keys or
+ * (after the last key) the values. */
+static inline void stream_run(NextStream *st) {
+    if (st->token >= st->next->seq_len) {
+        if (++st->part == 2) return;
+        st->token = 0;
+    }
+    const int64_t offset = st->token % st->block_size;
+    int64_t count = st->block_size - offset;
+    count = st->next->seq_len - st->token < count ? st->next->seq_len - st->token : count;
+    const int64_t row = st->next->table[st->token / st->block_size] * st->block_stride +
+                        st->next->kv_offset + offset * st->head_dim;
+    st->at = (st->part ? st->values : st->keys) + row * st->element;
+    st->left = (count * st->head_dim * st->element + 63) / 64;
+    st->token += count;
+}
+
+/* `lines` more of the stream's lines into L2 (nothing without a stream). */
+static inline __attribute__((always_inline)) void stream_lines(NextStream *st, int64_t lines) {
+    if (st == NULL) return;
+    for (; lines > 0 && st->part < 2; --lines) {
+        if (st->left == 0) {
+            stream_run(st);
+            if (st->part == 2) return;
+        }
+        __builtin_prefetch(st->at, 0, 2);
+        st->at += 64;
+        --st->left;
+    }
+}
+
 /* Scaled scores of `heads` query heads (qs: scaled, in kv_chunk's element order, head_dim
  * apart) against `count` keys from `keys` (head_dim apart); head h's go to s + h * stride.
- * Each key is converted once for all the heads. */
+ * Each key is converted once for all the heads. Issues the stream's lines as it goes. */
 static inline __attribute__((always_inline)) void score_keys(
     float *s, int64_t stride, const float *qs, const void *key_cache, int64_t keys,
-    int64_t count, const int64_t head_dim, const int heads, int kv) {
+    int64_t count, const int64_t head_dim, const int heads, int kv, NextStream *stream) {
     const int64_t chunks = head_dim / CHUNK(kv);
     const int parts = KV_PARTS(kv);
     int64_t i = 0;
     for (; !ONE_WIDENING(kv) && i + KEYS <= count; i += KEYS) {
+        stream_lines(stream, heads * SCORE_LINES);
         vwf acc[SCORE_HEADS_MAX][KEYS];
         for (int h = 0; h < heads; ++h)
             for (int t = 0; t < KEYS; ++t) acc[h][t] = splatw(0.0f);
@@ -156,6 +220,7 @@ static inline __attribute__((always_inline)) void score_keys(
         }
     }
     for (; i < count; ++i) {
+        stream_lines(stream, (heads * SCORE_LINES + KEYS - 1) / KEYS);
         vwf acc[SCORE_HEADS_MAX];
         for (int h = 0; h < heads; ++h) acc[h] = splatw(0.0f);
 #pragma GCC unroll 16
@@ -199,14 +264,6 @@ static inline float softmax_unnormalised(float *s, int64_t n, float *top_out) {
     return sum;
 }
 
-/* The work item a thread does after this one, whose keys and values it prefetches while
- * computing this one (decode_items): the block table, context length and kv head offset it
- * reads with. */
-typedef struct {
-    const int64_t *table;
-    int64_t seq_len, kv_offset;
-} NextItem;
-
 /* The part of the next item's keys or values (cache) that corresponds to tokens
  * [from, to) of the current one's n (its m tokens spread over the current item's), into L2. */
 static inline __attribute__((always_inline)) void prefetch_next(
@@ -248,12 +305,14 @@ static inline __attribute__((always_inline)) void prefetch_lead(
 
 /* o[h][0 .. width) = sum over the context of p[h * stride + t] * value t [0 .. width),
  * times inv[h], for `heads` query heads, values read from element `first` of each row:
- * each value is converted once for all the heads. */
+ * each value is converted once for all the heads (a float32 one on AVX2 held in a register
+ * for them all, in_register: else GCC loads it again for each head's multiply-add). Issues
+ * the stream's lines as it goes. */
 static inline __attribute__((always_inline)) void weigh_values(
     float *o, const float *p, int64_t stride, const float *inv, const void *value_cache,
     const int64_t *table, int64_t seq_len, const int64_t head_dim, const int64_t first,
     const int64_t width, int64_t block_stride, int64_t block_size, int64_t kv_offset,
-    const int heads, int kv, const NextItem *next) {
+    const int heads, int kv, const NextItem *next, NextStream *stream) {
     const int64_t chunks = width / CHUNK(kv);
     const int parts = KV_PARTS(kv);
     vwf acc[4][SLICE_VECTORS]; /* heads <= 4 */
@@ -268,10 +327,12 @@ static inline __attribute__((always_inline)) void weigh_values(
                 prefetch_next(value_cache, next, start + i,
                               start + (i + 16 < count ? i + 16 : count), seq_len, head_dim,
                               block_stride, block_size, KV_ELEMENT(kv));
+            stream_lines(stream, VALUE_LINES);
 #pragma GCC unroll 16
             for (int64_t c = 0; c < chunks; ++c) {
                 vwf v[2];
                 kv_chunk(value_cache, row, c, kv, v);
+                if (kv == KV_F32 && heads > 1) in_register(v[0]);
                 for (int h = 0; h < heads; ++h) {
                     const vwf weight = splatw(p[h * stride + start + i]);
                     for (int q = 0; q < parts; ++q)
@@ -499,9 +560,10 @@ static inline __attribute__((always_inline)) void prefetch_ahead(
  * the probability-weighted sum of values (as many heads per pass as fit in registers). The
  * caller guarantees head_dim % CHUNK(bf16) == 0 and head_dim <= 256. own: what the item
  * prefetches of its own tokens (OWN_NONE, OWN_FAR, OWN_NEAR); next: the item whose keys
- * and values stream into L2 meanwhile, spread over this one's tokens, and lead: the item
- * whose first tokens do so before the second pass (either may be NULL). With lse, each
- * head's log-sum-exp of its scaled scores goes to lse[g] (merge_attention). */
+ * and values stream into L2 meanwhile (on AVX2 builds line by line, NextStream; else
+ * spread over this one's tokens by prefetch_next), and lead: the item whose first tokens
+ * do so before the second pass (either may be NULL). With lse, each head's log-sum-exp of
+ * its scaled scores goes to lse[g] (merge_attention). */
 static inline __attribute__((always_inline)) void attend_item(
     float *o, const float *q, const void *key_cache, const void *value_cache,
     const int64_t *table, int64_t seq_len, int64_t group, const int64_t head_dim,
@@ -523,6 +585,14 @@ static inline __attribute__((always_inline)) void attend_item(
         for (int64_t g = 0; g < group * head_dim; g += CHUNK(kv))
             for (int64_t j = 0; j < CHUNK(kv); ++j)
                 qs[g + (KV_PAIRS(kv) ? (j & 1) * VW + j / 2 : j)] = q[g + j] * scale * unit;
+    NextStream stream_state, *stream = NULL;
+    if (next && VW == 8 && !dp) {
+        stream_state = (NextStream){next, (const char *)key_cache, (const char *)value_cache,
+                                    head_dim, block_stride, block_size, element, NULL, 0, 0,
+                                    0};
+        stream = &stream_state;
+        next = NULL; /* streamed line by line instead */
+    }
     /* Pass 1: scaled scores, per query head of the group, per context position, in runs
      * of at most RUN tokens of one block. */
     for (int64_t start = 0; start < seq_len;) {
@@ -544,9 +614,9 @@ static inline __attribute__((always_inline)) void attend_item(
 #define SCORE(n)                                                                              \
     (dp ? score_keys_dp(s, seq_len, qb + g * head_dim, key_cache, block, count, head_dim, n,   \
                         scale)                                                                \
-        : score_keys(s, seq_len, qg, key_cache, block, count, head_dim, n, kv))
+        : score_keys(s, seq_len, qg, key_cache, block, count, head_dim, n, kv, stream))
 #else
-#define SCORE(n) score_keys(s, seq_len, qg, key_cache, block, count, head_dim, n, kv)
+#define SCORE(n) score_keys(s, seq_len, qg, key_cache, block, count, head_dim, n, kv, stream)
 #endif
             /* A constant head count in each call, so the accumulators stay in registers. */
             switch (group - g < SCORE_HEADS(kv) ? group - g : SCORE_HEADS(kv)) {
@@ -571,7 +641,25 @@ static inline __attribute__((always_inline)) void attend_item(
     if (lead)
         prefetch_lead(key_cache, value_cache, lead, head_dim, block_stride, block_size, element);
     /* Pass 2: per slice of the head, as many heads per pass over the values as their
-     * outputs fit in registers. */
+     * outputs fit in registers. On AVX2 a float32 cache's group of two or three heads takes
+     * slices of 4 vectors, all its heads a pass: 12 sums, 3 weights and the value fill the 16
+     * registers, and each value is read once for the group, where slices of 8 vectors hold
+     * one head's sums and read each value once per head (from L2, where those reads, not the
+     * multiply-adds, bound a pass; docs/PERFORMANCE_CPU.md, "Streaming the next item line by
+     * line"). */
+    if (VW == 8 && kv == KV_F32 && (group == 2 || group == 3) && head_dim % (4 * VW) == 0) {
+        for (int64_t first = 0; first < head_dim; first += 4 * VW)
+            if (group == 3)
+                weigh_values(o, scores, seq_len, inv, value_cache, table, seq_len, head_dim,
+                             first, 4 * VW, block_stride, block_size, kv_offset, 3, kv, next,
+                             stream);
+            else
+                weigh_values(o, scores, seq_len, inv, value_cache, table, seq_len, head_dim,
+                             first, 4 * VW, block_stride, block_size, kv_offset, 2, kv, next,
+                             stream);
+        stream_lines(stream, INT64_MAX); /* what is left of the next item */
+        return;
+    }
     int64_t width = head_dim < SLICE_VECTORS * VW ? head_dim : SLICE_VECTORS * VW;
     if (ONE_WIDENING(kv)) { /* slices in which all the group's heads (up to 4) fit */
         const int64_t vectors = VALUE_VECTORS / (group < 4 ? group : 4);
@@ -588,7 +676,7 @@ static inline __attribute__((always_inline)) void attend_item(
 #define WEIGH_F32(n)                                                                          \
     weigh_values(o + g * head_dim, scores + g * seq_len, seq_len, inv + g, value_cache, table, \
                  seq_len, head_dim, first, slice, block_stride, block_size, kv_offset, n, kv,    \
-                 values_next)
+                 values_next, stream)
 #if PAGED_DP
 #define WEIGH(n)                                                                              \
     (dp ? weigh_values_dp(o + g * head_dim, (const uint32_t *)(scores + g * seq_len), seq_len, \
@@ -610,6 +698,7 @@ static inline __attribute__((always_inline)) void attend_item(
         }
 #undef WEIGH
 #undef WEIGH_F32
+    stream_lines(stream, INT64_MAX);
 }
 
 static void attend_item_generic(float *o, const float *q, const void *key_cache,
@@ -753,9 +842,11 @@ static inline void decode_item(float *o, const float *q, const void *key_cache,
  * first pass and leaves memory idle in the rest.
  *   STREAM_NEXT_ITEM  each thread claims its next item one ahead and streams that item's
  *                     keys into L2 during the current one's first pass, its values during
- *                     the second; only a thread's first item prefetches its own tokens
- *                     (OWN_FAR). On an AMD EPYC (Zen 4) 1.45-1.6x faster than each item
- *                     prefetching its own tokens into L2 (OWN_FAR for every item).
+ *                     the second (on AVX2 builds its keys then values a few lines at a time
+ *                     through both passes, NextStream); only a thread's first item
+ *                     prefetches its own tokens (OWN_FAR). On an AMD EPYC (Zen 4) 1.45-1.6x
+ *                     faster than each item prefetching its own tokens into L2 (OWN_FAR for
+ *                     every item).
  *   OWN_TOKENS_AHEAD  each item prefetches its own tokens a short way ahead (OWN_NEAR), and
  *                     the next item's first LEAD tokens before its second pass. On an Intel
  *                     Xeon with AMX the kernel alone is 1.08-1.17x faster than streaming
