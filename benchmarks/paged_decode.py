@@ -15,7 +15,7 @@ with bf16 numerics ("bfloat16 dp": the dot-product path a bf16 model's decode ro
 engine takes the CPU's plan, `decode_prefetch()`); several plans take turns case by case.
 `--other-csrc DIR` builds another tree's kernel (its tokenserve/kernels/csrc) beside this
 one's and times it in turns with it, case by case ("other" after the level); the two
-builds' outputs are compared bit for bit.
+builds' outputs (of the last layer, from the warm-up) are compared bit for bit.
 The bytes per second are also stated against what the machine reads at all: `torch.sum`
 over a 512 MiB float32 tensor on the same threads, fastest of `--repeats`, timed between
 the cases' turns.
@@ -108,7 +108,6 @@ def main() -> None:
             kernels[level, tree].decode(out, query, rows, key_cache, value_cache,
                                         tables[order], seq_lens, scale, bf16_numerics=dp,
                                         prefetch=plan)
-        outputs[case] = out.clone()
 
     wall = dict.fromkeys(cases, float("inf"))
     cpu = dict.fromkeys(cases, float("inf"))
@@ -116,7 +115,8 @@ def main() -> None:
     stream = torch.ones(READ_BYTES // 4)
     read = float("inf")
     for case in cases:
-        step(case)  # warm-up
+        step(case)  # warm-up; its last layer's output kept, to compare the builds' bits
+        outputs[case] = out.clone()
     stream.sum()
     for _ in range(args.repeats):
         for case in cases:
