@@ -110,6 +110,23 @@ def test_scheduler_flags_reach_the_scheduler_config(
         assert getattr(config, field) == expected
 
 
+@pytest.mark.parametrize(
+    "kwargs, budget",
+    [
+        (dict(dtype="float32"), 1024),
+        (dict(dtype="bfloat16"), 2048),
+        (dict(dtype="float16"), 2048),
+        (dict(dtype="float32", max_num_batched_tokens=300), 300),
+        # Without chunked prefill a whole prompt fits one step: at least max_model_len.
+        (dict(dtype="float32", enable_chunked_prefill=False, max_model_len=512), 1024),
+        (dict(dtype="float32", enable_chunked_prefill=False, max_model_len=1536), 1536),
+    ],
+)
+def test_default_token_budget_follows_the_dtype(tiny_model_dirs, kwargs, budget):
+    args = EngineArgs(model=tiny_model_dirs["llama"], num_kv_blocks=128, block_size=16, **kwargs)
+    assert args.create_engine_config().scheduler_config.max_num_batched_tokens == budget
+
+
 def test_unknown_engine_argument_is_refused(tiny_model_dirs):
     with pytest.raises(ValueError, match="Unknown engine argument"):
         LLM(tiny_model_dirs["llama"], max_num_seq=4)

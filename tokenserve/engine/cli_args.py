@@ -31,8 +31,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="Longest prompt + output in tokens (default: the model's own limit).")
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
-                        help="Token budget of one engine step (default: 2048 with chunked prefill, "
-                             "else max(max_model_len, 2048)).")
+                        help="Token budget of one engine step (default with chunked prefill: 1024 "
+                             "in float32, 2048 in bfloat16 or float16; without it at least "
+                             "max_model_len).")
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
                         help="Most requests running at once.")
     parser.add_argument("--block-size", type=int, default=defaults.block_size,

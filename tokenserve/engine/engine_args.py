@@ -80,11 +80,13 @@ def parse_limit_mm_per_prompt(value: dict | str | None) -> dict[str, int]:
     return limits
 
 
-# A step's token budget on CPU, vLLM's for its CPU server: with bf16 products on AMX and the
-# GGUF blocks' AMX kernel, W1 and W3 ran 10-17 % faster at 2048 than at 512, and faster than
-# at 4096 or 8192 (docs/benchmarks/cpu-hot-path.md, "Defaults"). Lower it (or set
-# --target-step-ms) to bound the step every running decode waits for.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# A step's token budget on CPU, by the dtype the products run in. bf16 (oneDNN on AMX, the
+# GGUF blocks' AMX kernel): larger steps pay, W1 ran 6-9 % faster at 2048 than at 1024 and
+# faster than at 4096 or 8192, vLLM's budget for its CPU server. float32: a prompt step's
+# throughput is flat from 1024 tokens, and a step half as long halves what every running
+# decode waits for (W2's ITL p99 on an AVX2 host). docs/benchmarks/cpu-hot-path.md,
+# "Defaults". Lower it (or set --target-step-ms) to bound the step further.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"float32": 1024, "bfloat16": 2048, "float16": 2048}
 
 # Tokens per KV block on CPU, as vLLM's CPU backend defaults to: a decode row's context is
 # read in runs of block_size tokens per kv head, and longer runs stream faster from memory
@@ -99,7 +101,8 @@ class EngineArgs:
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
-    # None: DEFAULT_MAX_NUM_BATCHED_TOKENS with chunked prefill, else the longest prompt.
+    # None: DEFAULT_MAX_NUM_BATCHED_TOKENS[dtype] with chunked prefill, else at least the
+    # longest prompt.
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 128
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -254,11 +257,9 @@ class EngineArgs:
 
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = (
-                DEFAULT_MAX_NUM_BATCHED_TOKENS
-                if enable_chunked_prefill
-                else max(model_config.max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
-            )
+            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS[model_config.dtype]
+            if not enable_chunked_prefill:
+                max_num_batched_tokens = max(model_config.max_model_len, max_num_batched_tokens)
         if not enable_chunked_prefill and max_num_batched_tokens < model_config.max_model_len:
             raise ValueError(
                 f"With chunked prefill disabled, max_num_batched_tokens ({max_num_batched_tokens}) "
