@@ -3,11 +3,13 @@
 #   W3 after a restart: SharedStorageConnector tier vs no tier (servers restarted each run,
 #      the tier's directory filled by one earlier run), interleaved, ROUNDS times;
 #   W4: one instance vs prefill/decode (P2pConnector, `tokenserve proxy`), interleaved.
-# Usage: OUT=dir [ROUNDS=2] [PHASES="w3 w4"] benchmarks/kv_connectors.sh
+# Usage: OUT=dir [ROUNDS=2] [PHASES="w3 w4"] [SERVE_FLAGS="..."] benchmarks/kv_connectors.sh
+# SERVE_FLAGS: more `tokenserve serve` flags for every server (e.g. --max-num-batched-tokens 512).
 set -euo pipefail
 OUT=${OUT:?set OUT to a results directory}
 ROUNDS=${ROUNDS:-2}
 PHASES=${PHASES:-"w3 w4"}
+read -r -a SERVE_FLAGS <<< "${SERVE_FLAGS:-}"
 PY=${PY:-python}
 mkdir -p "$OUT"
 TIER="$OUT/kv-tier"
@@ -17,7 +19,8 @@ PIDS=()
 serve() {  # port, log, extra flags...
   local port=$1 log=$2; shift 2
   $PY -m tokenserve.entrypoints.cli serve --port "$port" --served-model-name m \
-    --max-model-len 4096 --kv-cache-memory 1GiB --disable-log-stats "$@" >"$OUT/$log.log" 2>&1 &
+    --max-model-len 4096 --kv-cache-memory 1GiB --disable-log-stats "${SERVE_FLAGS[@]}" "$@" \
+    >"$OUT/$log.log" 2>&1 &
   PIDS+=($!)
   until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do sleep 1; done
 }

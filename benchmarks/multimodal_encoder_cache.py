@@ -103,6 +103,8 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=384)
     parser.add_argument("--distinct-images", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="The engine's step budget (default: the engine's own).")
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--vision-layers", type=int, default=6)
     parser.add_argument("--text-layers", type=int, default=4)
@@ -113,7 +115,8 @@ def main() -> None:
     directory = tempfile.mkdtemp(prefix="tiny_llava_bench_")
     image_token_id = build_llava(directory, args.vision_layers, args.text_layers, args.hidden_size)
     llm = LLM(directory, max_model_len=2048, kv_cache_memory="1GiB",
-              encoder_cache_size=args.encoder_cache_size)
+              encoder_cache_size=args.encoder_cache_size,
+              max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_tokens, ignore_eos=True)
     warm_up = make_prompts(args, image_token_id, args.requests, seed=10_000)[:4]
     llm.generate(warm_up, params, use_tqdm=False)
