@@ -3,7 +3,9 @@ environment the suite runs in (refresh them with `bash scripts/lock.sh`)."""
 
 from __future__ import annotations
 
+import ast
 import re
+import sys
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -80,3 +82,43 @@ def test_the_running_environment_is_the_test_lock():
         if installed != version:
             drift[name] = f"installed {installed}, locked {version}"
     assert drift == {}
+
+
+# Imported only by a feature that names its extra when the package is missing.
+OPTIONAL_IMPORTS = {"ray": "ray", "matplotlib": "bench"}
+
+
+def imported_packages() -> set[str]:
+    """The top-level names of the third-party modules tokenserve's code imports."""
+    names = set()
+    for path in (ROOT / "tokenserve").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names) - {"tokenserve", "__future__"}
+
+
+def test_what_the_code_imports_is_in_the_engine_lock_or_its_extra():
+    """A command that imports a package the README's install lacks fails for its users
+    (as `bench startup` did without psutil): every package tokenserve imports is pinned in
+    the engine lock, or is an optional import whose extra names it."""
+    distributions = metadata.packages_distributions()
+    engine, test = pins(LOCK), pins(TEST_LOCK)
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    problems = []
+    for module in sorted(imported_packages()):
+        names = [canonicalize_name(d) for d in distributions.get(module, [])]
+        if not names:
+            problems.append(f"{module}: no installed distribution provides it")
+        elif module in OPTIONAL_IMPORTS:
+            extra = [Requirement(spec).name for spec in extras[OPTIONAL_IMPORTS[module]]]
+            if not set(names) & {canonicalize_name(name) for name in extra} or not any(
+                name in test for name in names
+            ):
+                problems.append(f"{module}: not in the {OPTIONAL_IMPORTS[module]!r} extra")
+        elif not any(name in engine for name in names):
+            problems.append(f"{module}: imported, but {names} not in requirements/lock.txt")
+    assert problems == []
