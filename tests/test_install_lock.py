@@ -114,11 +114,10 @@ def test_what_the_code_imports_is_in_the_engine_lock_or_its_extra():
         if not names:
             problems.append(f"{module}: no installed distribution provides it")
         elif module in OPTIONAL_IMPORTS:
-            extra = [Requirement(spec).name for spec in extras[OPTIONAL_IMPORTS[module]]]
-            if not set(names) & {canonicalize_name(name) for name in extra} or not any(
-                name in test for name in names
-            ):
-                problems.append(f"{module}: not in the {OPTIONAL_IMPORTS[module]!r} extra")
+            extra = OPTIONAL_IMPORTS[module]
+            named = {canonicalize_name(Requirement(spec).name) for spec in extras[extra]}
+            if not set(names) & named & set(test):
+                problems.append(f"{module}: not pinned through the {extra!r} extra")
         elif not any(name in engine for name in names):
             problems.append(f"{module}: imported, but {names} not in requirements/lock.txt")
     assert problems == []
