@@ -7,8 +7,8 @@ hand them: no cast is timed; the AMX block kernel likewise). With `--dtype
 bfloat16` on the amx level the blocks' AMX kernel (csrc/quant_amx.h), on the avx512_bf16
 level their vdpbf16ps kernel (csrc/quant_dp.h; its dot-product form up to DP_FEW_ROWS rows,
 its panel form above, as the model routes them) instead, both with the bf16 model's
-numerics, and its time beside oneDNN's for the projections and the logits apart. Where the
-level has AVX512-VNNI, a last table sets the kernel of x rounded to 8 bits per block
+numerics, and its time beside oneDNN's for the projections and the logits apart. On the
+x86-64 levels a last table sets the kernel of x rounded to 8 bits per block
 (csrc/quant_i8.h) beside the block kernel the model's few-row products would take without
 it, at the row counts up to `--i8-rows-up-to`.
 

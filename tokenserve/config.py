@@ -291,10 +291,11 @@ DEFAULT_QUANTIZED_GEMM_MAX_ROWS = 192
 DEFAULT_BF16_QUANTIZED_MAX_ROWS = 1024
 BF16_QUANTIZED_MAX_ROWS_DP = 128
 BF16_QUANTIZED_MAX_ROWS_WITHOUT_AMX = 16
-# bfloat16 GGUF models on the avx512_bf16 and amx levels: products of at most this many rows
-# multiply the blocks by x rounded to 8 bits per block (VNNI; kernels/csrc/quant_i8.h), as
-# llama.cpp and vLLM's GGUF kernels do; faster than the AMX kernel up to ~6 rows here
-# (docs/PERFORMANCE_CPU.md, "Few-row products with x rounded to 8 bits").
+# bfloat16 GGUF models: products of at most this many rows multiply the blocks by x rounded
+# to 8 bits per block (kernels/csrc/quant_i8.h: VNNI on the avx512_bf16 and amx levels,
+# vpmaddubsw below), as llama.cpp and vLLM's GGUF kernels do; faster than the AMX kernel up
+# to ~6 rows, and than the float32 few-row kernel on AVX2 (docs/PERFORMANCE_CPU.md,
+# "Few-row products with x rounded to 8 bits").
 DEFAULT_INT8_ACTIVATION_MAX_ROWS = 4
 # --cpu-isa: the instruction-set levels the C kernels build for (kernels/cpu_isa.py).
 CPU_ISAS = ("auto", "avx2", "avx512", "avx512_bf16", "amx", "native")
@@ -328,8 +329,8 @@ class KernelConfig:
     # least the step budget (EngineArgs sets it). Refused elsewhere.
     batch_invariant: bool = False
     # A GGUF model's products of at most this many rows multiply its blocks by x rounded to
-    # 8 bits per 32-value block (the avx512_bf16 and amx levels, which have VNNI); None: by
-    # dtype (int8_activation_rows), 0: never.
+    # 8 bits per 32-value block (every x86-64 level); None: by dtype (int8_activation_rows),
+    # 0: never.
     int8_activation_max_rows: int | None = None
     # The instruction set the C kernels are built for (kernels/cpu_isa.py): "auto", the
     # best the CPU has, or a lower level forced; --dtype auto takes bfloat16 only where the

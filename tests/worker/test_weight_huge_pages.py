@@ -139,7 +139,7 @@ def test_a_page_refused_for_want_of_memory_is_left_and_the_next_tried(monkeypatc
 def test_the_weights_are_every_parameter_and_the_8_bit_kernels_copies():
     ops = quant_linear.load()
     if ops is None or not ops.i8:
-        pytest.skip("no 8-bit kernel on this CPU's level (AVX512-VNNI)")
+        pytest.skip("no 8-bit kernel on this CPU's level (x86-64 only)")
     layer = torch.nn.Linear(64, 32)
     blocks, _ = random_quantized("Q4_1", 32, 64)
     blocks.i8_max_rows = 4

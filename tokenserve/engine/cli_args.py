@@ -118,7 +118,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
                          default=defaults.int8_activation_max_rows,
                          help="GGUF models: products of at most this many rows multiply the "
                               "blocks by x rounded to 8 bits per 32-value block, as llama.cpp "
-                              "does (VNNI: the avx512_bf16 and amx levels; 0: never). "
+                              "does (x86-64 levels; 0: never). "
                               "Default: 4 for a bfloat16 model, 0 for a float32 one.")
     kernels.add_argument("--batch-invariant", action="store_true",
                          default=defaults.batch_invariant,

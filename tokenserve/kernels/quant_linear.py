@@ -3,7 +3,7 @@ layouts of model/layers/quantization/gguf.py's `QuantizedWeight` (see quant_line
 The float32 few-row and many-row kernels per format, and with a bfloat16 model's numerics
 on the amx level the AMX one (csrc/quant_amx.h; `QuantLinearOps.amx`), on the avx512_bf16
 level the vdpbf16ps ones (csrc/quant_dp.h; `QuantLinearOps.dp`): its dot-product form for
-few rows and its panel form for many; on both those levels the few-row kernel of x rounded
+few rows and its panel form for many; on every x86-64 level the few-row kernel of x rounded
 to 8 bits per block (csrc/quant_i8.h; `QuantLinearOps.i8`)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tokenserve.kernels.tensor_checks import check_f32, i64, ptr
 
 BLOCK = 32  # weights per GGUF block
 # Why the kernel of x rounded to 8 bits (QuantLinearOps.i8) is refused where it is not built.
-_I8_UNAVAILABLE = "the 8-bit quantized kernel needs AVX512-VNNI (the avx512_bf16 or amx level)."
+_I8_UNAVAILABLE = "the 8-bit quantized kernel needs an x86-64 level (AVX2 and up)."
 
 
 class QuantLinearOps:
@@ -64,8 +64,8 @@ class QuantLinearOps:
         self.amx = bool(available())
         # Whether the vdpbf16ps kernel runs here: built for the avx512_bf16 level.
         self.dp = bool(library.ts_quant_dp_available())
-        # Whether the kernel of x rounded to 8 bits runs here: built with AVX512-VNNI (the
-        # avx512_bf16 and amx levels).
+        # Whether the kernel of x rounded to 8 bits runs here: built on the x86-64 levels
+        # (vpdpbusd with AVX512-VNNI, vpmaddubsw with AVX2).
         self.i8 = bool(library.ts_quant_i8_available())
 
     def repack_i8(self, kind: str, qs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

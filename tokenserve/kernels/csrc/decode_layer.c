@@ -28,8 +28,8 @@
  * them (out a multiple of PANEL there); with amx = 1 those take the AMX kernel instead
  * (out a multiple of AMX_PANEL; the amx level only). With dp = 1 (the avx512_bf16 level
  * only) every product takes the vdpbf16ps kernel: up to few_rows rows its dot-product form,
- * more its panel form. Products of at most i8 rows (the avx512_bf16 and amx levels) take
- * the kernel of x rounded to 8 bits instead of all of those. */
+ * more its panel form. Products of at most i8 rows (x86-64 levels) take the kernel of x
+ * rounded to 8 bits instead of all of those. */
 typedef struct {
     const uint8_t *qs;
     const float *scales;

@@ -30,9 +30,9 @@
  * bf16 GEMM hands its sums on). It returns 3 where AMX is not built or not granted
  * (ts_quant_amx_available says which). On the avx512_bf16 level (AVX512_BF16 without AMX)
  * ts_*_linear_dp (quant_dp.h) has those numerics by vdpbf16ps; it returns 3 on other
- * levels (ts_quant_dp_available). On both those levels ts_linear_i8 (quant_i8.h) rounds
- * x to 8 bits per block and multiplies the blocks into it as integers (VNNI); 3 elsewhere
- * (ts_quant_i8_available).
+ * levels (ts_quant_dp_available). On every x86-64 level ts_linear_i8 (quant_i8.h) rounds
+ * x to 8 bits per block and multiplies the blocks into it as integers (VNNI where the
+ * level has it, else AVX2); 3 elsewhere (ts_quant_i8_available).
  */
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE /* syscall(), for the AMX permission (amx.h) */
@@ -586,15 +586,17 @@ int ts_q8_0_gemm_amx_bf16(uint16_t *y, const uint16_t *x, int64_t M, int64_t K, 
     return quant_gemm_amx(y, 1, x, 1, M, K, N, (const uint8_t *)qs, d, 0);
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || \
+    (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #define QUANT_I8 1
 #include "quant_i8.h"
 #else
 #define QUANT_I8 0
 #endif
 
-/* x rounded to 8 bits per block (quant_i8.h): returns 3 where the level lacks
- * AVX512-VNNI (ts_quant_i8_available says which). The weight in i8_repack's layout. */
+/* x rounded to 8 bits per block (quant_i8.h): returns 3 where the level lacks both
+ * AVX512-VNNI and AVX2 (ts_quant_i8_available says which). The weight in i8_repack's
+ * layout. */
 int ts_quant_i8_available(void) { return QUANT_I8; }
 
 /* Bytes of an [N, K] weight in the 8-bit kernel's layout (0 where the level lacks it). */

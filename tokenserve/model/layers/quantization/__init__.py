@@ -24,7 +24,7 @@ def get_linear_method(
     most `bf16_quantized_max_rows` rows read the blocks (on the amx level through the AMX
     kernel with bf16 numerics, on the avx512_bf16 level through the vdpbf16ps kernel with
     the same numerics, elsewhere the float32 kernels), larger ones run on oneDNN's
-    bf16 GEMM (docs/PERFORMANCE_CPU.md). Where the level has VNNI, products of at most
+    bf16 GEMM (docs/PERFORMANCE_CPU.md). On every x86-64 level products of at most
     `int8_activation_max_rows` rows (by default 4 for a bfloat16 model, none for a float32
     one) multiply the blocks by x rounded to 8 bits per block instead."""
     use_onednn = not kernel_config.disable_onednn
@@ -40,7 +40,7 @@ def get_linear_method(
     dp_max_rows = (kernel_config.bf16_block_max_rows("dp")
                    if weight_dtype is not None and blocks_wanted and ops is not None and ops.dp
                    else 0)
-    # x rounded to 8 bits for the fewest rows, where the level has VNNI.
+    # x rounded to 8 bits for the fewest rows, where the level builds that kernel (x86-64).
     i8_max_rows = (kernel_config.int8_activation_rows(weight_dtype is not None)
                    if blocks_wanted and ops is not None and ops.i8 else 0)
     gguf = (

@@ -33,11 +33,12 @@ row, in its dot-product form up to DP_FEW_ROWS rows and its panel form above: it
 steps then compute what its larger products do on oneDNN, up to the order of the float32
 sums (tests/kernels/test_quant_linear_bf16.py: all but ~1e-4 of the outputs bit for bit).
 
-On those two levels (both have AVX512-VNNI) products of at most `i8_max_rows` rows take the
-kernel of x rounded to 8 bits per 32-value block instead of any of the above (csrc/
-quant_i8.h; `KernelConfig.int8_activation_rows`: 4 for a bfloat16 model by default, none
-for a float32 one): the file's weights times x on an 8-bit grid, integer products by
-vpdpbusd, as llama.cpp's and vLLM's GGUF kernels compute; float32 in and out. It reads a
+On every x86-64 level products of at most `i8_max_rows` rows take the kernel of x rounded
+to 8 bits per 32-value block instead of any of the above (csrc/quant_i8.h;
+`KernelConfig.int8_activation_rows`: 4 for a bfloat16 model by default, none for a float32
+one): the file's weights times x on an 8-bit grid, integer products by vpdpbusd (AVX512-VNNI,
+the avx512_bf16 and amx levels) or vpmaddubsw (AVX2, below them), as llama.cpp's and vLLM's
+GGUF kernels compute; float32 in and out. It reads a
 copy of the blocks in its own layout (panels of 16 output rows, the file's bytes and float16
 scales: `i8_weight`), made at load for every weight it will take. At one to four rows that
 is the fastest way through the blocks (docs/PERFORMANCE_CPU.md, "Few-row products
