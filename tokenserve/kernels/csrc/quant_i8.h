@@ -59,6 +59,7 @@
 #define I8_Q4_1_BYTES 320
 #define I8_Q8_0_BYTES 544
 #define I8_PREFETCH_PANELS 2 /* panels ahead whose bytes i8_panel prefetches */
+#define I8_CHUNK_ROWS 64 /* rows of x a sweep over the panels takes (64 · K bytes, in L2) */
 
 static inline int64_t i8_block_bytes(int q4_1) { return q4_1 ? I8_Q4_1_BYTES : I8_Q8_0_BYTES; }
 static inline int64_t i8_panels(int64_t N) { return (N + I8_PANEL - 1) / I8_PANEL; }
@@ -342,13 +343,20 @@ static void i8_round_rows(uint8_t *xr, const float *x, int64_t M, int64_t K, int
  * layout. */
 static void i8_columns(float *y, const uint8_t *xr, int64_t M, int64_t K, int64_t N,
                        const uint8_t *weight, int q4_1) {
-    const int64_t panels = i8_panels(N);
-    if (q4_1) {
+    const int64_t panels = i8_panels(N), row_bytes = i8_row_bytes(K);
+    /* Rows I8_CHUNK_ROWS at a time, each chunk over all panels: a panel's pass reads every
+     * row of its chunk, which then stays in L2 for the next panel. */
+    for (int64_t m = 0; m < M; m += I8_CHUNK_ROWS) {
+        const int64_t rows = M - m < I8_CHUNK_ROWS ? M - m : I8_CHUNK_ROWS;
+        float *out = y + m * N;
+        const uint8_t *in = xr + m * row_bytes;
+        if (q4_1) {
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; ++p) i8_panel(y, xr, M, K, N, weight, p, 1);
-    } else {
+            for (int64_t p = 0; p < panels; ++p) i8_panel(out, in, rows, K, N, weight, p, 1);
+        } else {
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; ++p) i8_panel(y, xr, M, K, N, weight, p, 0);
+            for (int64_t p = 0; p < panels; ++p) i8_panel(out, in, rows, K, N, weight, p, 0);
+        }
     }
 }
 
