@@ -93,6 +93,28 @@ def test_fused_steps_give_what_operator_by_operator_gives(monkeypatch, fused_cal
     assert set(fused_calls) >= {1, 2, 3, 4, 5, 6}
 
 
+def test_fused_prompt_steps_round_x_together_and_give_what_operators_give(fused_calls):
+    # Prompt steps of more than 16 rows on the 8-bit kernel: in the fused layer the threads
+    # round x into one buffer between them (decode_layer.c, I8_SHARED_ROUND_ROWS), and a
+    # product of more than 64 rows goes over the panels 64 rows at a time.
+    llm = LLM(dtype="float32", int8_activation_max_rows=512, kv_cache_memory="64MiB",
+              enable_prefix_caching=False)
+    assert _i8_rows(llm) == {512}
+    prompts = [{"prompt_token_ids": p} for p in random_token_prompts(5, 30, VOCAB, seed=4)]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
+
+    def run(fused: bool):
+        _model(llm).model.layer_stack.enabled = fused
+        return [(list(o.outputs[0].token_ids),
+                 [sorted((k, v.logprob) for k, v in step.items())
+                  for step in o.outputs[0].logprobs])
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    expected = run(False)
+    assert run(True) == expected
+    assert 150 in fused_calls and 5 in fused_calls  # the prompt step and a decode step
+
+
 def _prompt_logprobs(llm: LLM, sequences: list[list[int]]) -> list[list[dict]]:
     outputs = llm.generate([{"prompt_token_ids": s} for s in sequences],
                            SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2),

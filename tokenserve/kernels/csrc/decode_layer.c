@@ -90,13 +90,17 @@ static void add_bias(float *y, int64_t M, const ts_projection *w) {
 
 /* `panel` and `sums` (M * PANEL floats) are the calling thread's, for the many-row kernel;
  * `xp` (x packed, shared) and `a` (the thread's expanded panel) the AMX kernel's and the
- * vdpbf16ps kernel's panel form's; `xr` (the thread's) the rounded x of the 8-bit kernel,
- * which every thread rounds for itself (a few rows: cheaper than a barrier). */
+ * vdpbf16ps kernel's panel form's; `xr` the rounded x of the 8-bit kernel: up to
+ * I8_SHARED_ROUND_ROWS rows the thread's, which every thread rounds for itself (a few rows:
+ * cheaper than a barrier), above it shared, the threads rounding its rows together. */
 static void project(float *y, const float *x, int64_t M, const ts_projection *w, float *panel,
                     float *sums, uint16_t *xp, uint16_t *a, uint8_t *xr) {
 #if QUANT_I8
     if (M <= w->i8) {
-        i8_round_rows(xr, x, M, w->in, (int)w->q4_1);
+        if (M > I8_SHARED_ROUND_ROWS)
+            i8_round_rows_shared(xr, x, M, w->in, (int)w->q4_1);
+        else
+            i8_round_rows(xr, x, M, w->in, (int)w->q4_1);
         i8_columns(y, xr, M, w->in, w->out, w->i8_weight, (int)w->q4_1);
         add_bias(y, M, w);
         return;
@@ -186,6 +190,21 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
         free(plan.items);
         return -1;
     }
+#if QUANT_I8
+    /* The 8-bit kernel's rounded x for M rows of the widest input: shared above
+     * I8_SHARED_ROUND_ROWS rows (allocated here), else each thread's own (below). */
+    const size_t xr_bytes = (size_t)((M * i8_row_bytes(widest) + 63) / 64 * 64);
+    uint8_t *xr_shared = i8 && M > I8_SHARED_ROUND_ROWS
+                             ? (uint8_t *)aligned_alloc(64, xr_bytes)
+                             : NULL;
+    if (i8 && M > I8_SHARED_ROUND_ROWS && xr_shared == NULL) {
+        free(plan.items);
+        free(xp);
+        return -1;
+    }
+#else
+    uint8_t *const xr_shared = NULL;
+#endif
     const int64_t decode_len = step->max_seq_len > 0 ? step->max_seq_len : 1;
     /* Whether gate_up's sums are bf16 values (the AMX or vdpbf16ps kernel's, no bias added
      * after): SwiGLU then reads silu from the table (silu_and_mul_row_bf16_valued). */
@@ -221,6 +240,7 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
                           step->num_decode_rows, step->num_heads, q_size, &suffix_lse)) {
         free(plan.items);
         free(xp);
+        free(xr_shared);
         return -1;
     }
 #pragma omp parallel
@@ -249,11 +269,10 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
 #endif
         uint16_t *a = a_rows ? (uint16_t *)aligned_alloc(64, (size_t)(a_rows * widest * 2)) : NULL;
 #if QUANT_I8
-        /* Room for M rounded rows of the widest input. */
-        const size_t xr_bytes = (size_t)((M * i8_row_bytes(widest) + 63) / 64 * 64);
-        uint8_t *xr = i8 ? (uint8_t *)aligned_alloc(64, xr_bytes) : NULL;
+        uint8_t *own = i8 && xr_shared == NULL ? (uint8_t *)aligned_alloc(64, xr_bytes) : NULL;
+        uint8_t *xr = xr_shared != NULL ? xr_shared : own;
 #else
-        uint8_t *xr = NULL;
+        uint8_t *own = NULL, *xr = NULL;
 #endif
         if (scores == NULL || sums == NULL || (a_rows && a == NULL) || (i8 && xr == NULL) ||
             (plan.num_items && attn_scratch == NULL)) {
@@ -327,10 +346,11 @@ int ts_decode_layer(const ts_layer *layer, const ts_decode_step *step, float *hi
         free(scores);
         free(sums);
         free(a);
-        free(xr);
+        free(own);
         if (attn_scratch != NULL) prompt_scratch_free(&plan, attn_scratch);
     }
     free(xp);
+    free(xr_shared);
     free(plan.items);
     free(split.out);
     return failed ? -1 : 0;

@@ -60,6 +60,8 @@
 #define I8_Q8_0_BYTES 544
 #define I8_PREFETCH_PANELS 2 /* panels ahead whose bytes i8_panel prefetches */
 #define I8_CHUNK_ROWS 64 /* rows of x a sweep over the panels takes (64 · K bytes, in L2) */
+/* Above this many rows the fused layer's threads round x together, into one buffer. */
+#define I8_SHARED_ROUND_ROWS 16
 
 static inline int64_t i8_block_bytes(int q4_1) { return q4_1 ? I8_Q4_1_BYTES : I8_Q8_0_BYTES; }
 static inline int64_t i8_panels(int64_t N) { return (N + I8_PANEL - 1) / I8_PANEL; }
@@ -318,24 +320,34 @@ static inline __attribute__((always_inline)) void i8_panel(
 }
 #endif
 
-/* The M rows of x [M, K] rounded into xr (i8_row_bytes(K) a row). */
-static void i8_round_rows(uint8_t *xr, const float *x, int64_t M, int64_t K, int q4_1) {
-    const int64_t blocks = K / BLOCK, row_bytes = i8_row_bytes(K);
-    for (int64_t m = 0; m < M; ++m) {
-        uint8_t *q = xr + m * row_bytes;
-        float *dx = (float *)(q + K);
-        for (int64_t b = 0; b < blocks; ++b) {
-            __m128i lo, hi;
-            int32_t sum;
-            i8_round_block(x + m * K + b * BLOCK, &lo, &hi, &dx[b], &sum);
-            _mm_storeu_si128((__m128i *)(q + b * BLOCK), lo);
-            _mm_storeu_si128((__m128i *)(q + b * BLOCK + 16), hi);
-            if (q4_1)
-                dx[blocks + b] = dx[b] * (float)sum;
-            else
-                ((int32_t *)dx)[blocks + b] = -128 * sum;
-        }
+/* Row m of x [M, K] rounded into xr (i8_row_bytes(K) a row). */
+static inline void i8_round_row(uint8_t *xr, const float *x, int64_t m, int64_t K, int q4_1) {
+    const int64_t blocks = K / BLOCK;
+    uint8_t *q = xr + m * i8_row_bytes(K);
+    float *dx = (float *)(q + K);
+    for (int64_t b = 0; b < blocks; ++b) {
+        __m128i lo, hi;
+        int32_t sum;
+        i8_round_block(x + m * K + b * BLOCK, &lo, &hi, &dx[b], &sum);
+        _mm_storeu_si128((__m128i *)(q + b * BLOCK), lo);
+        _mm_storeu_si128((__m128i *)(q + b * BLOCK + 16), hi);
+        if (q4_1)
+            dx[blocks + b] = dx[b] * (float)sum;
+        else
+            ((int32_t *)dx)[blocks + b] = -128 * sum;
     }
+}
+
+/* The M rows of x [M, K] rounded into xr, by the calling thread alone. */
+static void i8_round_rows(uint8_t *xr, const float *x, int64_t M, int64_t K, int q4_1) {
+    for (int64_t m = 0; m < M; ++m) i8_round_row(xr, x, m, K, q4_1);
+}
+
+/* The same shared out over the enclosing parallel region's threads (an orphaned `omp for`,
+ * ending in a barrier): for prompt-sized products, whose rounding is worth one. */
+static void i8_round_rows_shared(uint8_t *xr, const float *x, int64_t M, int64_t K, int q4_1) {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) i8_round_row(xr, x, m, K, q4_1);
 }
 
 /* The panels of y shared out over the enclosing parallel region's threads (an orphaned
@@ -367,9 +379,11 @@ static int quant_linear_i8(float *y, const float *x, int64_t M, int64_t K, int64
     if (K % BLOCK != 0) return 1;
     uint8_t *xr = (uint8_t *)aligned_alloc(64, (size_t)((M * i8_row_bytes(K) + 63) / 64 * 64));
     if (xr == NULL) return 2;
-    i8_round_rows(xr, x, M, K, q4_1);
 #pragma omp parallel
-    i8_columns(y, xr, M, K, N, weight, q4_1);
+    {
+        i8_round_rows_shared(xr, x, M, K, q4_1);
+        i8_columns(y, xr, M, K, N, weight, q4_1);
+    }
     free(xr);
     return 0;
 }
