@@ -64,6 +64,14 @@ def test_int8_activation_max_rows_must_not_be_negative():
         LLM(kv_cache_memory="32MiB", int8_activation_max_rows=-1)
 
 
+def _generate(llm: LLM, prompts, params, fused: bool):
+    """Each output's tokens and top logprobs, with the layers' steps fused or not."""
+    _model(llm).model.layer_stack.enabled = fused
+    return [(list(o.outputs[0].token_ids),
+             [sorted((k, v.logprob) for k, v in step.items()) for step in o.outputs[0].logprobs])
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
 def test_fused_steps_give_what_operator_by_operator_gives(monkeypatch, fused_calls):
     seen: list[tuple[int, bool]] = []
     original = QuantizedWeight.matmul
@@ -79,17 +87,10 @@ def test_fused_steps_give_what_operator_by_operator_gives(monkeypatch, fused_cal
     params = [SamplingParams(temperature=0.0, max_tokens=2 + 2 * i, ignore_eos=True, logprobs=3)
               for i in range(6)]
 
-    def run(fused: bool):
-        _model(llm).model.layer_stack.enabled = fused
-        return [(list(o.outputs[0].token_ids),
-                 [sorted((k, v.logprob) for k, v in step.items())
-                  for step in o.outputs[0].logprobs])
-                for o in llm.generate(prompts, params, use_tqdm=False)]
-
-    expected = run(False)
+    expected = _generate(llm, prompts, params, fused=False)
     assert {rows for rows, i8 in seen if i8} == {1, 2, 3, 4}  # layers and logits
     assert {rows for rows, i8 in seen if not i8} >= {5, 6}
-    assert run(True) == expected
+    assert _generate(llm, prompts, params, fused=True) == expected
     assert set(fused_calls) >= {1, 2, 3, 4, 5, 6}
 
 
@@ -103,15 +104,8 @@ def test_fused_prompt_steps_round_x_together_and_give_what_operators_give(fused_
     prompts = [{"prompt_token_ids": p} for p in random_token_prompts(5, 30, VOCAB, seed=4)]
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
 
-    def run(fused: bool):
-        _model(llm).model.layer_stack.enabled = fused
-        return [(list(o.outputs[0].token_ids),
-                 [sorted((k, v.logprob) for k, v in step.items())
-                  for step in o.outputs[0].logprobs])
-                for o in llm.generate(prompts, params, use_tqdm=False)]
-
-    expected = run(False)
-    assert run(True) == expected
+    expected = _generate(llm, prompts, params, fused=False)
+    assert _generate(llm, prompts, params, fused=True) == expected
     assert 150 in fused_calls and 5 in fused_calls  # the prompt step and a decode step
 
 

@@ -108,6 +108,17 @@ static void i8_repack(uint8_t *out, const uint8_t *qs, const float *scales, int6
         }
 }
 
+/* Panel p's blocks in the weight; the panel I8_PREFETCH_PANELS ahead starts coming from
+ * memory. */
+static inline __attribute__((always_inline)) const uint8_t *i8_panel_start(
+    const uint8_t *weight, int64_t p, int64_t N, int64_t panel_bytes) {
+    const uint8_t *w = weight + p * panel_bytes;
+    if (p + I8_PREFETCH_PANELS < i8_panels(N))
+        for (int64_t i = 0; i < panel_bytes; i += 64)
+            __builtin_prefetch(w + I8_PREFETCH_PANELS * panel_bytes + i, 0, 2);
+    return w;
+}
+
 #if I8_VNNI
 
 /* Block b (32 floats at x) rounded: its 32 values into q (lanes 0-15 then 16-31), and dx,
@@ -172,12 +183,8 @@ static inline __attribute__((always_inline)) void i8_panel_rows(
 static inline __attribute__((always_inline)) void i8_panel(
     float *y, const uint8_t *xr, int64_t M, int64_t K, int64_t N, const uint8_t *weight,
     int64_t p, int q4_1) {
-    const int64_t row_bytes = i8_row_bytes(K), panel_bytes = K / BLOCK * i8_block_bytes(q4_1);
-    const uint8_t *w = weight + p * panel_bytes;
-    /* The panel I8_PREFETCH_PANELS ahead starts coming from memory. */
-    if (p + I8_PREFETCH_PANELS < i8_panels(N))
-        for (int64_t i = 0; i < panel_bytes; i += 64)
-            __builtin_prefetch(w + I8_PREFETCH_PANELS * panel_bytes + i, 0, 2);
+    const int64_t row_bytes = i8_row_bytes(K);
+    const uint8_t *w = i8_panel_start(weight, p, N, K / BLOCK * i8_block_bytes(q4_1));
     const int64_t left = N - p * I8_PANEL;
     const __mmask16 store = left >= I8_PANEL ? (__mmask16)0xFFFF
                                              : (__mmask16)((1u << left) - 1);
@@ -296,11 +303,8 @@ static inline __attribute__((always_inline)) void i8_panel_rows(
 static inline __attribute__((always_inline)) void i8_panel(
     float *y, const uint8_t *xr, int64_t M, int64_t K, int64_t N, const uint8_t *weight,
     int64_t p, int q4_1) {
-    const int64_t row_bytes = i8_row_bytes(K), panel_bytes = K / BLOCK * i8_block_bytes(q4_1);
-    const uint8_t *w = weight + p * panel_bytes;
-    if (p + I8_PREFETCH_PANELS < i8_panels(N))
-        for (int64_t i = 0; i < panel_bytes; i += 64)
-            __builtin_prefetch(w + I8_PREFETCH_PANELS * panel_bytes + i, 0, 2);
+    const int64_t row_bytes = i8_row_bytes(K);
+    const uint8_t *w = i8_panel_start(weight, p, N, K / BLOCK * i8_block_bytes(q4_1));
     const int64_t left = N - p * I8_PANEL;
     for (int h = 0; h < 2; ++h) {
         const int64_t columns = left - 8 * h > 8 ? 8 : left - 8 * h;
