@@ -60,7 +60,7 @@
 #define I8_Q8_0_BYTES 544
 #define I8_PREFETCH_PANELS 2 /* panels ahead whose bytes i8_panel prefetches */
 #define I8_CHUNK_ROWS 64 /* rows of x a sweep over the panels takes (64 · K bytes, in L2) */
-/* Above this many rows the fused layer's threads round x together, into one buffer. */
+/* Above this many rows the threads round x together (in the fused layer into one buffer). */
 #define I8_SHARED_ROUND_ROWS 16
 
 static inline int64_t i8_block_bytes(int q4_1) { return q4_1 ? I8_Q4_1_BYTES : I8_Q8_0_BYTES; }
@@ -383,9 +383,12 @@ static int quant_linear_i8(float *y, const float *x, int64_t M, int64_t K, int64
     if (K % BLOCK != 0) return 1;
     uint8_t *xr = (uint8_t *)aligned_alloc(64, (size_t)((M * i8_row_bytes(K) + 63) / 64 * 64));
     if (xr == NULL) return 2;
+    /* A few rows (a decode step's logits) here, without the barrier of rounding them
+     * together; more by the threads together, as in the fused layer. */
+    if (M <= I8_SHARED_ROUND_ROWS) i8_round_rows(xr, x, M, K, q4_1);
 #pragma omp parallel
     {
-        i8_round_rows_shared(xr, x, M, K, q4_1);
+        if (M > I8_SHARED_ROUND_ROWS) i8_round_rows_shared(xr, x, M, K, q4_1);
         i8_columns(y, xr, M, K, N, weight, q4_1);
     }
     free(xr);
